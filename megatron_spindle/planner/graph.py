@@ -1,0 +1,256 @@
+"""The task graph: operators (one layer applied to one task's data) and the edges between them.
+
+This module is pure Python. The graph is the single description of a multi-task model that both the
+planner and the runtime read: the planner contracts it into MetaOps, the runtime builds each operator's
+layer from its :class:`LayerConfig` (so the trained model and the planned model never disagree).
+
+Vocabulary (see ``shared/DESIGN.md``):
+
+* an **operator** is one layer applied to one task's data. Its *signature* is
+  ``(op_type, batch, seq, hidden)``; its ``param_key`` names the weights it uses, so two operators with the
+  same ``param_key`` share parameters (a text encoder used by two tasks, an LLM used by all tasks);
+* an operator with several inputs takes them in the order of :attr:`Operator.inputs`; the runtime
+  concatenates them along the sequence dimension unless the layer type says otherwise (a contrastive
+  loss takes a pair, an encoder-decoder layer takes ``(target, memory)``);
+* an input named ``data:<task>:<stream>`` comes from the task's data iterator.
+
+Data-flow conventions shared by the planner's byte counts and the runtime:
+
+1. every activation that leaves an operator is ONE tensor with the batch first (``[b, ...]``), so
+   data-parallel sharding is a split along dim 0;
+2. an operator with several operator inputs concatenates them along dim 1 (the sequence) in input order;
+3. a ``decoder_layer`` carries its cross-attention memory along: its input and output are
+   ``concat([target (seq_len tokens), memory (memory_seq_len tokens)], dim=1)``;
+4. an ``lm_head`` keeps the first ``seq_len`` tokens of its input and puts the loss on the last
+   ``loss_tokens`` of those; its second input is ``data:<task>:labels`` (``[b, loss_tokens]`` token ids);
+5. a ``contrastive_loss`` takes the two pooled embeddings ``[b, proj_dim]`` of its task, whole batch;
+6. every task's loss is a mean over its global batch (over loss tokens for ``lm_head``); the total loss is
+   the weighted sum over tasks (``TaskGraph.task_weights``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+#: Operator types the runtime knows how to build. Each is documented where the layer is built
+#: (``megatron_spindle/runtime/layers.py``); the planner only needs their costs.
+OP_TYPES = (
+    "patch_embed",        # linear projection of pre-cut patches/frames + class token + positions
+    "token_embed",        # token embedding + learned positions
+    "transformer_layer",  # pre-norm self-attention + MLP (megatron.core TransformerLayer)
+    "decoder_layer",      # causal self-attention + cross-attention over memory + MLP
+    "pool_head",          # final norm, pooling (cls / eos / mean), projection, L2 normalisation
+    "contrastive_loss",   # symmetric InfoNCE over a pair of embeddings, global batch
+    "cross_attn_adapter", # learned queries cross-attending to encoder features (Qwen-VL resampler)
+    "linear_adapter",     # average-pool along the sequence, then a linear projection
+    "lm_head",            # final norm, vocabulary projection, next-token cross-entropy
+)
+
+DATA_PREFIX = "data:"
+
+
+def data_input(task: str, stream: str) -> str:
+    """Name of a data stream consumed by a source operator, e.g. ``data:vision-text:vision``."""
+    return f"{DATA_PREFIX}{task}:{stream}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerConfig:
+    """Hyper-parameters of one layer: everything the runtime needs to build it and the planner to cost it.
+
+    Fields that a layer type does not use stay at their zero default.
+    """
+
+    hidden: int
+    """Model width of the layer's output (and of its input unless ``input_dim`` says otherwise)."""
+    num_heads: int = 0
+    """Attention heads (self- or cross-attention)."""
+    ffn_hidden: int = 0
+    """MLP inner width (for swiglu the width of each of the two input projections)."""
+    seq_len: int = 0
+    """Tokens per sample at the layer's output."""
+    input_dim: int = 0
+    """Width of the input when it differs from ``hidden`` (patch size, encoder width of an adapter)."""
+    input_seq_len: int = 0
+    """Tokens per sample at the input when they differ from ``seq_len`` (adapters, pooling heads)."""
+    memory_seq_len: int = 0
+    """Tokens of the cross-attention memory (decoder layers)."""
+    vocab_size: int = 0
+    """Vocabulary of token embeddings and language-model heads."""
+    proj_dim: int = 0
+    """Output width of a contrastive projection head."""
+    causal: bool = False
+    """Causal self-attention (decoder LLMs)."""
+    swiglu: bool = False
+    """Gated SiLU MLP (Qwen) instead of GELU (ViT, CLIP)."""
+    pooling: str = ""
+    """``cls`` (first token), ``eos`` (last token) or ``mean`` for pool heads."""
+    loss_tokens: int = 0
+    """Tokens per sample that carry a next-token loss (the text part of a multi-modal sequence)."""
+    temperature: float = 0.0
+    """InfoNCE temperature of a contrastive loss."""
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+    @classmethod
+    def from_json(cls, obj: Mapping) -> "LayerConfig":
+        return cls(**obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Operator:
+    """One layer applied to one task's data."""
+
+    name: str
+    """Unique name, ``<task>.<module>.<layer index>`` for stacks, e.g. ``vision-text.vision.7``."""
+    task: str
+    """The task whose data this operator processes."""
+    module: str
+    """The model component it belongs to (``vision``, ``llm``, ``loss``): used in short labels."""
+    op_type: str
+    """One of :data:`OP_TYPES`."""
+    batch: int
+    """Global batch (samples of this task per training step)."""
+    layer: LayerConfig
+    """Hyper-parameters of the layer."""
+    param_key: str
+    """Name of the weights; equal keys share parameters. Empty for parameter-free operators."""
+    inputs: tuple[str, ...]
+    """Producing operators (or ``data:`` streams), in the order the layer consumes them."""
+    fwd_flops: float
+    """Forward FLOPs for the whole global batch (backward is counted as twice this)."""
+    param_count: int
+    """Number of parameters of the layer (0 for a parameter-free operator)."""
+    out_elems_per_sample: int
+    """Elements of the output activation per sample (what crosses a wave boundary)."""
+    act_bytes_per_sample: float
+    """Bytes stashed for the backward pass per sample (bf16 activations, no recomputation)."""
+    tp_splittable: bool = True
+    """Whether tensor parallelism applies (attention heads / MLP columns can be sharded)."""
+    batch_splittable: bool = True
+    """Whether data parallelism applies; a contrastive loss needs the whole batch on one device."""
+
+    def __post_init__(self) -> None:
+        if self.op_type not in OP_TYPES:
+            raise ValueError(f"operator {self.name!r}: unknown op_type {self.op_type!r}; known: {OP_TYPES}")
+        if self.batch <= 0:
+            raise ValueError(f"operator {self.name!r}: batch must be positive, got {self.batch}")
+
+    @property
+    def signature(self) -> tuple:
+        """(op_type, batch, seq, hidden): operators with equal signatures are the same workload."""
+        return (self.op_type, self.batch, self.layer.seq_len, self.layer.hidden)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["layer"] = self.layer.to_json()
+        d["inputs"] = list(self.inputs)
+        return d
+
+    @classmethod
+    def from_json(cls, obj: Mapping) -> "Operator":
+        d = dict(obj)
+        d["layer"] = LayerConfig.from_json(d["layer"])
+        d["inputs"] = tuple(d["inputs"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """A multi-task model as a DAG of operators, in a topological order."""
+
+    model: str
+    """Workload name, e.g. ``multitask-clip``."""
+    tasks: tuple[str, ...]
+    operators: tuple[Operator, ...]
+    task_weights: tuple[float, ...] = ()
+    """Weight of each task's loss in the total loss (default 1 each)."""
+    _index: dict = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index = {}
+        for op in self.operators:
+            if op.name in index:
+                raise ValueError(f"graph {self.model!r}: duplicate operator name {op.name!r}")
+            for src in op.inputs:
+                if not src.startswith(DATA_PREFIX) and src not in index:
+                    raise ValueError(f"graph {self.model!r}: operator {op.name!r} reads {src!r}, "
+                                     f"which is not an earlier operator or a data: stream")
+            if op.task not in self.tasks:
+                raise ValueError(f"graph {self.model!r}: operator {op.name!r} has unknown task {op.task!r}")
+            index[op.name] = op
+        object.__setattr__(self, "_index", index)
+        if not self.task_weights:
+            object.__setattr__(self, "task_weights", tuple(1.0 for _ in self.tasks))
+        if len(self.task_weights) != len(self.tasks):
+            raise ValueError(f"graph {self.model!r}: {len(self.task_weights)} task weights for "
+                             f"{len(self.tasks)} tasks")
+
+    def __getitem__(self, name: str) -> Operator:
+        return self._index[name]
+
+    def successors(self) -> dict[str, list[str]]:
+        succ: dict[str, list[str]] = {op.name: [] for op in self.operators}
+        for op in self.operators:
+            for src in op.inputs:
+                if src in succ:
+                    succ[src].append(op.name)
+        return succ
+
+    def predecessors(self, name: str) -> list[str]:
+        return [s for s in self._index[name].inputs if not s.startswith(DATA_PREFIX)]
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters per distinct ``param_key`` (shared weights counted once)."""
+        out: dict[str, int] = {}
+        for op in self.operators:
+            if op.param_key:
+                out[op.param_key] = op.param_count
+        return out
+
+    def total_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "tasks": list(self.tasks), "task_weights": list(self.task_weights),
+                "operators": [op.to_json() for op in self.operators]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping) -> "TaskGraph":
+        return cls(model=obj["model"], tasks=tuple(obj["tasks"]),
+                   task_weights=tuple(obj.get("task_weights", ())),
+                   operators=tuple(Operator.from_json(o) for o in obj["operators"]))
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the graph, stored in plans so a plan for another model is refused."""
+        import hashlib
+        blob = json.dumps(self.to_json(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def topological_order(names: Iterable[str], preds: Mapping[str, Iterable[str]]) -> list[str]:
+    """Kahn's algorithm, stable with respect to the order of ``names``; raises on a cycle."""
+    names = list(names)
+    indeg = {n: 0 for n in names}
+    succ: dict[str, list[str]] = {n: [] for n in names}
+    for n in names:
+        for p in preds.get(n, ()):
+            indeg[n] += 1
+            succ[p].append(n)
+    ready = [n for n in names if indeg[n] == 0]
+    out = []
+    while ready:
+        n = ready.pop(0)
+        out.append(n)
+        for s in succ[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if len(out) != len(names):
+        stuck = sorted(set(names) - set(out))
+        raise ValueError(f"the graph has a cycle through {stuck[:5]}")
+    return out

@@ -1,0 +1,92 @@
+"""Per level: allocate, discretize, schedule waves; keep the shortest of a few candidate schedules.
+
+The paper's pipeline for one MetaLevel is *bisection → bi-point discretization → Algorithm 1*. Rounding
+layers to integers and packing power-of-two device counts loses time against ``C*``, and which variant
+loses least depends on the level. Planning a level takes milliseconds, so we build several candidates and
+keep the shortest (ties: fewer waves). Every candidate is a valid wave schedule; the paper's own pipeline
+(``slack=0``, ``propose="paper"``, ``align="shortest"``) is always among them, so the result is never
+worse than the paper's algorithm on the same curves.
+
+Candidates:
+
+* **tuples**: bi-point discretization at ``C*·(1+s)`` for ``s`` in :data:`SLACKS` (a little slack leaves
+  room for the power-of-two packing; the scheduler's extension step gives the room back), and a *min-max*
+  single count per MetaOp (upgrade the MetaOp that finishes last while devices remain);
+* **propose**: the paper's greedy (largest count first) or *all-in* (every MetaOp at the smaller of its
+  counts, then upgrades, longest remaining work first);
+* **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
+  leaves the least idle device-time per unit of work).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .allocate import AllocTuple, LevelAllocation, allocate_level, bipoint
+from .curves import ScalingCurve
+from .metaops import MetaOp
+from .waves import Wave, schedule_level
+
+SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
+PROPOSE = ("paper", "all")
+ALIGN = ("shortest", "finisher")
+
+
+@dataclass
+class LevelSchedule:
+    level: int
+    allocation: LevelAllocation
+    tuples: Mapping[str, list[AllocTuple]]
+    waves: list[Wave]
+    variant: str
+    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher``."""
+
+    @property
+    def span_ms(self) -> float:
+        return sum(w.duration_ms for w in self.waves)
+
+
+def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
+                  num_devices: int) -> dict[str, list[AllocTuple]]:
+    """One valid count per MetaOp: start at the smallest, upgrade the slowest while devices remain."""
+    count = {m.name: m.valid_counts(num_devices)[0] for m in metaops}
+    free = num_devices - sum(count.values())
+    while True:
+        slowest = max(metaops, key=lambda m: m.num_layers * curves[m.name].time(count[m.name]))
+        nxt = [v for v in slowest.valid_counts(num_devices)
+               if v > count[slowest.name] and v - count[slowest.name] <= free]
+        if not nxt or curves[slowest.name].time(nxt[0]) >= curves[slowest.name].time(count[slowest.name]):
+            break
+        free -= nxt[0] - count[slowest.name]
+        count[slowest.name] = nxt[0]
+    return {m.name: [AllocTuple(count[m.name], m.num_layers, float(m.num_layers))] for m in metaops}
+
+
+def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
+               start_ms: float = 0.0, *, search: bool = True) -> LevelSchedule:
+    """Schedule one level. ``search=False`` runs only the paper's pipeline."""
+    N = num_devices
+    if sum(1 for m in metaops if m.valid_counts(N)) != len(metaops):
+        bad = next(m for m in metaops if not m.valid_counts(N))
+        raise ValueError(f"MetaOp {bad.name!r} needs {bad.tp} devices (tensor parallel) but the cluster has {N}")
+    level = metaops[0].level
+    alloc = allocate_level({m.name: m.num_layers for m in metaops}, curves, N)
+    variants: list[tuple[str, dict[str, list[AllocTuple]]]] = []
+    for s in (SLACKS if search else (0.0,)):
+        c = alloc.c_star_ms * (1 + s)
+        ns = alloc.n_star if s == 0 else {m.name: curves[m.name].inverse(c / m.num_layers, n_cap=N)
+                                          for m in metaops}
+        variants.append((f"bipoint+{s:g}", {
+            m.name: bipoint(m.num_layers, curves[m.name], ns[m.name], c, m.valid_counts(N)) for m in metaops}))
+    if search:
+        variants.append(("minmax", minmax_tuples(metaops, curves, N)))
+    best: LevelSchedule | None = None
+    for tag, tuples in variants:
+        for propose in (PROPOSE if search else ("paper",)):
+            for align in (ALIGN if search else ("shortest",)):
+                waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align)
+                cand = LevelSchedule(level=level, allocation=alloc, tuples=tuples, waves=waves,
+                                     variant=f"{tag}/{propose}/{align}")
+                if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
+                    best = cand
+    return best

@@ -1,0 +1,196 @@
+"""Wavefront scheduling (the paper's Algorithm 1), one MetaLevel at a time.
+
+Input: for every MetaOp of the level a queue of allocation tuples ``⟨n, l⟩`` from bi-point discretization.
+Each wave is built in four steps, repeated until every layer is scheduled:
+
+(a) **Propose.** Take each MetaOp's head tuple; sort by devices (largest first), then by remaining time
+    ``l·T(n)`` (longest first); add greedily while devices remain. At most one slice per MetaOp per wave.
+(b) **Extend.** While devices are idle, move a candidate to its next larger valid count that fits, preferring
+    the MetaOp with the most remaining work (all of its tuples). The extension holds for this wave only.
+    Our addition: if no candidate can extend, a waiting MetaOp whose head tuple did not fit runs at its
+    largest valid count that does (so devices are not left idle while work is waiting).
+(c) **Align.** The wave lasts as long as its shortest candidate (all of its remaining layers); every other
+    candidate runs only the layers that fit in that span (``⌊span / T(n)⌋``, at least one when a layer is no
+    longer than ``1 + ALIGN_SLACK`` spans), and its remaining layers go back to its queue. A candidate that
+    fits no layer drops out of the wave.
+(d) **Commit.** Set start times and advance the clock by the wave's duration (its longest slice).
+
+Each wave completes at least one tuple, so a level has at most ``2 × MetaOps`` waves. Consecutive waves in
+which every MetaOp continues on the same device count are merged afterwards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .allocate import AllocTuple
+from .curves import ScalingCurve
+from .metaops import MetaOp
+
+#: A candidate whose one layer is at most this much longer than the wave's span still runs one layer
+#: (stretching the wave slightly) instead of leaving its devices idle.
+ALIGN_SLACK = 0.25
+
+
+@dataclass
+class WaveSlice:
+    """A slice before placement: ``layers`` layers of ``metaop`` from ``layer_start`` on ``devices`` devices."""
+
+    metaop: str
+    layer_start: int
+    layers: int
+    devices: int
+    time_ms: float
+
+
+@dataclass
+class Wave:
+    level: int
+    start_ms: float
+    duration_ms: float
+    slices: list[WaveSlice] = field(default_factory=list)
+
+
+def _next_valid(valid: Sequence[int], n: int, limit: int) -> int | None:
+    for v in valid:
+        if n < v <= limit:
+            return v
+    return None
+
+
+def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],
+                   curves: Mapping[str, ScalingCurve], num_devices: int, start_ms: float = 0.0,
+                   *, propose: str = "all", align: str = "finisher") -> list[Wave]:
+    """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``."""
+    N = num_devices
+    by_name = {m.name: m for m in metaops}
+    valid = {m.name: m.valid_counts(N) for m in metaops}
+    queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
+    next_layer = {m.name: 0 for m in metaops}
+    T = {name: (lambda n, c=curves[name]: c.time(n)) for name in by_name}
+
+    def remaining_work(name: str) -> float:
+        return sum(l * T[name](n) for n, l in queue[name])
+
+    waves: list[Wave] = []
+    clock = start_ms
+    order = [m.name for m in metaops]
+    guard = 0
+    while any(queue[n] for n in order):
+        guard += 1
+        if guard > 100 * (len(order) + 1) * 4:
+            raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
+        # (a) propose: every waiting MetaOp at the smallest count of its remaining tuples, then
+        # upgrades to its larger tuple, longest remaining work first
+        heads = [n for n in order if queue[n]]
+        free = N
+        cand: dict[str, int] = {}
+        pick: dict[str, int] = {}
+        if propose == "paper":
+            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * T[n](queue[n][0][0]))):
+                if queue[n][0][0] <= free:
+                    cand[n], pick[n] = queue[n][0][0], 0
+                    free -= queue[n][0][0]
+        else:
+            for n in sorted(heads, key=lambda n: -remaining_work(n)):
+                i = min(range(len(queue[n])), key=lambda j: queue[n][j][0])
+                d = queue[n][i][0]
+                if d <= free:
+                    cand[n], pick[n] = d, i
+                    free -= d
+            for n in sorted(cand, key=lambda n: -remaining_work(n)):
+                i = max(range(len(queue[n])), key=lambda j: queue[n][j][0])
+                d = queue[n][i][0]
+                if d > cand[n] and d - cand[n] <= free:
+                    free -= d - cand[n]
+                    cand[n], pick[n] = d, i
+        # (b) extend
+        while free > 0:
+            ext = [(remaining_work(n), n) for n in cand if _next_valid(valid[n], cand[n], cand[n] + free)]
+            if ext:
+                _, n = max(ext)
+                v = _next_valid(valid[n], cand[n], cand[n] + free)
+                free -= v - cand[n]
+                cand[n] = v
+                continue
+            waiting = [n for n in heads if n not in cand]
+            fill = [(remaining_work(n), n) for n in waiting
+                    if any(v <= free for v in valid[n])]
+            if not fill:
+                break
+            _, n = max(fill)
+            v = max(v for v in valid[n] if v <= free)
+            cand[n], pick[n] = v, 0
+            free -= v
+        # (c) align
+        layers = _align({n: (T[n](cand[n]), queue[n][pick[n]][1], cand[n]) for n in cand}, N,
+                        shortest_only=(align == "shortest"))
+        # (d) commit
+        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        for n in order:
+            if n not in layers:
+                continue
+            k, d = layers[n], cand[n]
+            t = k * T[n](d)
+            wave.slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
+            wave.duration_ms = max(wave.duration_ms, t)
+            next_layer[n] += k
+            queue[n][pick[n]][1] -= k
+            if queue[n][pick[n]][1] == 0:
+                queue[n].pop(pick[n])
+        clock += wave.duration_ms
+        waves.append(wave)
+    return merge_waves(waves)
+
+
+def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
+           shortest_only: bool = False) -> dict[str, int]:
+    """Layers per candidate for one wave; ``cands`` maps name -> (time per layer, layers left, devices).
+
+    The wave ends when one candidate finishes its tuple. The paper picks the shortest candidate; we try
+    every candidate as the one that finishes, give the others the whole number of layers that best fills
+    that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
+    choice with the least idle device-time per unit of work done (ties: the shortest wave).
+    """
+    best = None
+    shortest = min(t1 * left for t1, left, _ in cands.values())
+    for f, (tf, lf, _) in cands.items():
+        span = tf * lf
+        if shortest_only and span > shortest:
+            continue
+        layers = {}
+        for n, (t1, left, d) in cands.items():
+            k = min(left, int(math.floor(span / t1 * (1 + 1e-9))))
+            if k < left and (k + 1) * t1 <= span * (1 + ALIGN_SLACK):
+                k += 1
+            if k > 0:
+                layers[n] = k
+        dur = max(layers[n] * cands[n][0] for n in layers)
+        work = sum(layers[n] * cands[n][0] * cands[n][2] for n in layers)
+        idle = num_devices * dur - work
+        key = (idle / work, dur)
+        if best is None or key < best[0]:
+            best = (key, layers)
+    return best[1]
+
+
+def merge_waves(waves: list[Wave]) -> list[Wave]:
+    """Merge consecutive waves whose MetaOps and device counts are identical and whose layers continue."""
+    out: list[Wave] = []
+    for w in waves:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.level == w.level
+                and [(s.metaop, s.devices) for s in prev.slices] == [(s.metaop, s.devices) for s in w.slices]
+                and all(a.layer_start + a.layers == b.layer_start for a, b in zip(prev.slices, w.slices))):
+            for a, b in zip(prev.slices, w.slices):
+                a.layers += b.layers
+                a.time_ms += b.time_ms
+            prev.duration_ms = max(s.time_ms for s in prev.slices)
+            continue
+        out.append(w)
+    clock = out[0].start_ms if out else 0.0
+    for w in out:
+        w.start_ms = clock
+        clock += w.duration_ms
+    return out

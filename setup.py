@@ -1,0 +1,17 @@
+"""megatron_spindle: Spindle wavefront scheduling for multi-task, multi-modal training on Megatron-LM."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_spindle",
+    version="0.1.0",
+    description="Wavefront scheduling (Spindle, ASPLOS 2025) for multi-task multi-modal models on megatron.core",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_spindle", "megatron_spindle.*"]),
+    install_requires=["numpy"],
+    extras_require={
+        "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
+        "plot": ["matplotlib"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["spindle=megatron_spindle.cli:main"]},
+)
