@@ -40,7 +40,7 @@ from .graph import DATA_PREFIX, LayerConfig, TaskGraph
 #: optimizer: bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam moments (8).
 BYTES_PER_PARAM_STATE = 18
 #: Share of a device's memory that one MetaOp's model states may take before tensor parallelism is used.
-TP_MEMORY_FRACTION = 0.5
+TP_MEMORY_FRACTION = 0.25
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -87,7 +87,7 @@ QWEN_ADAPTER_QUERIES = 256
 QWEN_AUDIO_POOL = 4  # Whisper frames averaged 4:1 before the projection into the LLM (1500 -> 375)
 #: task -> (modality feeding the LLM or "", text tokens with a next-token loss)
 QWEN_TASKS = (("vision-language", "vision", 256), ("audio-language", "audio", 137),
-              ("language", "", 1024))
+              ("language", "", 512))
 
 # --------------------------------------------------------------------------------------------------
 # OFASys
@@ -116,9 +116,9 @@ OFASYS_TASKS = (
 
 #: model name -> (allowed task counts, default global batch per task)
 WORKLOADS: Mapping[str, tuple[tuple[int, ...], int]] = {
-    "multitask-clip": ((4, 7, 10), 256),
-    "qwen-val": ((3,), 64),
-    "ofasys": ((4, 7), 128),
+    "multitask-clip": ((4, 7, 10), 128),
+    "qwen-val": ((3,), 8),
+    "ofasys": ((4, 7), 64),
 }
 SIZES = ("full", "tiny")
 

@@ -1,0 +1,107 @@
+"""The ``spindle`` command line: ``spindle plan`` (and, as they land, ``compare`` and ``profile``).
+
+Every command turns bad input into one line on stderr naming the offending value and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in model: multitask-clip, qwen-val or ofasys")
+    p.add_argument("--tasks", type=int, default=None,
+                   help="number of tasks (multitask-clip: 4, 7, 10; ofasys: 4, 7; qwen-val: 3); default: the most")
+    p.add_argument("--size", default="full", help="model size: full (the paper's) or tiny (tests, CPU demo)")
+    p.add_argument("--batch", type=int, default=None, help="global batch per task (default: the model's)")
+    p.add_argument("--curves", default=None, metavar="FILE",
+                   help="JSON scaling curves / device constants (default: the analytic model)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be positive")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spindle", description="Spindle wavefront planning for "
+                                     "multi-task multi-modal training on Megatron-LM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan one training step and print it as a wave x device grid")
+    _add_workload_args(p)
+    p.add_argument("--gpus", type=_positive_int, required=True, help="number of devices")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="devices per island (default 8)")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per device in GiB (default 80)")
+    p.add_argument("--no-search", action="store_true",
+                   help="run only the paper's pipeline per level (no candidate search)")
+    p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def cmd_plan(args) -> int:
+    from .planner.analytic import CurvesFile
+    from .planner.build import make_plan
+    from .planner.cluster import load_cluster
+    from .planner.render import gantt, grid, metaop_table, summary
+    from .planner.workloads import build_graph
+
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
+    curves = CurvesFile.load(args.curves) if args.curves else None
+    cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
+                           memory_gib=args.memory_gib if args.memory_gib is not None else
+                           (curves.device.memory_gib if curves else None))
+    t0 = time.perf_counter()
+    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search)
+    planning_s = time.perf_counter() - t0
+    if args.out:
+        plan.save(args.out)
+    if args.gantt:
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(args.gantt)), exist_ok=True)
+        gantt(plan, args.gantt)
+    if args.json:
+        print(json.dumps({
+            "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
+            "makespan_ms": plan.makespan_ms, "lower_bound_ms": plan.lower_bound_ms,
+            "ratio": plan.makespan_ms / plan.lower_bound_ms, "planning_s": planning_s,
+            "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
+            "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "plan": args.out, "gantt": args.gantt}))
+        return 0
+    print(metaop_table(plan))
+    print()
+    print(grid(plan))
+    print()
+    print(summary(plan, planning_s))
+    if args.out:
+        print(f"plan written to {args.out}")
+    if args.gantt:
+        print(f"Gantt chart written to {args.gantt}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError) as e:  # bad input: one clear line
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        first = str(msg).splitlines()
+        print(f"spindle {args.command}: error: {first[0] if first else msg}", file=sys.stderr)
+        for line in first[1:]:
+            print(line, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

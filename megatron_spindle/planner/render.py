@@ -1,0 +1,144 @@
+"""Plans as people read them: a MetaOp table, a wave × device grid, a summary, and a Gantt PNG.
+
+The grid names each MetaOp by a short code (``A``, ``B``, … ``AA``) listed in the MetaOp table; a cell reads
+``C8-15`` (layers 8 to 15 of MetaOp C). Adjacent devices whose columns are identical in every wave are
+merged into one column (``d0-7``) so large clusters stay readable. Matplotlib is needed only for the PNG.
+"""
+from __future__ import annotations
+
+import string
+from typing import Iterable
+
+from .plan import Plan
+
+
+def codes(plan: Plan) -> dict[str, str]:
+    """MetaOp name -> short code, in MetaOp order."""
+    out = {}
+    letters = string.ascii_uppercase
+    for i, m in enumerate(plan.metaops):
+        code = ""
+        j = i
+        while True:
+            code = letters[j % 26] + code
+            j = j // 26 - 1
+            if j < 0:
+                break
+        out[m.name] = code
+    return out
+
+
+def _cell_table(plan: Plan) -> list[list[str]]:
+    c = codes(plan)
+    rows = []
+    for w in plan.waves:
+        row = ["."] * plan.world_size
+        for s in w.slices:
+            label = f"{c[s.metaop]}{s.layer_start}" + (f"-{s.layer_stop - 1}" if s.num_layers > 1 else "")
+            for r in s.ranks:
+                if 0 <= r < plan.world_size:
+                    row[r] = label if row[r] == "." else row[r] + "!"
+        rows.append(row)
+    return rows
+
+
+def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
+    """The wave × device grid; cells in ``mark`` ((wave, device) pairs) are shown as ``>cell<``."""
+    rows = _cell_table(plan)
+    mark = set(mark)
+    # merge identical adjacent device columns (never merge a marked cell)
+    groups: list[tuple[int, int]] = []
+    for d in range(plan.world_size):
+        col = [r[d] for r in rows]
+        if (groups and [r[groups[-1][0]] for r in rows] == col and plan.world_size > 16
+                and not any((w, d) in mark or (w, groups[-1][0]) in mark for w in range(len(rows)))):
+            groups[-1] = (groups[-1][0], d)
+        else:
+            groups.append((d, d))
+    heads = [f"d{a}" if a == b else f"d{a}-{b}" for a, b in groups]
+    cells = []
+    for wi, r in enumerate(rows):
+        line = []
+        for (a, b) in groups:
+            v = r[a]
+            line.append(f">{v}<" if any((wi, d) in mark for d in range(a, b + 1)) else v)
+        cells.append(line)
+    width = [max([len(h)] + [len(line[i]) for line in cells]) for i, h in enumerate(heads)]
+    lead = [f"w{w.index} L{w.level} {w.duration_ms:8.2f}ms" for w in plan.waves]
+    lw = max([len("wave level   time")] + [len(x) for x in lead])
+    out = ["wave level   time".ljust(lw) + " | " + " ".join(h.ljust(width[i]) for i, h in enumerate(heads))]
+    out.append("-" * len(out[0]))
+    for wi, line in enumerate(cells):
+        out.append(lead[wi].ljust(lw) + " | " + " ".join(v.ljust(width[i]) for i, v in enumerate(line)))
+    return "\n".join(out)
+
+
+def metaop_table(plan: Plan) -> str:
+    c = codes(plan)
+    n_star = {m: n for lv in plan.levels for m, n in lv.n_star}
+    rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "n*", "slices (devices x layers)", "fit err")]
+    for m in plan.metaops:
+        sl = [s for s in plan.slices() if s.metaop == m.name]
+        desc = " ".join(f"{len(s.ranks)}x{s.num_layers}" for s in sl)
+        rows.append((c[m.name], m.name, str(m.level), str(m.num_layers), str(m.batch), str(m.tp),
+                     f"{n_star.get(m.name, 0):.2f}", desc, f"{plan.curve(m.name).fit_error:.1%}"))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(width[i]) for i, v in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def summary(plan: Plan, planning_s: float | None = None) -> str:
+    mem = plan.device_memory_bytes
+    ratio = plan.makespan_ms / plan.lower_bound_ms if plan.lower_bound_ms else float("nan")
+    lines = [
+        f"model {plan.model}: {len(plan.tasks)} tasks, {len(plan.metaops)} MetaOps in {plan.num_levels} levels, "
+        f"{plan.world_size} devices ({plan.gpus_per_node} per island), {len(plan.waves)} waves",
+        f"makespan      {plan.makespan_ms:10.2f} ms   (predicted compute time of one step)",
+        f"lower bound   {plan.lower_bound_ms:10.2f} ms   (sum over levels of C*)",
+        f"ratio         {ratio:10.3f}",
+        f"memory        max {max(mem) / 2**30:.2f} GiB, min {min(mem) / 2**30:.2f} GiB per device "
+        f"(limit {plan.memory_limit_bytes / 2**30:.1f} GiB)",
+        f"transfers     {sum(t.bytes - t.local_bytes for t in plan.transfers) / 2**20:.1f} MiB moved per "
+        f"step forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands",
+    ]
+    if planning_s is not None:
+        lines.append(f"planning time {planning_s:10.3f} s")
+    return "\n".join(lines)
+
+
+def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
+    """Draw the waves per device as a PNG (one bar per slice and device, colour per MetaOp)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--gantt needs matplotlib (pip install matplotlib)") from None
+    c = codes(plan)
+    palette = [plt.get_cmap(name)(k) for name in ("tab20", "tab20b", "tab20c") for k in range(20)]
+    color = {m.name: palette[i % len(palette)] for i, m in enumerate(plan.metaops)}
+    fig_h = max(2.5, min(14, 0.28 * plan.world_size + 1.5))
+    fig, ax = plt.subplots(figsize=(12, fig_h))
+    for w in plan.waves:
+        for s in w.slices:
+            for r in s.ranks:
+                ax.broken_barh([(w.start_ms, s.time_ms)], (r - 0.4, 0.8), facecolors=color[s.metaop],
+                               edgecolor="black", linewidth=0.3)
+            if s.time_ms > 0.04 * plan.makespan_ms and plan.world_size <= 64:
+                mid = sum(s.ranks) / len(s.ranks)
+                ax.text(w.start_ms + s.time_ms / 2, mid, f"{c[s.metaop]}{s.layer_start}-{s.layer_stop - 1}",
+                        ha="center", va="center", fontsize=6)
+        ax.axvline(w.start_ms, color="grey", linewidth=0.4, linestyle=":")
+    ax.set_ylim(plan.world_size - 0.5, -0.5)
+    ax.set_xlim(0, plan.makespan_ms)
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("device")
+    ax.set_title(title or f"{plan.model} on {plan.world_size} devices: {len(plan.waves)} waves, "
+                          f"makespan {plan.makespan_ms:.1f} ms (lower bound {plan.lower_bound_ms:.1f} ms)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[m.name]) for m in plan.metaops[:40]]
+    ax.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops[:40]], fontsize=5, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), ncol=1 + len(handles) // 30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

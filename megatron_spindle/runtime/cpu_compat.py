@@ -1,0 +1,170 @@
+"""Patches that let megatron.core layers run on a machine without CUDA (tests, the CPU demo).
+
+megatron.core 0.16.1 assumes a GPU in a few places that our layers reach even with
+``use_cpu_initialization=True`` and every fusion turned off. :func:`apply_cpu_patches` fixes exactly those,
+once per process, and does nothing when ``torch.cuda.is_available()``. Each patch below says what it fixes
+and which of our code paths reaches it; each was checked to be needed by running the layer tests without it
+(see ``tests/test_layers.py::test_cpu_patches_are_needed``).
+
+Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: activation
+recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), DDP buffers and
+megatron optimizers (the runtime syncs gradients itself and uses torch optimizers), sequence parallelism.
+
+:func:`ensure_megatron_globals` is separate and applies on GPUs too: it creates the two process-wide objects
+that megatron normally makes in ``initialize_model_parallel`` (which we never call, since every module gets
+its process groups explicitly): the global memory buffer and the RNG tracker's states.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_PATCHED = False
+
+_MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+class CpuRNGStatesTracker:
+    """megatron's ``CudaRNGStatesTracker`` interface over the CPU default generator.
+
+    megatron forks the ``model-parallel-rng`` state around attention dropout
+    (``DotProductAttention.forward``: ``get_cuda_rng_tracker().fork()``), which calls
+    ``torch.cuda.get_rng_state``. This tracker keeps named CPU generator states instead; ``fork`` swaps the
+    CPU default generator to the named state and back. One tracker per process, shared by every module.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"rng seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name!r} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG):
+        if name not in self.states_:
+            raise ValueError(f"rng state {name!r} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_model_parallel_manual_seed(seed: int, *args, tp_rank: int | None = None,
+                                    ep_rank: int | None = None, etp_rank: int | None = None,
+                                    **kwargs) -> None:
+    """CPU twin of megatron's ``model_parallel_cuda_manual_seed``: same seed offsets, CPU generator states.
+
+    The original calls ``torch.cuda.manual_seed``. Ranks default to 0 rather than to the global parallel
+    state, which we never initialise.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + (tp_rank or 0))
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 1024 + 100 * (ep_rank or 0) + (etp_rank or 0))
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's ``get_default_causal_mask`` builds the mask with ``device="cuda"``."""
+    return _cpu_causal_mask(sq)
+
+
+def _cpu_current_device() -> torch.device:
+    """``torch.cuda.current_device()`` used as an allocation device by megatron.
+
+    Reached by ``GlobalMemoryBuffer.get_tensor`` (the attention score buffer of the local
+    ``DotProductAttention``) and by ``_gather_along_last_dim`` (``ColumnParallelLinear(gather_output=True)``
+    with tp > 1: our adapters). Without CUDA it raises; we return the CPU device instead.
+    """
+    return torch.device("cpu")
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron.core for a CPU-only process; idempotent. Returns whether patches are in place.
+
+    Does nothing (and returns False) when CUDA is available.
+    """
+    global _PATCHED
+    if torch.cuda.is_available():
+        return False
+    if _PATCHED:
+        return True
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+    import megatron.core.tensor_parallel as tp_pkg
+
+    # 1. RNG tracker: DotProductAttention forks "model-parallel-rng" around dropout; the stock tracker
+    #    reads and writes CUDA generator states. Install a CPU tracker as the process-wide one and seed
+    #    it with the CPU twin of model_parallel_cuda_manual_seed.
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom.model_parallel_cuda_manual_seed = _cpu_model_parallel_manual_seed
+    tp_pkg.model_parallel_cuda_manual_seed = _cpu_model_parallel_manual_seed
+
+    # 2. Causal mask: FusedScaleMaskSoftmax.forward_torch_softmax builds it with device="cuda" when a
+    #    causal self-attention gets attention_mask=None (text encoder, LLM, decoder self-attention).
+    tutils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+    # 3. Allocation device: GlobalMemoryBuffer (local attention) and all-gathers along the last dim
+    #    allocate on torch.cuda.current_device().
+    torch.cuda.current_device = _cpu_current_device
+
+    _PATCHED = True
+    return True
+
+
+def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
+    """Create megatron's process-wide objects that ``initialize_model_parallel`` would have made.
+
+    * the global memory buffer (``parallel_state._set_global_memory_buffer()``): the local
+      ``DotProductAttention`` takes its score buffer from it;
+    * the RNG tracker states (``model_parallel_cuda_manual_seed``): attention forks ``model-parallel-rng``.
+      Our layers use no dropout, so the seed only has to exist; ``tp_rank`` follows megatron's offsets.
+
+    Idempotent; applies the CPU patches first when there is no GPU.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mtp
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    tracker = mtp.get_cuda_rng_tracker()
+    if _MODEL_PARALLEL_RNG not in tracker.get_states():
+        mtp.random.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
