@@ -103,7 +103,7 @@ def bipoint(num_layers: int, curve: ScalingCurve, n_star: float, c_star: float,
         return [AllocTuple(valid[-1], L, float(L))]
     if lo == 0:  # the paper's dummy: everything on n_hi
         return [AllocTuple(hi, L, float(L))]
-    t_hi, t_lo = curve.time(hi), curve.time(lo)
+    t_hi, t_lo = curve.count_time(hi), curve.count_time(lo)
     if t_lo - t_hi <= 1e-15 * t_lo:  # no speed-up between the two counts: the cheaper one suffices
         return [AllocTuple(lo, L, float(L))]
     l_hi = (c_star - L * t_lo) / (t_hi - t_lo)

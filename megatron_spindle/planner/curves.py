@@ -16,15 +16,17 @@ Properties the allocator relies on (Weglarz's theorem needs them): ``T`` is posi
 the points first, then clamping slopes and lifting segments); :meth:`ScalingCurve.validate` rejects a curve
 given directly that breaks them.
 
-The relaxed curve (real ``n``, used by the allocator). When the curve knows the MetaOp's valid counts, it
-interpolates the *speed-up* ``S(n) = T(1)/T(n)`` (equivalently the rate ``1/T``) linearly between
-neighbouring valid counts, as the paper's released planner does. This is exactly what time-sharing two
-valid counts achieves: running a fraction ``λ`` of the time on ``n_hi`` and the rest on ``n_lo`` uses
-``λ·n_hi + (1-λ)·n_lo`` devices on average at rate ``λ/T(n_hi) + (1-λ)/T(n_lo)``. So the relaxed optimum
-is reachable by bi-point discretization up to whole layers and packing, and ``C*`` is an honest bound.
-Below the smallest valid count ``n_min`` the device is time-shared, ``T(n) = T(n_min)·n_min/n`` (the rate
-falls linearly to 0); beyond the largest ``n_max`` nothing gets faster, ``T(n) = T(n_max)``. Without valid
-counts, ``T(n) = f(B/n)`` between ``n_min`` and ``n_max``.
+The relaxed curve (real ``n``, used by the allocator). When the curve knows the MetaOp's valid counts, its
+*rate* ``1/T(n)`` is the upper concave envelope of the points ``(0, 0)`` and ``(c, 1/T(c))`` for every valid
+count ``c``, flat beyond the largest. Between neighbouring counts on the envelope this interpolates the
+speed-up linearly, as the paper's released planner does, and it is exactly what time-sharing two valid
+counts achieves: a fraction ``λ`` of the time on ``n_hi`` and the rest on ``n_lo`` uses
+``λ·n_hi + (1-λ)·n_lo`` devices on average at rate ``λ/T(n_hi) + (1-λ)/T(n_lo)``. Taking the concave
+envelope (not just the neighbours) matters when a curve scales super-linearly somewhere: Weglarz's
+theorem needs concave rates, and with the envelope every real schedule's rate at any moment is below the
+relaxed one, so ``C*`` is a true lower bound (a brute-force test checks this). Below the smallest count the
+device is time-shared (the rate falls linearly to 0). Without valid counts, ``T(n) = f(B/n)`` between
+``n_min`` and ``n_max``.
 """
 from __future__ import annotations
 
@@ -101,6 +103,8 @@ class ScalingCurve:
                 raise ValueError(f"valid counts must be positive and ascending, got {self.counts}")
             object.__setattr__(self, "n_min", float(self.counts[0]))
             object.__setattr__(self, "n_max", float(self.counts[-1]))
+            object.__setattr__(self, "_hull", _concave_envelope(
+                [(0.0, 0.0)] + [(float(c), 1.0 / self.f(self.batch / c)) for c in self.counts]))
         if not (0 < self.n_min <= self.n_max):
             raise ValueError(f"need 0 < n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
 
@@ -119,18 +123,20 @@ class ScalingCurve:
         """One layer's time (ms) on ``n`` devices (real ``n`` allowed: the relaxed curve)."""
         if n <= 0:
             return math.inf
+        if self.counts:
+            hull = self._hull
+            if n >= hull[-1][0]:
+                return 1.0 / hull[-1][1]
+            i = bisect.bisect_right([h[0] for h in hull], n)
+            (n0, r0), (n1, r1) = hull[i - 1], hull[i]
+            return 1.0 / (r0 + (r1 - r0) * (n - n0) / (n1 - n0))
         if n < self.n_min:
             return self.f(self.batch / self.n_min) * self.n_min / n
-        if n >= self.n_max:
-            return self.f(self.batch / self.n_max)
-        if not self.counts:
-            return self.f(self.batch / n)
-        i = bisect.bisect_right(self.counts, n)
-        lo, hi = self.counts[i - 1], self.counts[i]
-        if n == lo:
-            return self.f(self.batch / lo)
-        r_lo, r_hi = 1.0 / self.f(self.batch / lo), 1.0 / self.f(self.batch / hi)
-        return 1.0 / (r_lo + (r_hi - r_lo) * (n - lo) / (hi - lo))
+        return self.f(self.batch / min(n, self.n_max))
+
+    def count_time(self, n: int) -> float:
+        """Time of one layer on a valid integer count: the fitted curve itself, no relaxation."""
+        return self.f(self.batch / n)
 
     def inverse(self, t_ms: float, *, n_cap: float = 1e9) -> float:
         """Smallest real ``n`` with ``time(n) ≤ t_ms`` (``inf`` when even ``n_cap`` devices are too slow)."""
@@ -173,6 +179,20 @@ class ScalingCurve:
                        fit_error=float(obj.get("fit_error", 0.0)), source=str(obj.get("source", "file")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed scaling curve {dict(obj)!r}: {e}") from None
+
+
+def _concave_envelope(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """Upper concave hull of points sorted by x (Andrew's monotone chain, upper part)."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(points):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) >= 0:  # hull[-1] is not above the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return tuple(hull)
 
 
 # --------------------------------------------------------------------------------------------------

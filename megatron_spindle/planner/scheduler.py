@@ -52,10 +52,10 @@ def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     count = {m.name: m.valid_counts(num_devices)[0] for m in metaops}
     free = num_devices - sum(count.values())
     while True:
-        slowest = max(metaops, key=lambda m: m.num_layers * curves[m.name].time(count[m.name]))
+        slowest = max(metaops, key=lambda m: m.num_layers * curves[m.name].count_time(count[m.name]))
         nxt = [v for v in slowest.valid_counts(num_devices)
                if v > count[slowest.name] and v - count[slowest.name] <= free]
-        if not nxt or curves[slowest.name].time(nxt[0]) >= curves[slowest.name].time(count[slowest.name]):
+        if not nxt or curves[slowest.name].count_time(nxt[0]) >= curves[slowest.name].count_time(count[slowest.name]):
             break
         free -= nxt[0] - count[slowest.name]
         count[slowest.name] = nxt[0]

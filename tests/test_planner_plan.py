@@ -1,0 +1,270 @@
+"""Plans: JSON round trip, validation rules, placement, property tests, brute force, the CLI."""
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_spindle.planner.allocate import allocate_level
+from megatron_spindle.planner.analytic import CurvesFile
+from megatron_spindle.planner.build import make_plan
+from megatron_spindle.planner.cluster import load_cluster
+from megatron_spindle.planner.curves import fit_piecewise
+from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph, data_input
+from megatron_spindle.planner.metaops import contract
+from megatron_spindle.planner.placement import PlacementError
+from megatron_spindle.planner.plan import Plan, SliceRef
+from megatron_spindle.planner.scheduler import plan_level
+from megatron_spindle.planner.validate import PlanError, check_plan
+from megatron_spindle.planner.workloads import build_graph
+
+
+@functools.lru_cache(maxsize=None)
+def clip_plan(n=16):
+    return make_plan(build_graph("multitask-clip", tasks=4), load_cluster(None, num_devices=n))
+
+
+def test_plan_json_round_trips_exactly(tmp_path):
+    p = clip_plan()
+    assert Plan.from_json(json.loads(json.dumps(p.to_json()))) == p
+    path = tmp_path / "plan.json"
+    p.save(str(path))
+    assert Plan.load(str(path)) == p
+
+
+def test_plan_refuses_other_schema_and_garbage(tmp_path):
+    d = clip_plan().to_json()
+    d["schema_version"] = 99
+    with pytest.raises(ValueError, match="schema_version 99"):
+        Plan.from_json(d)
+    with pytest.raises(ValueError, match="not a Spindle plan"):
+        Plan.from_json({"waves": []})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.load(str(bad))
+
+
+def test_slice_names_parse_back():
+    for s in clip_plan().slices():
+        assert SliceRef.from_str(s.name) == s.ref
+        assert clip_plan().slice(s.name) == s
+    assert str(SliceRef.from_str("w3:vision-text.vision.layers[8-15]x4tp2")) == "w3:vision-text.vision.layers[8-15]x4tp2"
+    with pytest.raises(ValueError, match="not a slice name"):
+        SliceRef.from_str("vision[0-3]")
+
+
+def _replace_slice(plan, wave, idx, **kw):
+    waves = list(plan.waves)
+    slices = list(waves[wave].slices)
+    slices[idx] = dataclasses.replace(slices[idx], **kw)
+    waves[wave] = dataclasses.replace(waves[wave], slices=tuple(slices))
+    return dataclasses.replace(plan, waves=tuple(waves))
+
+
+def _rules(plan):
+    with pytest.raises(PlanError) as e:
+        check_plan(plan)
+    return {v.rule for v in e.value.violations}, str(e.value)
+
+
+def test_validation_rules_name_the_wave_and_device():
+    p = clip_plan()
+    check_plan(p)
+    w = next(i for i, w in enumerate(p.waves) if len(w.slices) >= 2)
+    a, b = p.waves[w].slices[:2]
+    clash = _replace_slice(p, w, 1, ranks=(a.ranks[0],) + b.ranks[1:])
+    rules, text = _rules(clash)
+    assert 2 in rules and f"rule 2 (wave {w}, device {a.ranks[0]})" in text
+    assert ">" in text and "<" in text  # the grid marks the bad cell
+    s0 = p.waves[w].slices[0]
+    rules, _ = _rules(_replace_slice(p, w, 0, num_layers=s0.num_layers + 1))
+    assert 4 in rules
+    over = dataclasses.replace(p, device_memory_bytes=(p.memory_limit_bytes * 2,) + p.device_memory_bytes[1:])
+    rules, text = _rules(over)
+    assert 7 in rules and "device 0" in text
+    # a slice moved before its producer: dependency rule
+    last = p.waves[-1]
+    moved = dataclasses.replace(p, waves=(dataclasses.replace(p.waves[0], slices=p.waves[0].slices + tuple(
+        dataclasses.replace(s, wave=0) for s in last.slices)),) + p.waves[1:-1] + (dataclasses.replace(last, slices=()),))
+    rules, _ = _rules(moved)
+    assert 5 in rules
+    with pytest.raises(PlanError, match="rule 9"):
+        check_plan(p, world_size=8)
+    with pytest.raises(PlanError, match="not for this model"):
+        check_plan(p, graph_fingerprint=build_graph("ofasys", tasks=4).fingerprint())
+
+
+def test_placement_keeps_tp_groups_in_islands_and_prefers_local_flows():
+    p = make_plan(build_graph("qwen-val"), load_cluster(None, num_devices=32))
+    for s in p.slices():
+        for i in range(0, len(s.ranks), s.tp):
+            assert len({r // 8 for r in s.ranks[i:i + s.tp]}) == 1
+    moved = sum(t.bytes - t.local_bytes for t in p.transfers)
+    naive = make_plan(build_graph("qwen-val"), load_cluster(None, num_devices=32), placement="sequential")
+    assert sum(t.cross_island_bytes for t in p.transfers) <= sum(t.cross_island_bytes for t in naive.transfers)
+    assert moved < sum(t.bytes for t in p.transfers)
+
+
+def test_out_of_memory_names_wave_device_and_bytes():
+    with pytest.raises(PlacementError) as e:
+        make_plan(build_graph("qwen-val"), load_cluster(None, num_devices=8))
+    msg = str(e.value)
+    assert "out of memory in wave" in msg and "on device" in msg and "GiB" in msg and "limit" in msg
+
+
+def test_planning_is_fast_and_close_to_the_bound():
+    p = clip_plan(32)
+    assert p.makespan_ms >= p.lower_bound_ms * (1 - 1e-9)
+    assert p.makespan_ms <= 1.10 * p.lower_bound_ms
+
+
+# -- property tests on random graphs and curves -------------------------------------------------------------
+@st.composite
+def random_workload(draw):
+    ntasks = draw(st.integers(1, 3))
+    ops, tasks = [], []
+    batch_choices = [4, 6, 8, 12]
+    for t in range(ntasks):
+        task = f"t{t}"
+        tasks.append(task)
+        B = draw(st.sampled_from(batch_choices))
+        prev = [data_input(task, "x")]
+        heads = []
+        for e in range(draw(st.integers(1, 2))):  # encoders
+            h = draw(st.sampled_from([16, 32]))
+            prev_e = [data_input(task, f"x{e}")]
+            for i in range(draw(st.integers(1, 5))):
+                name = f"{task}.enc{e}.{i}"
+                ops.append(Operator(name=name, task=task, module=f"enc{e}", op_type="transformer_layer",
+                                    batch=B, layer=LayerConfig(hidden=h, num_heads=2, ffn_hidden=2 * h, seq_len=4),
+                                    param_key=f"shared{e}.{i}" if draw(st.booleans()) else name,
+                                    inputs=tuple(prev_e), fwd_flops=draw(st.floats(1e9, 1e13)),
+                                    param_count=draw(st.integers(10, 10**6)), out_elems_per_sample=4 * h,
+                                    act_bytes_per_sample=draw(st.floats(1.0, 1e5))))
+                prev_e = [name]
+            heads.append(prev_e[0])
+        ops.append(Operator(name=f"{task}.loss", task=task, module="loss", op_type="contrastive_loss", batch=B,
+                            layer=LayerConfig(hidden=16, proj_dim=16), param_key="", inputs=tuple(heads),
+                            fwd_flops=1e6, param_count=0, out_elems_per_sample=1, act_bytes_per_sample=8.0,
+                            batch_splittable=False, tp_splittable=False))
+    graph = TaskGraph(model="random", tasks=tuple(tasks), operators=tuple(ops))
+    n = draw(st.integers(1, 8))
+    curves = []
+    for m in contract(graph):
+        pts, t = [], draw(st.floats(0.1, 50.0))
+        for c in m.valid_counts(n):
+            pts.append([c, t])
+            t = t * draw(st.floats(0.3, 1.1))  # may be non-monotone: the fit must repair it
+        curves.append({"metaop": m.name, "points": pts})
+    return graph, n, CurvesFile.parse({"curves": curves})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_workload())
+def test_random_plans_validate_and_never_beat_the_bound(work):
+    graph, n, curves = work
+    plan = make_plan(graph, load_cluster(None, num_devices=n, gpus_per_node=4), curves_file=curves)
+    check_plan(plan)
+    assert plan.makespan_ms >= plan.lower_bound_ms * (1 - 1e-9)
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+# -- differential test against brute force --------------------------------------------------------------------
+def brute_force_level(metaops, curves, n):
+    """Optimal wave schedule of one level by shortest path over remaining-layer states (tiny cases)."""
+    names = [m.name for m in metaops]
+    counts = {m.name: m.valid_counts(n) for m in metaops}
+
+    @functools.lru_cache(maxsize=None)
+    def best(rem):
+        if not any(rem):
+            return 0.0
+        out = math.inf
+        options = []
+        for i, name in enumerate(names):
+            opts = [(0, 0)]
+            if rem[i]:
+                opts += [(c, k) for c in counts[name] for k in range(1, rem[i] + 1)]
+            options.append(opts)
+        for choice in itertools.product(*options):
+            if sum(c for c, _ in choice) > n or not any(k for _, k in choice):
+                continue
+            dur = max(k * curves[name].time(c) for (c, k), name in zip(choice, names) if k)
+            nxt = tuple(r - k for r, (_, k) in zip(rem, choice))
+            out = min(out, dur + best(nxt))
+        return out
+
+    return best(tuple(m.num_layers for m in metaops))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 4), st.lists(st.tuples(st.integers(1, 4), st.floats(1.0, 20.0), st.floats(0.2, 0.9)),
+                                   min_size=2, max_size=3))
+def test_scheduler_against_brute_force(n, specs):
+    ops = []
+    for j, (layers, t1, shrink) in enumerate(specs):
+        for i in range(layers):
+            ops.append(Operator(name=f"t{j}.m.{i}", task=f"t{j}", module="m", op_type="transformer_layer", batch=4,
+                                layer=LayerConfig(hidden=8, num_heads=1, ffn_hidden=8, seq_len=2),
+                                param_key=f"t{j}.{i}", inputs=(f"t{j}.m.{i - 1}",) if i else (data_input(f"t{j}", "x"),),
+                                fwd_flops=1e9, param_count=1, out_elems_per_sample=1, act_bytes_per_sample=1.0))
+    graph = TaskGraph(model="bf", tasks=tuple(f"t{j}" for j in range(len(specs))), operators=tuple(ops))
+    metaops = contract(graph)
+    curves = {}
+    for m, (_, t1, shrink) in zip(metaops, specs):
+        c = m.valid_counts(n)
+        curves[m.name] = fit_piecewise([(k, t1 * shrink ** math.log2(k)) for k in c], batch=m.batch, counts=c)
+    sched = plan_level(metaops, curves, n)
+    opt = brute_force_level(metaops, curves, n)
+    c_star = allocate_level({m.name: m.num_layers for m in metaops}, curves, n).c_star_ms
+    assert c_star <= opt * (1 + 1e-9)          # C* is a true lower bound
+    assert opt <= sched.span_ms * (1 + 1e-9)    # no schedule beats the optimum (accounting is right)
+    assert sched.span_ms <= 1.5 * opt           # and the heuristic stays close to it
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------
+def spindle(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_spindle.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_plan_json_and_files(tmp_path):
+    r = spindle("plan", "--model", "multitask-clip", "--tasks", "4", "--gpus", "8", "--json",
+                "--out", str(tmp_path / "p.json"), "--gantt", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for k in ("makespan_ms", "lower_bound_ms", "planning_s", "num_waves", "num_metaops", "num_levels"):
+        assert k in d
+    assert Plan.load(str(tmp_path / "p.json")).world_size == 8
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_plan_tables():
+    r = spindle("plan", "--model", "ofasys", "--tasks", "4", "--gpus", "8")
+    assert r.returncode == 0, r.stderr
+    assert "MetaOp" in r.stdout and "wave level" in r.stdout and "lower bound" in r.stdout and "planning time" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'"),
+    (["--model", "multitask-clip", "--tasks", "3", "--gpus", "8"], "not 3"),
+    (["--model", "qwen-val", "--gpus", "2"], "needs 8 devices"),
+    (["--model", "qwen-val", "--gpus", "8", "--curves", "/nonexistent.json"], "does not exist"),
+])
+def test_cli_bad_input_one_clear_line(args, needle):
+    r = spindle("plan", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_cli_malformed_curves(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"curves": [{"metaop": "x", "points": [[1, -2]]}]}))
+    r = spindle("plan", "--model", "qwen-val", "--gpus", "16", "--curves", str(f))
+    assert r.returncode == 2 and "invalid point [1, -2]" in r.stderr
