@@ -16,9 +16,14 @@ Candidates:
   counts, then upgrades, longest remaining work first);
 * **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
   leaves the least idle device-time per unit of work).
+
+Then a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
+reproducible) changes one MetaOp's tuples at a time (a single valid count, or a random layer split between
+two neighbouring counts) and keeps changes that shorten the level.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -28,6 +33,7 @@ from .metaops import MetaOp
 from .waves import Wave, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
+LOCAL_SEARCH_STEPS = 60
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 
@@ -89,4 +95,28 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
                                      variant=f"{tag}/{propose}/{align}")
                 if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
                     best = cand
+    return _local_search(metaops, curves, N, start_ms, best) if search else best
+
+
+def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
+                  best: LevelSchedule) -> LevelSchedule:
+    rng = random.Random(1000 + best.level)
+    _, propose, align = best.variant.split("/")
+    tuples = dict(best.tuples)
+    for _ in range(LOCAL_SEARCH_STEPS):
+        m = rng.choice(list(metaops))
+        valid = m.valid_counts(N)
+        options = [[AllocTuple(c, m.num_layers, float(m.num_layers))] for c in valid]
+        if m.num_layers > 1 and len(valid) > 1:
+            i = rng.randrange(len(valid) - 1)
+            k = rng.randrange(1, m.num_layers)
+            options.append([AllocTuple(valid[i + 1], k, float(k)),
+                            AllocTuple(valid[i], m.num_layers - k, float(m.num_layers - k))])
+        trial = {**tuples, m.name: rng.choice(options)}
+        waves = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose, align=align)
+        span = sum(w.duration_ms for w in waves)
+        if span < best.span_ms * (1 - 1e-12):
+            tuples = trial
+            best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,
+                                 variant=best.variant.split("+search")[0] + "+search")
     return best
