@@ -3,8 +3,10 @@
 megatron.core 0.16.1 assumes a GPU in a few places that our layers reach even with
 ``use_cpu_initialization=True`` and every fusion turned off. :func:`apply_cpu_patches` fixes exactly those,
 once per process, and does nothing when ``torch.cuda.is_available()``. Each patch below says what it fixes
-and which of our code paths reaches it; each was checked to be needed by running the layer tests without it
-(see ``tests/test_layers.py::test_cpu_patches_are_needed``).
+and which of our code paths reaches it; each was checked to be needed (megatron-core 0.16.1, torch 2.13 CPU):
+without it a forward and backward of the tiny reference models fails ("Torch not compiled with CUDA
+enabled" for the first three, "group should not be None" / "global memory buffer is not initialized" for
+the two in :func:`ensure_megatron_globals`).
 
 Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: activation
 recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), DDP buffers and
@@ -12,7 +14,8 @@ megatron optimizers (the runtime syncs gradients itself and uses torch optimizer
 
 :func:`ensure_megatron_globals` is separate and applies on GPUs too: it creates the two process-wide objects
 that megatron normally makes in ``initialize_model_parallel`` (which we never call, since every module gets
-its process groups explicitly): the global memory buffer and the RNG tracker's states.
+its process groups explicitly): the global memory buffer and the RNG tracker's states; it also keeps
+explicit tp groups alive in a process without torch.distributed (:func:`_patch_group_passthrough`).
 """
 from __future__ import annotations
 
@@ -149,6 +152,39 @@ def apply_cpu_patches() -> bool:
     return True
 
 
+_GROUP_PASSTHROUGH = False
+
+
+def _patch_group_passthrough() -> None:
+    """Keep explicit tp groups when torch.distributed is not initialised (any device).
+
+    ``megatron.core.utils.get_tensor_model_parallel_group_if_none(group)`` returns None whenever
+    torch.distributed is not initialised, even when a group was passed; Row/ColumnParallelLinear and the
+    region mappings then assert on the None group. A single-process model (the reference model, unit
+    tests) passes a one-rank stand-in group, which this patch lets through. Every megatron module that
+    imported the function by name gets the patched one.
+    """
+    global _GROUP_PASSTHROUGH
+    if _GROUP_PASSTHROUGH:
+        return
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core import utils as mutils
+
+    orig = mutils.get_tensor_model_parallel_group_if_none
+
+    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is not None and not dist.is_initialized():
+            return tp_group
+        return orig(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, orig.__name__, None) is orig:
+            setattr(module, orig.__name__, get_tensor_model_parallel_group_if_none)
+    _GROUP_PASSTHROUGH = True
+
+
 def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
     """Create megatron's process-wide objects that ``initialize_model_parallel`` would have made.
 
@@ -160,6 +196,7 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
     Idempotent; applies the CPU patches first when there is no GPU.
     """
     apply_cpu_patches()
+    _patch_group_passthrough()
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mtp
 
