@@ -35,286 +35,41 @@ replicated and gets the same gradient on every tp rank. :func:`full_state_dict` 
 Initialisation does not depend on placement: each core is built under a CPU generator seeded from
 ``(seed, param_key)`` (:func:`layer_seed`) with ``use_cpu_initialization=True``, so megatron draws every full
 weight and keeps this rank's slice: a tp shard is bitwise equal to the slice of the tp = 1 weight.
+
+Process groups: megatron blocks get theirs explicitly (``pg_collection`` with tp, and one-rank pp / cp
+groups), never from megatron's global parallel state. The wiring (configs, specs, the parameter modules
+megatron has no block for) is in :mod:`.blocks`; the shard <-> full conversions in :mod:`.layer_state`.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import math
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.core.tensor_parallel.utils import VocabUtility
-from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import init_method_normal
 
 from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
 from ..runtime.cpu_compat import ensure_megatron_globals
+from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
+                     LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
+                     pg_collection, self_group, transformer_config, use_te_backend)
+from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
+                          shard_tensor, unshard_tensors)
 
 #: Operator types whose layers accept tp > 1.
 TP_OP_TYPES = frozenset({"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter",
                          "token_embed", "lm_head"})
 #: Operator types that produce a loss scalar.
 LOSS_OP_TYPES = frozenset({"contrastive_loss", "lm_head"})
-INIT_STD = 0.02
-_BACKENDS = ("auto", "local", "te")
-#: TransformerEngine fuses the pre-attention / pre-MLP norms into the following linear; names are
-#: reported in the local spec's form so that states move between GPU (TE) and CPU (local) runs.
-_TE_TO_LOCAL = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-                "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 
 
 def layer_seed(seed: int, param_key: str) -> int:
     """Stable 63-bit seed of a parameter key: independent of placement, process and Python hash seed."""
     digest = hashlib.sha256(f"{seed}:{param_key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Process groups
-# --------------------------------------------------------------------------------------------------
-class LocalGroup:
-    """Stand-in for a one-rank process group when torch.distributed is not initialised.
-
-    megatron only asks a size-1 group for ``size()`` and ``rank()``: every collective is bypassed.
-    """
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-
-_SELF_GROUPS: dict = {}
-
-
-def self_group():
-    """A process group holding only this rank (a real one when torch.distributed is initialised).
-
-    Created with ``use_local_synchronization=True``: no other rank has to take part, and the name is a hash
-    of the ranks, so it does not disturb the order of groups created collectively elsewhere.
-    """
-    if not dist.is_initialized():
-        return LocalGroup()
-    key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank())
-    if key not in _SELF_GROUPS:
-        _SELF_GROUPS[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _SELF_GROUPS[key]
-
-
-def _pg_collection(tp_group) -> ProcessGroupCollection:
-    one = self_group()
-    return ProcessGroupCollection(tp=tp_group, pp=one, cp=one, tp_cp=tp_group, mp=tp_group)
-
-
-def _use_te(backend: str) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "local":
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-        available = torch.cuda.is_available()
-    except ImportError:
-        available = False
-    if backend == "te" and not available:
-        raise ValueError("backend='te' needs transformer_engine and a CUDA device")
-    return available
-
-
-# --------------------------------------------------------------------------------------------------
-# megatron configs and specs
-# --------------------------------------------------------------------------------------------------
-def _transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
-    """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation.
-
-    GELU MLP with biases (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP without linear biases but
-    with a QKV bias. ``num_layers=1``: megatron scales the output-projection init by the depth of the
-    block, which a single operator does not know.
-    """
-    c = op.layer
-    return TransformerConfig(
-        num_layers=1, hidden_size=c.hidden, num_attention_heads=c.num_heads,
-        ffn_hidden_size=c.ffn_hidden or 4 * c.hidden, tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
-        gated_linear_unit=c.swiglu, activation_func=F.silu if c.swiglu else F.gelu,
-        add_bias_linear=not c.swiglu, add_qkv_bias=c.swiglu, normalization="LayerNorm",
-        init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
-
-
-def _parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
-    return ModelParallelConfig(tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
-                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                               fp16=dtype == torch.float16, gradient_accumulation_fusion=False)
-
-
-def _with_tp_group(spec, tp_group):
-    """megatron's CrossAttention builds linear_q / linear_kv without ``tp_group`` (0.16.1), so with an
-    explicit group they would fall back to the global one; bind ours."""
-    if isinstance(spec, type) or callable(spec):
-        return functools.partial(spec, tp_group=tp_group)
-    return spec
-
-
-def _layer_spec(op: Operator, tp_group, use_te: bool):
-    """The layer spec: megatron's GPT layer (transformer_layer) or T5 decoder layer (decoder_layer)."""
-    import copy
-
-    if op.op_type == "transformer_layer":
-        from megatron.core.models.gpt import gpt_layer_specs as g
-        spec = g.get_gpt_layer_with_transformer_engine_spec() if use_te else g.get_gpt_layer_local_spec()
-    else:
-        from megatron.core.models.T5 import t5_spec as t
-        spec = (t.decoder_model_with_transformer_engine_default_spec() if use_te
-                else t.decoder_model_with_local_spec())
-    spec = copy.deepcopy(spec)
-    sub = spec.submodules
-    sub.self_attention.params = dict(sub.self_attention.params or {},
-                                     attn_mask_type=AttnMaskType.causal if op.layer.causal
-                                     else AttnMaskType.no_mask)
-    if op.op_type == "decoder_layer":
-        cross = sub.cross_attention
-        cross.params = dict(cross.params or {}, attn_mask_type=AttnMaskType.no_mask)
-        cross.submodules.linear_q = _with_tp_group(cross.submodules.linear_q, tp_group)
-        cross.submodules.linear_kv = _with_tp_group(cross.submodules.linear_kv, tp_group)
-    return spec
-
-
-# --------------------------------------------------------------------------------------------------
-# Parameter holders ("cores") that are not megatron blocks
-# --------------------------------------------------------------------------------------------------
-def _normal_(t: Tensor) -> Tensor:
-    return nn.init.normal_(t, mean=0.0, std=INIT_STD)
-
-
-class PatchEmbedding(nn.Module):
-    """Linear projection of pre-cut patches, a class token and learned positions (ViT)."""
-
-    def __init__(self, input_dim: int, hidden: int, positions: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(input_dim, hidden)
-        self.cls_token = nn.Parameter(torch.empty(hidden))
-        self.positions = nn.Parameter(torch.empty(positions, hidden))
-        _normal_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
-        _normal_(self.cls_token)
-        _normal_(self.positions)
-
-
-class TokenEmbedding(nn.Module):
-    """Vocabulary-parallel token embedding and learned positions (replicated over tp)."""
-
-    def __init__(self, vocab: int, hidden: int, positions: int, *, config, tp_group) -> None:
-        super().__init__()
-        self.word = VocabParallelEmbedding(vocab, hidden, init_method=init_method_normal(INIT_STD),
-                                           config=config, tp_group=tp_group)
-        self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden)))
-
-
-class PoolHead(nn.Module):
-    """Final norm and bias-free projection to the contrastive space."""
-
-    def __init__(self, hidden: int, proj_dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.proj = nn.Linear(hidden, proj_dim, bias=False)
-        _normal_(self.proj.weight)
-
-
-class CrossAttentionAdapter(nn.Module):
-    """Qwen-VL resampler: learned queries cross-attend to projected encoder features.
-
-    ``kv_proj`` (encoder width -> hidden, column-parallel, gathered), ``kv_norm`` and ``query_norm``
-    (replicated), megatron ``CrossAttention`` (heads split over tp). No residual, as in Qwen-VL.
-    """
-
-    def __init__(self, op: Operator, queries: int, *, config: TransformerConfig, tp_group) -> None:
-        super().__init__()
-        from megatron.core.tensor_parallel.layers import RowParallelLinear
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        c = op.layer
-        self.queries = nn.Parameter(_normal_(torch.empty(queries, c.hidden)))
-        self.kv_proj = ColumnParallelLinear(c.input_dim, c.hidden, config=config,
-                                            init_method=config.init_method, bias=False,
-                                            gather_output=True, tp_group=tp_group)
-        self.kv_norm = nn.LayerNorm(c.hidden)
-        self.query_norm = nn.LayerNorm(c.hidden)
-        sub = CrossAttentionSubmodules(
-            linear_q=functools.partial(ColumnParallelLinear, tp_group=tp_group),
-            linear_kv=functools.partial(ColumnParallelLinear, tp_group=tp_group),
-            core_attention=DotProductAttention, linear_proj=RowParallelLinear)
-        self.attention = CrossAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
-                                        pg_collection=_pg_collection(tp_group))
-
-
-class LinearAdapter(nn.Module):
-    """Column-parallel projection (gathered output) after average pooling."""
-
-    def __init__(self, input_dim: int, hidden: int, *, config, tp_group) -> None:
-        super().__init__()
-        self.proj = ColumnParallelLinear(input_dim, hidden, config=config,
-                                         init_method=init_method_normal(INIT_STD), bias=True,
-                                         gather_output=True, tp_group=tp_group)
-
-
-class LMHead(nn.Module):
-    """Final norm (replicated) and a bias-free vocabulary projection split over tp by vocabulary."""
-
-    def __init__(self, hidden: int, vocab: int, *, config, tp_group) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.output = ColumnParallelLinear(hidden, vocab, config=config,
-                                           init_method=init_method_normal(INIT_STD), bias=False,
-                                           gather_output=False, tp_group=tp_group)
-
-
-class _GroupVocabParallelCrossEntropy(torch.autograd.Function):
-    """megatron's vocab-parallel cross-entropy with an explicit tp group.
-
-    ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` reads the global tp group; this is the
-    same computation (megatron's own ``VocabParallelCrossEntropy`` steps) with the group passed in.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, group, rank: int, size: int) -> Tensor:
-        logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
-        if size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.size(-1), rank, size)
-        mask, masked_target_1d, predicted, sum_exp, exp_logits = (
-            VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, start, end))
-        if size > 1:
-            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted,
-                                                                               sum_exp)
-        ctx.save_for_backward(softmax, mask, masked_target_1d)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        softmax, mask, masked_target_1d = ctx.saved_tensors
-        grad_2d, arange_1d, update, grad_input = (
-            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, mask))
-        grad_input = VocabParallelCrossEntropy.calculate_gradients(
-            grad_2d, arange_1d, masked_target_1d, update, grad_input, grad_output)
-        return grad_input, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,7 +221,7 @@ class LMHeadLayer(OperatorLayer):
                              f"labels [b, {c.loss_tokens}], got {list(x.shape)} and {list(labels.shape)}")
         h = x[:, c.seq_len - c.loss_tokens:c.seq_len]
         logits, _ = self.core.output(self.core.norm(h))
-        loss = _GroupVocabParallelCrossEntropy.apply(logits, labels, self.tp_group, self.tp_rank,
+        loss = GroupVocabParallelCrossEntropy.apply(logits, labels, self.tp_group, self.tp_rank,
                                                      self.tp_size)
         return loss.sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
 
@@ -518,14 +273,14 @@ def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, row
                 use_te: bool) -> nn.Module:
     c, t = op.layer, op.op_type
     if t in ("transformer_layer", "decoder_layer"):
-        config = _transformer_config(op, tp_size, dtype)
-        spec = _layer_spec(op, tp_group, use_te)
+        config = transformer_config(op, tp_size, dtype)
+        spec = layer_spec(op, tp_group, use_te)
         return TransformerLayer(config, spec.submodules, layer_number=1,
-                                pg_collection=_pg_collection(tp_group))
+                                pg_collection=pg_collection(tp_group))
     if t == "cross_attn_adapter":
-        return CrossAttentionAdapter(op, rows, config=_transformer_config(op, tp_size, dtype),
+        return CrossAttentionAdapter(op, rows, config=transformer_config(op, tp_size, dtype),
                                      tp_group=tp_group)
-    pconfig = _parallel_config(tp_size, dtype)
+    pconfig = parallel_config(tp_size, dtype)
     if t == "patch_embed":
         return PatchEmbedding(c.input_dim, c.hidden, rows)
     if t == "token_embed":
@@ -560,7 +315,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
     if op.op_type not in _LAYER_CLASSES:
         raise ValueError(f"operator {op.name!r}: unknown op_type {op.op_type!r}")
     _check_tp(op, tp_group, tp_rank, tp_size)
-    use_te = _use_te(backend)
+    use_te = use_te_backend(backend)
     ensure_megatron_globals(seed=seed, tp_rank=tp_rank)
     if tp_size == 1 and tp_group is None:
         tp_group = self_group()
@@ -584,87 +339,67 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
 
 
 # --------------------------------------------------------------------------------------------------
-# Full (unsharded) state
+# Shapes and example inputs (tests, the profiler, transfer sizes)
 # --------------------------------------------------------------------------------------------------
-def shard_spec(param: Tensor) -> tuple[int, int] | None:
-    """``(partition_dim, partition_stride)`` of a tensor-parallel shard, None for a replicated tensor."""
-    if getattr(param, "tensor_model_parallel", False):
-        return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
-    return None
+def output_shape(op: Operator) -> tuple[int, ...]:
+    """Per-sample shape of the operator's output (``()`` for a loss)."""
+    c = op.layer
+    if op.op_type in LOSS_OP_TYPES:
+        return ()
+    if op.op_type == "pool_head":
+        return (c.proj_dim,)
+    if op.op_type == "decoder_layer":
+        return (c.seq_len + c.memory_seq_len, c.hidden)
+    return (c.seq_len, c.hidden)
 
 
-def shard_tensor(full: Tensor, *, dim: int, stride: int, rank: int, size: int) -> Tensor:
-    """Rank ``rank``'s shard of ``full`` the way megatron's CPU initialisation cuts it.
+def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per-sample ``(shape, dtype)`` of each input of ``op``, in order.
 
-    ``full`` is split along ``dim`` into ``stride * size`` equal chunks and rank r keeps chunks
-    r, r + size, ... (stride 2 for a SwiGLU ``linear_fc1``: each rank holds its gate and its up slice).
+    Operator inputs take their producer's :func:`output_shape` (``graph`` needed when there are several);
+    a lone operator input is the shape the layer expects; data streams follow ``models.data``.
     """
-    n = full.shape[dim]
-    if n % (stride * size):
-        raise ValueError(f"dimension {dim} of size {n} does not split into {stride} x {size} chunks")
-    chunks = torch.split(full, n // (stride * size), dim=dim)
-    return torch.cat(chunks[rank::size], dim=dim)
+    from .data import stream_spec_for
 
-
-def unshard_tensors(shards: Sequence[Tensor], *, dim: int, stride: int) -> Tensor:
-    """Inverse of :func:`shard_tensor` over all ranks' shards (in tp rank order)."""
-    pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
-    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
-
-
-def _canonical(name: str, use_te: bool) -> str:
-    if use_te:
-        for te, local in _TE_TO_LOCAL.items():
-            if name.startswith(te):
-                return local + name[len(te):]
-    return name
-
-
-def full_state_dict(layer: OperatorLayer, tp_group=None) -> dict[str, Tensor]:
-    """The unsharded parameters of ``layer`` as CPU tensors, keyed by name within the layer.
-
-    Collective over the layer's tp group (``tp_group`` defaults to the one it was built with): every tp
-    rank must call it. Names follow the local (non-TE) spec, so a GPU (TE) layer and a CPU layer agree.
-    """
-    group = tp_group if tp_group is not None else layer.tp_group
-    size = layer.tp_size
-    out = {}
-    for name, p in layer.core.named_parameters():
-        t = p.detach()
-        spec = shard_spec(p)
-        if spec is not None and size > 1:
-            shards = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(shards, t.contiguous(), group=group)
-            t = unshard_tensors(shards, dim=spec[0], stride=spec[1])
-        out[_canonical(name, layer.use_te)] = t.cpu().clone()
+    c = op.layer
+    acts = [n for n in op.inputs if not n.startswith(DATA_PREFIX)]
+    own = {"transformer_layer": (c.seq_len, c.hidden),
+           "decoder_layer": (c.seq_len + c.memory_seq_len, c.hidden),
+           "pool_head": (c.seq_len, c.hidden), "lm_head": (c.seq_len, c.hidden),
+           "contrastive_loss": (c.proj_dim,),
+           "cross_attn_adapter": (c.input_seq_len, c.input_dim),
+           "linear_adapter": (c.input_seq_len or c.seq_len, c.input_dim)}.get(op.op_type)
+    out = []
+    for i, name in enumerate(op.inputs):
+        if name.startswith(DATA_PREFIX):
+            spec = stream_spec_for(op, i)
+            out.append((spec.shape, spec.dtype))
+        elif graph is not None:
+            out.append((output_shape(graph[name]), torch.float32))
+        elif len(acts) == 1 or op.op_type == "contrastive_loss":
+            out.append((own, torch.float32))
+        else:
+            raise ValueError(f"operator {op.name!r} has {len(acts)} operator inputs: pass the graph to "
+                             f"know how its sequence splits between them")
     return out
 
 
-@torch.no_grad()
-def load_full_state_dict(layer: OperatorLayer, state: dict[str, Tensor]) -> None:
-    """Copy unsharded parameters (as from :func:`full_state_dict` or ``ReferenceModel.layer_state``)
-    into ``layer``'s shard. Every parameter must be present with its full shape; no communication."""
-    params = dict(layer.core.named_parameters())
-    names = {_canonical(n, layer.use_te): n for n in params}
-    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
-    if missing or unexpected:
-        raise ValueError(f"layer {layer.op.name!r}: state is missing {missing}, has unexpected {unexpected}")
-    for cname, name in names.items():
-        p, full = params[name], state[cname]
-        spec = shard_spec(p)
-        if spec is not None and layer.tp_size > 1:
-            full = shard_tensor(full, dim=spec[0], stride=spec[1], rank=layer.tp_rank, size=layer.tp_size)
-        if full.shape != p.shape:
-            raise ValueError(f"layer {layer.op.name!r}: {cname} has shape {list(full.shape)}, "
-                             f"the layer expects {list(p.shape)} (tp {layer.tp_rank}/{layer.tp_size})")
-        p.copy_(full)
-
-
-def num_parameters(layer: OperatorLayer) -> int:
-    """Parameters of the unsharded layer (shards counted at full size)."""
-    return sum(p.numel() * (layer.tp_size if shard_spec(p) else 1) for p in layer.core.parameters())
+def example_inputs(op: Operator, batch: int, *, graph: TaskGraph | None = None,
+                   generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+                   device=None, requires_grad: bool = False) -> list[Tensor]:
+    """Random inputs of ``op`` for ``batch`` samples: normal activations, token ids below the vocabulary."""
+    out = []
+    for shape, dt in input_shapes(op, graph):
+        if dt.is_floating_point:
+            x = torch.randn((batch, *shape), generator=generator).to(dtype=dtype, device=device)
+            out.append(x.requires_grad_(requires_grad))
+        else:
+            out.append(torch.randint(0, op.layer.vocab_size, (batch, *shape), generator=generator,
+                                     device="cpu").to(device))
+    return out
 
 
 __all__ = ["OperatorLayer", "build_layer", "full_state_dict", "load_full_state_dict", "layer_seed",
            "shard_spec", "shard_tensor", "unshard_tensors", "table_rows", "self_group", "LocalGroup",
-           "num_parameters", "TP_OP_TYPES", "LOSS_OP_TYPES"]
+           "num_parameters", "output_shape", "input_shapes", "example_inputs", "TP_OP_TYPES",
+           "LOSS_OP_TYPES"]

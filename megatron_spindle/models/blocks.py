@@ -1,0 +1,262 @@
+"""Building blocks of the operator layers: megatron configs and specs, process-group helpers, the
+parameter modules that megatron has no block for, and a vocab-parallel cross-entropy over an explicit group.
+
+Everything here is wiring; :mod:`megatron_spindle.models.layers` documents the conventions.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                  VocabParallelEmbedding)
+from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal
+
+from ..planner.graph import Operator
+
+INIT_STD = 0.02
+_BACKENDS = ("auto", "local", "te")
+
+
+# --------------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------------
+class LocalGroup:
+    """Stand-in for a one-rank process group when torch.distributed is not initialised.
+
+    megatron only asks a size-1 group for ``size()`` and ``rank()``: every collective is bypassed.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+_SELF_GROUPS: dict = {}
+
+
+def self_group():
+    """A process group holding only this rank (a real one when torch.distributed is initialised).
+
+    Created with ``use_local_synchronization=True``: no other rank has to take part, and the name is a hash
+    of the ranks, so it does not disturb the order of groups created collectively elsewhere.
+    """
+    if not dist.is_initialized():
+        return LocalGroup()
+    key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank())
+    if key not in _SELF_GROUPS:
+        _SELF_GROUPS[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _SELF_GROUPS[key]
+
+
+def pg_collection(tp_group) -> ProcessGroupCollection:
+    one = self_group()
+    return ProcessGroupCollection(tp=tp_group, pp=one, cp=one, tp_cp=tp_group, mp=tp_group)
+
+
+def use_te_backend(backend: str) -> bool:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if backend == "te" and not available:
+        raise ValueError("backend='te' needs transformer_engine and a CUDA device")
+    return available
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron configs and specs
+# --------------------------------------------------------------------------------------------------
+def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
+    """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation.
+
+    GELU MLP with biases (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP without linear biases but
+    with a QKV bias. ``num_layers=1``: megatron scales the output-projection init by the depth of the
+    block, which a single operator does not know.
+    """
+    c = op.layer
+    return TransformerConfig(
+        num_layers=1, hidden_size=c.hidden, num_attention_heads=c.num_heads,
+        ffn_hidden_size=c.ffn_hidden or 4 * c.hidden, tensor_model_parallel_size=tp_size,
+        use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
+        gated_linear_unit=c.swiglu, activation_func=F.silu if c.swiglu else F.gelu,
+        add_bias_linear=not c.swiglu, add_qkv_bias=c.swiglu, normalization="LayerNorm",
+        init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False)
+
+
+def parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
+    return ModelParallelConfig(tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               fp16=dtype == torch.float16, gradient_accumulation_fusion=False)
+
+
+def _with_tp_group(spec, tp_group):
+    """megatron's CrossAttention builds linear_q / linear_kv without ``tp_group`` (0.16.1), so with an
+    explicit group they would fall back to the global one; bind ours."""
+    if isinstance(spec, type) or callable(spec):
+        return functools.partial(spec, tp_group=tp_group)
+    return spec
+
+
+def layer_spec(op: Operator, tp_group, use_te: bool):
+    """The layer spec: megatron's GPT layer (transformer_layer) or T5 decoder layer (decoder_layer)."""
+    if op.op_type == "transformer_layer":
+        from megatron.core.models.gpt import gpt_layer_specs as g
+        spec = g.get_gpt_layer_with_transformer_engine_spec() if use_te else g.get_gpt_layer_local_spec()
+    else:
+        from megatron.core.models.T5 import t5_spec as t
+        spec = (t.decoder_model_with_transformer_engine_default_spec() if use_te
+                else t.decoder_model_with_local_spec())
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    sub.self_attention.params = dict(sub.self_attention.params or {},
+                                     attn_mask_type=AttnMaskType.causal if op.layer.causal
+                                     else AttnMaskType.no_mask)
+    if op.op_type == "decoder_layer":
+        cross = sub.cross_attention
+        cross.params = dict(cross.params or {}, attn_mask_type=AttnMaskType.no_mask)
+        cross.submodules.linear_q = _with_tp_group(cross.submodules.linear_q, tp_group)
+        cross.submodules.linear_kv = _with_tp_group(cross.submodules.linear_kv, tp_group)
+    return spec
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter holders ("cores") that are not megatron blocks
+# --------------------------------------------------------------------------------------------------
+def _normal_(t: Tensor) -> Tensor:
+    return nn.init.normal_(t, mean=0.0, std=INIT_STD)
+
+
+class PatchEmbedding(nn.Module):
+    """Linear projection of pre-cut patches, a class token and learned positions (ViT)."""
+
+    def __init__(self, input_dim: int, hidden: int, positions: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, hidden)
+        self.cls_token = nn.Parameter(torch.empty(hidden))
+        self.positions = nn.Parameter(torch.empty(positions, hidden))
+        _normal_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+        _normal_(self.cls_token)
+        _normal_(self.positions)
+
+
+class TokenEmbedding(nn.Module):
+    """Vocabulary-parallel token embedding and learned positions (replicated over tp)."""
+
+    def __init__(self, vocab: int, hidden: int, positions: int, *, config, tp_group) -> None:
+        super().__init__()
+        self.word = VocabParallelEmbedding(vocab, hidden, init_method=init_method_normal(INIT_STD),
+                                           config=config, tp_group=tp_group)
+        self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden)))
+
+
+class PoolHead(nn.Module):
+    """Final norm and bias-free projection to the contrastive space."""
+
+    def __init__(self, hidden: int, proj_dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, proj_dim, bias=False)
+        _normal_(self.proj.weight)
+
+
+class CrossAttentionAdapter(nn.Module):
+    """Qwen-VL resampler: learned queries cross-attend to projected encoder features.
+
+    ``kv_proj`` (encoder width -> hidden, column-parallel, gathered), ``kv_norm`` and ``query_norm``
+    (replicated), megatron ``CrossAttention`` (heads split over tp). No residual, as in Qwen-VL.
+    """
+
+    def __init__(self, op: Operator, queries: int, *, config: TransformerConfig, tp_group) -> None:
+        super().__init__()
+        c = op.layer
+        self.queries = nn.Parameter(_normal_(torch.empty(queries, c.hidden)))
+        self.kv_proj = ColumnParallelLinear(c.input_dim, c.hidden, config=config,
+                                            init_method=config.init_method, bias=False,
+                                            gather_output=True, tp_group=tp_group)
+        self.kv_norm = nn.LayerNorm(c.hidden)
+        self.query_norm = nn.LayerNorm(c.hidden)
+        sub = CrossAttentionSubmodules(
+            linear_q=functools.partial(ColumnParallelLinear, tp_group=tp_group),
+            linear_kv=functools.partial(ColumnParallelLinear, tp_group=tp_group),
+            core_attention=DotProductAttention, linear_proj=RowParallelLinear)
+        self.attention = CrossAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
+                                        pg_collection=pg_collection(tp_group))
+
+
+class LinearAdapter(nn.Module):
+    """Column-parallel projection (gathered output) after average pooling."""
+
+    def __init__(self, input_dim: int, hidden: int, *, config, tp_group) -> None:
+        super().__init__()
+        self.proj = ColumnParallelLinear(input_dim, hidden, config=config,
+                                         init_method=init_method_normal(INIT_STD), bias=True,
+                                         gather_output=True, tp_group=tp_group)
+
+
+class LMHead(nn.Module):
+    """Final norm (replicated) and a bias-free vocabulary projection split over tp by vocabulary."""
+
+    def __init__(self, hidden: int, vocab: int, *, config, tp_group) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.output = ColumnParallelLinear(hidden, vocab, config=config,
+                                           init_method=init_method_normal(INIT_STD), bias=False,
+                                           gather_output=False, tp_group=tp_group)
+
+
+class GroupVocabParallelCrossEntropy(torch.autograd.Function):
+    """megatron's vocab-parallel cross-entropy with an explicit tp group.
+
+    ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` reads the global tp group; this is the
+    same computation (megatron's own ``VocabParallelCrossEntropy`` steps) with the group passed in.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, group, rank: int, size: int) -> Tensor:
+        logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
+        if size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.size(-1), rank, size)
+        mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, start, end))
+        if size > 1:
+            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted,
+                                                                               sum_exp)
+        ctx.save_for_backward(softmax, mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        softmax, mask, masked_target_1d = ctx.saved_tensors
+        grad_2d, arange_1d, update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, mask))
+        grad_input = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, update, grad_input, grad_output)
+        return grad_input, None, None, None, None
