@@ -1,0 +1,108 @@
+"""Run a function on several CPU processes joined by a gloo process group (multi-process tests).
+
+``run_ranks(fn, world_size, *args, timeout_s=...)`` spawns ``world_size`` processes, points them at a free
+port (a socket bound to port 0), calls ``init_process_group("gloo")``, runs ``fn(rank, world_size, *args)``
+and returns every rank's return value (which must pickle), in rank order. If any rank raises, dies or the
+timeout passes, every other rank is killed at once and the error lists each rank's traceback (or exit code).
+
+Process starts cost seconds (importing torch and megatron.core), so a test module should start processes
+once and run several cases inside ``fn``. ``fn`` must be importable (a module-level function).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    os.environ.update(_ENV)
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _drain(results, values: dict, errors: dict, *, grace_s: float) -> None:
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=max(0.01, end - time.monotonic()))
+        except queue.Empty:
+            return
+        (values if ok else errors)[rank] = value
+
+
+class RanksFailed(AssertionError):
+    """At least one rank failed; the message holds every rank's traceback or exit status."""
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) + len(errors) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+                (values if ok else errors)[rank] = value
+                if errors:
+                    _drain(results, values, errors, grace_s=1.0)  # tracebacks of ranks failing with it
+                    break
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in values and r not in errors]
+            if dead:
+                _drain(results, values, errors, grace_s=0.5)
+                for r in dead:
+                    errors.setdefault(r, f"process exited with code {procs[r].exitcode}")
+                break
+            if time.monotonic() > deadline:
+                for r in range(world_size):
+                    if r not in values and r not in errors:
+                        errors[r] = f"no result within {timeout_s:.0f} s"
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    if errors:
+        report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        missing = sorted(set(range(world_size)) - set(values) - set(errors))
+        if missing:
+            report += f"\n--- ranks {missing}: killed after the first failure ---"
+        raise RanksFailed(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+    return [values[r] for r in range(world_size)]

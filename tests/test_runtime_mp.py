@@ -1,0 +1,254 @@
+"""Multi-process (gloo, CPU) tests: tensor-parallel layers, the group registry, inter-wave resharding.
+
+Processes start once for the module (about 10 s on 2 cores, mostly importing megatron.core); every case
+runs inside that one 4-rank job and the test functions check their part of its results. Pure tests of
+the transfer planning need no processes.
+"""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from megatron_spindle.runtime.reshard import (Layout, Message, TransferSpec, backward_messages,
+                                              forward_messages)
+from mp_harness import RanksFailed, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+WORLD = 4
+BATCH = 8
+SEED = 11
+REL_TOL = 1e-5
+
+# (workload, operator name) run with tp=2 on ranks [0, 1] and on ranks [2, 3], and with tp=4 on all.
+TP2_CASES = {
+    (0, 1): [("multitask-clip", "vision-text.vision.0"), ("multitask-clip", "vision-text.text.1"),
+             ("ofasys", "caption.decoder.0"), ("ofasys", "caption.decoder.head")],
+    (2, 3): [("qwen-val", "language.llm.0"), ("qwen-val", "vision-language.vision.adapter"),
+             ("qwen-val", "audio-language.audio.adapter"), ("qwen-val", "language.llm.embed"),
+             ("qwen-val", "vision-language.llm.head")],
+}
+TP4_CASES = [("qwen-val", "language.llm.1"), ("ofasys", "vqa.decoder.1")]
+
+RESHARD_CASES = [
+    (Layout(ranks=(0, 1), batch=BATCH), Layout(ranks=(2, 3), tp=2, batch=BATCH)),
+    (Layout(ranks=(0, 1, 2, 3), batch=BATCH), Layout(ranks=(1,), batch=BATCH)),
+    (Layout(ranks=(0,), batch=BATCH), Layout(ranks=(0, 1, 2, 3), batch=BATCH)),
+    (Layout(ranks=(0,), batch=BATCH), Layout(ranks=(0, 1, 2, 3), tp=2, batch=BATCH)),
+    (Layout(ranks=(0, 1, 2, 3), tp=2, batch=BATCH), Layout(ranks=(3, 2, 1, 0), batch=BATCH)),
+    (Layout(ranks=(2, 3), tp=2, batch=BATCH), Layout(ranks=(0, 1), batch=BATCH)),
+    (Layout(ranks=(0, 1, 2, 3), tp=4, batch=BATCH), Layout(ranks=(1, 3), tp=1, batch=BATCH)),
+]
+SAMPLE = (3, 2)
+
+REGISTRY = {"a": (0, 1), "b": (2, 3), "a-again": (1, 0), "mid": (1, 2), "all": (0, 1, 2, 3),
+            "odd": (1, 3), "solo": (2,)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Code that runs on the ranks
+# --------------------------------------------------------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _tp_case(model: str, name: str, group, tp_rank: int, tp_size: int) -> dict:
+    from megatron_spindle.models.layers import (LOSS_OP_TYPES, build_layer, example_inputs,
+                                                full_state_dict, load_full_state_dict, shard_spec,
+                                                shard_tensor)
+    from megatron_spindle.planner.workloads import build_graph
+
+    graph = build_graph(model, size="tiny", batch=BATCH)
+    op = graph[name]
+    ref = build_layer(op, seed=SEED, graph=graph)
+    sharded = build_layer(op, seed=SEED, graph=graph, tp_group=group, tp_rank=tp_rank, tp_size=tp_size)
+    ref_params = dict(ref.core.named_parameters())
+
+    def shard_of(full, p):
+        spec = shard_spec(p)
+        return full if spec is None else shard_tensor(full, dim=spec[0], stride=spec[1], rank=tp_rank,
+                                                      size=tp_size)
+
+    n_sharded = 0
+    for pname, p in sharded.core.named_parameters():
+        n_sharded += shard_spec(p) is not None
+        if not torch.equal(shard_of(ref_params[pname].detach(), p), p.detach()):
+            raise AssertionError(f"{name}: shard of {pname} differs from the slice of the unsharded weight")
+    full = full_state_dict(sharded)
+    if full.keys() != ref_params.keys() or any(not torch.equal(full[k], ref_params[k]) for k in full):
+        raise AssertionError(f"{name}: full_state_dict of the shards differs from the unsharded layer")
+
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = example_inputs(op, BATCH, graph=graph, generator=gen)
+    ri = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    si = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    ro, so = ref(ri), sharded(si)
+    if op.op_type in LOSS_OP_TYPES:
+        ro.backward()
+        so.backward()
+    else:
+        grad_out = torch.randn(ro.shape, generator=gen)
+        ro.backward(grad_out)
+        so.backward(grad_out)
+    errs = {"out": _rel(so.detach(), ro.detach())}
+    for i, (a, b) in enumerate(zip(si, ri)):
+        if b.grad is not None:
+            errs[f"input{i}.grad"] = _rel(a.grad, b.grad)
+    for pname, p in sharded.core.named_parameters():
+        errs[f"{pname}.grad"] = _rel(p.grad, shard_of(ref_params[pname].grad, p))
+    worst = max(errs, key=errs.get)
+    if errs[worst] > REL_TOL:
+        raise AssertionError(f"{name} tp{tp_size}: {worst} relative error {errs[worst]:.2e}")
+
+    moved = {k: v * 2 + 1 for k, v in full.items()}  # load a full state, read it back
+    load_full_state_dict(sharded, moved)
+    back = full_state_dict(sharded)
+    if any(not torch.equal(back[k], moved[k]) for k in moved):
+        raise AssertionError(f"{name}: load_full_state_dict / full_state_dict round trip differs")
+    return {"max_rel_err": errs[worst], "sharded_params": n_sharded}
+
+
+def _registry_case(rank: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_spindle.runtime.groups import ProcessGroupRegistry
+
+    reg = ProcessGroupRegistry(REGISTRY, timeout=datetime.timedelta(seconds=60))
+    sums = {}
+    for name in reg.names():
+        group = reg.get(name)
+        member = rank in REGISTRY[name]
+        if (group is not None) != member:
+            raise AssertionError(f"rank {rank}: group {name!r} membership wrong")
+        if member:
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=group)
+            sums[name] = t.item()
+    out = {"distinct": len(reg), "sums": sums, "shared": reg.get("a") is reg.get("a-again"),
+           "ranks_mid": reg.ranks("mid")}
+    reg.destroy()
+    return out
+
+
+def _global(shape, offset: float = 0.0) -> torch.Tensor:
+    return torch.arange(BATCH * shape[0] * shape[1], dtype=torch.float32).reshape(BATCH, *shape) + offset
+
+
+def _reshard_cases(rank: int) -> list[str]:
+    from megatron_spindle.runtime.reshard import reshard_backward, reshard_forward, run_transfers
+
+    x, g = _global(SAMPLE), _global(SAMPLE, offset=0.5) * -1
+    done = []
+    for src, dst in RESHARD_CASES:
+        have, want = src.local_samples(rank), dst.local_samples(rank)
+        local = None if have is None else x[have[0]:have[1]]
+        got = reshard_forward(local, src, dst, sample_shape=SAMPLE)
+        if (got is None) != (want is None) or (want and not torch.equal(got, x[want[0]:want[1]])):
+            raise AssertionError(f"rank {rank}: forward {src} -> {dst} got wrong samples")
+        grad = None if want is None else g[want[0]:want[1]]
+        back = reshard_backward(grad, src, dst, sample_shape=SAMPLE)
+        if (back is None) != (have is None) or (have and not torch.equal(back, g[have[0]:have[1]])):
+            raise AssertionError(f"rank {rank}: backward {src} -> {dst} got wrong gradient")
+        done.append(f"{src}->{dst}")
+    # Fan-in: two inputs of one consumer moved in one batch_isend_irecv (same rank pairs, two tags).
+    a, b = Layout(ranks=(0, 1), batch=BATCH), Layout(ranks=(1,), batch=BATCH)
+    d = Layout(ranks=(2, 3), tp=2, batch=BATCH)
+    y = x * 10
+    specs = [TransferSpec(src=a, dst=d, sample_shape=SAMPLE), TransferSpec(src=b, dst=d, sample_shape=SAMPLE)]
+    mine = [x[slice(*a.local_samples(rank))] if rank in a.ranks else None, y if rank in b.ranks else None]
+    outs = run_transfers(specs, mine)
+    if rank in d.ranks and not (torch.equal(outs[0], x) and torch.equal(outs[1], y)):
+        raise AssertionError(f"rank {rank}: batched fan-in transfer got wrong samples")
+    done.append("fan-in")
+    return done
+
+
+def _all_cases(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    pairs = {p: dist.new_group(list(p)) for p in sorted(TP2_CASES)}
+    everyone = dist.new_group(list(range(world)))
+    out = {"tp2": {}, "tp4": {}}
+    for pair, cases in TP2_CASES.items():
+        if rank in pair:
+            for model, name in cases:
+                out["tp2"][name] = _tp_case(model, name, pairs[pair], pair.index(rank), 2)
+    for model, name in TP4_CASES:
+        out["tp4"][name] = _tp_case(model, name, everyone, rank, world)
+    out["registry"] = _registry_case(rank)
+    dist.barrier()
+    out["reshard"] = _reshard_cases(rank)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_cases, WORLD, timeout_s=240)
+
+
+def test_tensor_parallel_layers_match_the_unsharded_layer(results):
+    for pair, cases in TP2_CASES.items():
+        for rank in pair:
+            for _, name in cases:
+                r = results[rank]["tp2"][name]
+                assert r["max_rel_err"] <= REL_TOL and r["sharded_params"] > 0, (rank, name, r)
+    for rank in range(WORLD):
+        assert set(results[rank]["tp4"]) == {n for _, n in TP4_CASES}
+
+
+def test_registry_creates_groups_consistently(results):
+    for rank in range(WORLD):
+        r = results[rank]["registry"]
+        assert r["distinct"] == 6 and r["shared"] and r["ranks_mid"] == (1, 2)
+        expected = {n: float(sum(rs)) for n, rs in REGISTRY.items() if rank in rs}
+        assert r["sums"] == expected
+
+
+def test_reshard_moves_exact_samples_and_gradients(results):
+    for rank in range(WORLD):
+        assert len(results[rank]["reshard"]) == len(RESHARD_CASES) + 1
+
+
+def test_harness_reports_every_failing_rank():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_fail_on_odd_ranks, 2, timeout_s=60)
+    text = str(info.value)
+    assert "rank 1" in text and "odd rank 1 failed" in text
+
+
+def _fail_on_odd_ranks(rank: int, world: int) -> int:
+    if rank % 2:
+        raise RuntimeError(f"odd rank {rank} failed")
+    return rank
+
+
+# Pure planning tests ------------------------------------------------------------------------------
+def test_forward_messages_prefer_local_copies_and_spread_over_replicas():
+    msgs = forward_messages(Layout(ranks=(0,), batch=8), Layout(ranks=(0, 1, 2, 3), batch=8))
+    assert msgs == [Message(0, 0, 0, 2), Message(0, 1, 2, 4), Message(0, 2, 4, 6), Message(0, 3, 6, 8)]
+    assert msgs[0].local
+    msgs = forward_messages(Layout(ranks=(2, 3), tp=2, batch=8), Layout(ranks=(0, 1), batch=8))
+    assert [str(m) for m in msgs] == ["2->0[0:4]", "3->1[4:8]"]
+
+
+def test_backward_messages_take_one_replica_per_sample_range():
+    msgs = backward_messages(Layout(ranks=(0, 1, 2, 3), batch=8), Layout(ranks=(2, 3), tp=2, batch=8))
+    assert [str(m) for m in msgs] == ["2->0[0:2]", "3->1[2:4]", "2->2[4:6]", "3->3[6:8]"]
+    msgs = backward_messages(Layout(ranks=(0, 1), tp=2, batch=8), Layout(ranks=(2, 3), batch=8))
+    assert [str(m) for m in msgs] == ["2->0[0:4]", "3->0[4:8]", "2->1[0:4]", "3->1[4:8]"]
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="does not split"):
+        Layout(ranks=(0, 1, 2), batch=8)
+    with pytest.raises(ValueError, match="tp=2"):
+        Layout(ranks=(0, 1, 2), tp=2, batch=6)
+    with pytest.raises(ValueError, match="distinct"):
+        Layout(ranks=(0, 0), batch=8)
+    with pytest.raises(ValueError, match="different global batches"):
+        forward_messages(Layout(ranks=(0,), batch=8), Layout(ranks=(1,), batch=4))
