@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,6 +41,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+        pickle.dumps(value)  # an unpicklable result fails here, with a traceback, not in the queue's thread
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
