@@ -20,8 +20,8 @@ def _mlp_params(h: int, f: int, swiglu: bool) -> int:
 def layer_params(op_type: str, c: LayerConfig) -> int:
     """Parameter count of one layer."""
     h = c.hidden
-    if op_type == "transformer_layer":
-        return 4 * h * h + 4 * h + _mlp_params(h, c.ffn_hidden, c.swiglu) + 4 * h
+    if op_type == "transformer_layer":  # a gated (Qwen) layer has a QKV bias only: 3h, else 4h
+        return 4 * h * h + (3 if c.swiglu else 4) * h + _mlp_params(h, c.ffn_hidden, c.swiglu) + 4 * h
     if op_type == "decoder_layer":
         return 8 * h * h + 8 * h + _mlp_params(h, c.ffn_hidden, c.swiglu) + 6 * h
     if op_type == "patch_embed":

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 #: Operator types the runtime knows how to build. Each is documented where the layer is built
-#: (``megatron_spindle/runtime/layers.py``); the planner only needs their costs.
+#: (``megatron_spindle/models/layers.py``); the planner only needs their costs.
 OP_TYPES = (
     "patch_embed",        # linear projection of pre-cut patches/frames + class token + positions
     "token_embed",        # token embedding + learned positions
@@ -207,9 +207,9 @@ class TaskGraph:
     def param_counts(self) -> dict[str, int]:
         """Parameters per distinct ``param_key`` (shared weights counted once)."""
         out: dict[str, int] = {}
-        for op in self.operators:
+        for op in self.operators:  # tables shared by operators of different lengths: the largest
             if op.param_key:
-                out[op.param_key] = op.param_count
+                out[op.param_key] = max(out.get(op.param_key, 0), op.param_count)
         return out
 
     def total_params(self) -> int:

@@ -130,11 +130,20 @@ def _chain_name(ops: Sequence, used: set[str]) -> str:
     return ops[0].name
 
 
-def choose_tp(params: int, *, memory_bytes: float, max_tp: int) -> int:
-    """Smallest power-of-two TP degree ≤ ``max_tp`` bringing ``params``' states under the memory share."""
+def tp_divides(layer: LayerConfig, tp: int) -> bool:
+    """Whether a layer can be split ``tp`` ways: heads, widths and vocabulary must divide evenly."""
+    return all(v % tp == 0 for v in (layer.num_heads, layer.hidden, layer.ffn_hidden, layer.vocab_size) if v)
+
+
+def choose_tp(params: int, *, memory_bytes: float, max_tp: int, layer: LayerConfig | None = None) -> int:
+    """Smallest power-of-two TP degree ≤ ``max_tp`` bringing ``params``' states under the memory share
+    (among the degrees that divide the layer's heads, widths and vocabulary)."""
     tp = 1
-    while tp < max_tp and params * BYTES_PER_PARAM_STATE / tp > TP_MEMORY_FRACTION * memory_bytes:
-        tp *= 2
+    while params * BYTES_PER_PARAM_STATE / tp > TP_MEMORY_FRACTION * memory_bytes:
+        nxt = tp * 2
+        if nxt > max_tp or (layer is not None and not tp_divides(layer, nxt)):
+            break
+        tp = nxt
     return tp
 
 
@@ -186,8 +195,8 @@ def contract(graph: TaskGraph, *, memory_bytes: float = 80 * 2**30, max_tp: int 
 
 
 def _assign_tp(metaops: list[MetaOp], *, memory_bytes: float, max_tp: int) -> tuple[MetaOp, ...]:
-    want = {m.name: (choose_tp(m.params_per_layer * m.num_layers, memory_bytes=memory_bytes, max_tp=max_tp)
-                     if m.tp_splittable else 1) for m in metaops}
+    want = {m.name: (choose_tp(m.params_per_layer * m.num_layers, memory_bytes=memory_bytes, max_tp=max_tp,
+                               layer=m.layer) if m.tp_splittable else 1) for m in metaops}
     # Union-find over shared parameter keys: one sharding per shared layer.
     parent = {m.name: m.name for m in metaops}
 
@@ -210,6 +219,10 @@ def _assign_tp(metaops: list[MetaOp], *, memory_bytes: float, max_tp: int) -> tu
     for m in metaops:
         r = find(m.name)
         best[r] = max(best.get(r, 1), want[m.name])
+    for m in metaops:  # the shared degree must also divide every member's layer
+        r = find(m.name)
+        while best[r] > 1 and m.tp_splittable and not tp_divides(m.layer, best[r]):
+            best[r] //= 2
     out = []
     for m in metaops:
         tp = best[find(m.name)] if m.tp_splittable else 1

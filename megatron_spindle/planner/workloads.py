@@ -97,7 +97,7 @@ OFASYS_ADAPTORS = (
     EncoderSpec(name="video", hidden=768, num_layers=9, num_heads=12, seq_len=393, input_dim=588),
     EncoderSpec(name="audio", hidden=768, num_layers=6, num_heads=12, seq_len=251, input_dim=160),
 )
-OFASYS_VOCAB = 59457
+OFASYS_VOCAB = 59520  # OFA's 59457 padded to a multiple of 128, as Megatron pads vocabularies
 OFASYS_ENCODER = EncoderSpec(name="encoder", hidden=1024, num_layers=12, num_heads=16, seq_len=0,
                              vocab_size=OFASYS_VOCAB, input="tokens")
 OFASYS_DECODER = EncoderSpec(name="decoder", hidden=1024, num_layers=12, num_heads=16, seq_len=0,
