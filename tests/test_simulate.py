@@ -1,0 +1,196 @@
+"""The step simulator on hand-computed cases, and the cluster model it reads."""
+import json
+import math
+
+import pytest
+
+from megatron_spindle.planner.build import assemble_plan, make_plan
+from megatron_spindle.planner.cluster import PRESETS, Cluster, load_cluster
+from megatron_spindle.planner.curves import ScalingCurve, Segment
+from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph
+from megatron_spindle.planner.metaops import contract
+from megatron_spindle.planner.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
+                                               allreduce_time_ms, boundary_time_ms, simulate, sync_time_ms)
+from megatron_spindle.planner.validate import check_plan
+from megatron_spindle.planner.waves import Wave, WaveSlice
+from megatron_spindle.planner.workloads import build_graph
+
+# Round numbers so every expectation below is mental arithmetic: 100 GB/s and 10 µs inside an island,
+# 10 GB/s per node and 50 µs between islands.
+INTRA_GBPS, INTRA_US, INTER_GBPS, INTER_US = 100.0, 10.0, 10.0, 50.0
+
+
+def toy_cluster(n=16, **kw):
+    return Cluster(name="toy", num_devices=n, gpus_per_node=8, intra_bandwidth_gbps=INTRA_GBPS,
+                   intra_latency_us=INTRA_US, inter_bandwidth_gbps=INTER_GBPS, inter_latency_us=INTER_US, **kw)
+
+
+# -- cost primitives ----------------------------------------------------------------------------------
+def test_transfer_inside_an_island():
+    c = toy_cluster()
+    # 1 GB at 100 GB/s = 10 ms, plus one latency
+    assert boundary_time_ms([(0, 1, 1e9)], c) == pytest.approx(10.0 + 0.010)
+    # two disjoint pairs run at once; two senders into one receiver share its link
+    assert boundary_time_ms([(0, 1, 1e9), (2, 3, 1e9)], c) == pytest.approx(10.010)
+    assert boundary_time_ms([(0, 1, 1e9), (2, 1, 1e9)], c) == pytest.approx(20.010)
+    # one sender to two receivers shares the sender's link the same way
+    assert boundary_time_ms([(0, 1, 1e9), (0, 2, 1e9)], c) == pytest.approx(20.010)
+
+
+def test_transfer_across_islands_and_local_copies():
+    c = toy_cluster()
+    assert boundary_time_ms([(0, 8, 1e9)], c) == pytest.approx(100.0 + 0.050)
+    # two devices of one node share the node's NIC
+    assert boundary_time_ms([(0, 8, 1e9), (1, 9, 1e9)], c) == pytest.approx(200.050)
+    # different nodes do not
+    c32 = toy_cluster(32)
+    assert boundary_time_ms([(0, 8, 1e9), (16, 24, 1e9)], c32) == pytest.approx(100.050)
+    # data that stays on its device is free; a boundary with an intra and a cross flow takes the slower
+    assert boundary_time_ms([(3, 3, 1e12)], c) == 0.0
+    assert boundary_time_ms([(0, 1, 1e9), (2, 9, 1e9)], c) == pytest.approx(100.050)
+
+
+def test_allreduce_ring_inside_and_across_islands():
+    c = toy_cluster()
+    # two devices: 2(n-1) = 2 latencies, 2(n-1)/n = 1 × the bytes
+    assert allreduce_time_ms((0, 1), 1e9, c) == pytest.approx(2 * 0.010 + 10.0)
+    # four devices in one island: 6 latencies, 1.5 × the bytes
+    assert allreduce_time_ms((0, 1, 2, 3), 1e9, c) == pytest.approx(6 * 0.010 + 15.0)
+    # the same four spread over two islands: the NIC is the bottleneck
+    assert allreduce_time_ms((0, 1, 8, 9), 1e9, c) == pytest.approx(6 * 0.050 + 150.0)
+    assert allreduce_time_ms((5,), 1e9, c) == 0.0
+
+
+def test_sync_serializes_on_shared_devices_and_nics():
+    c = toy_cluster()
+    a, b = ((0, 1), 1e9), ((2, 3), 1e9)
+    assert sync_time_ms([a, b], c) == pytest.approx(10.020)                 # disjoint: concurrent
+    assert sync_time_ms([a, ((1, 2), 1e9)], c) == pytest.approx(20.040)     # device 1 in both: serial
+    # two cross-island groups on different devices of the same two nodes share both NICs
+    x, y = ((0, 8), 1e9), ((1, 9), 1e9)
+    assert sync_time_ms([x], c) == pytest.approx(100.100)
+    assert sync_time_ms([x, y], c) == pytest.approx(200.0)
+
+
+# -- plans built by hand --------------------------------------------------------------------------------
+BATCH, HIDDEN, SEQ, PARAMS = 8, 64, 16, 1000
+
+
+def toy_graph(layers=2):
+    cfg = LayerConfig(hidden=HIDDEN, num_heads=4, ffn_hidden=4 * HIDDEN, seq_len=SEQ)
+    ops, prev = [], ("data:t:x",)
+    for i in range(layers):
+        ops.append(Operator(name=f"t.enc.{i}", task="t", module="enc", op_type="transformer_layer",
+                            batch=BATCH, layer=cfg, param_key=f"enc.layers.{i}", inputs=prev, fwd_flops=1e9,
+                            param_count=PARAMS, out_elems_per_sample=SEQ * HIDDEN, act_bytes_per_sample=1000.0))
+        prev = (ops[-1].name,)
+    return TaskGraph(model="toy", tasks=("t",), operators=tuple(ops))
+
+
+def hand_plan(cluster, slices):
+    """``slices``: per wave one ``(layer_start, layers, ranks)``; one layer takes T(n) = 8/n ms."""
+    graph = toy_graph(sum(s[1] for s in slices))
+    (m,) = contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=8)
+    curve = ScalingCurve(batch=BATCH, segments=(Segment(0.0, 1e-9, 1.0),), counts=m.valid_counts(cluster.num_devices))
+    waves, ranks, clock = [], {}, 0.0
+    for wi, (start, layers, r) in enumerate(slices):
+        t = layers * curve.time(len(r))
+        waves.append(Wave(level=1, start_ms=clock, duration_ms=t,
+                          slices=[WaveSlice(metaop=m.name, layer_start=start, layers=layers, devices=len(r), time_ms=t)]))
+        ranks[(wi, 0)] = tuple(r)
+        clock += t
+    plan = assemble_plan(graph, cluster, [m], {m.name: curve}, [], waves, ranks, system="hand")
+    check_plan(plan)
+    return plan
+
+
+def test_one_wave():
+    c = toy_cluster(8)
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1, 2, 3))]), c)
+    # one layer on 4 devices: 8/4 = 2 ms; the other 4 devices idle; no transfer; one all-reduce over 0-3
+    sync = 6 * 0.010 + 1.5 * PARAMS * GRAD_BYTES_PER_PARAM / (INTRA_GBPS * 1e9) * 1e3
+    assert sim.makespan_ms == pytest.approx(2.0)
+    assert sim.breakdown.compute_ms == pytest.approx(1.0)
+    assert sim.breakdown.idle_ms == pytest.approx(1.0)
+    assert sim.breakdown.transfer_ms == 0.0
+    assert sim.breakdown.sync_ms == pytest.approx(sync)
+    assert sim.step_ms == pytest.approx(2.0 + sync)
+    assert sim.breakdown.total_ms == pytest.approx(sim.step_ms)
+    assert FORWARD_SHARE == pytest.approx(1 / 3)
+
+
+def test_transfer_between_waves_inside_and_across_islands():
+    per_device = (BATCH // 2) * SEQ * HIDDEN * 2  # bf16 activations of one replica (4 samples)
+    # layer 0 on devices 0,1 then layer 1 on 2,3: each destination receives one replica over NVLink
+    c = toy_cluster(16)
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))]), c)
+    hop = per_device / (INTRA_GBPS * 1e9) * 1e3 + INTRA_US * 1e-3
+    assert sim.waves[1].transfer_fwd_ms == pytest.approx(hop)
+    assert sim.waves[1].transfer_bwd_ms == pytest.approx(hop)
+    assert sim.breakdown.transfer_ms == pytest.approx(2 * hop)
+    assert sim.waves[1].moved_bytes == pytest.approx(2 * per_device)
+    # the same move onto devices 8,9 crosses islands: both replicas share node 0's NIC
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (8, 9))]), c)
+    cross = 2 * per_device / (INTER_GBPS * 1e9) * 1e3 + INTER_US * 1e-3
+    assert sim.waves[1].transfer_fwd_ms == pytest.approx(cross)
+    assert sim.waves[1].cross_island_bytes == pytest.approx(2 * per_device)
+    # gradients of layer 0 on 0,1 and layer 1 on 8,9: two groups, each inside its island, concurrent
+    ar = 2 * 0.010 + PARAMS * GRAD_BYTES_PER_PARAM / (INTRA_GBPS * 1e9) * 1e3
+    assert sim.breakdown.sync_ms == pytest.approx(ar)
+    # staying on the same devices is a local copy: free; both layers' gradients share one bucket
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))]), c)
+    assert sim.breakdown.transfer_ms == 0.0
+    assert [col.bytes for col in sim.collectives] == [2 * PARAMS * GRAD_BYTES_PER_PARAM]
+
+
+def test_step_adds_up_on_a_real_plan():
+    c = load_cluster(None, num_devices=8)
+    sim = simulate(make_plan(build_graph("multitask-clip", tasks=4, size="tiny"), c), c)
+    b = sim.breakdown
+    assert sim.step_ms == pytest.approx(sim.makespan_ms + b.transfer_ms + b.sync_ms)
+    assert b.total_ms == pytest.approx(sim.step_ms)
+    assert sum(b.shares().values()) == pytest.approx(1.0)
+    assert min(b.compute_ms, b.idle_ms, b.transfer_ms, b.sync_ms) >= 0
+    assert sim.makespan_ms >= sim.lower_bound_ms * (1 - 1e-9)
+    assert len(sim.peak_memory_bytes) == 8
+    json.dumps(sim.to_json())
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+def test_plan_that_does_not_fit_the_cluster():
+    plan = hand_plan(toy_cluster(16), [(0, 1, (0, 1, 2, 3, 8, 9, 10, 11))])
+    with pytest.raises(SimulationError, match="uses 16 devices but cluster 'toy' has 8"):
+        simulate(plan, toy_cluster(8))
+    other = Cluster(name="fours", num_devices=16, gpus_per_node=4)
+    with pytest.raises(SimulationError, match="islands of 8 devices but cluster 'fours' has 4 per island"):
+        simulate(plan, other)
+
+
+def test_memory_over_the_limit():
+    plan = hand_plan(toy_cluster(8), [(0, 1, (0, 1))])
+    tiny = toy_cluster(8, memory_gib=1e-6)
+    with pytest.raises(SimulationError, match="out of memory on 2 device"):
+        simulate(plan, tiny)
+    assert simulate(plan, tiny, check_memory=False).step_ms > 0
+
+
+def test_presets_and_cluster_files(tmp_path):
+    a800 = load_cluster("a800-8x8", num_devices=16)
+    assert (a800.num_islands, a800.intra_bandwidth_gbps, a800.inter_bandwidth_gbps) == (2, 160.0, 40.0)
+    assert load_cluster("h200", num_devices=32).memory_gib == 141.0
+    assert set(PRESETS) == {"a800-8x8", "h200"}
+    with pytest.raises(ValueError, match="unknown cluster preset 'a100'"):
+        load_cluster("a100", num_devices=8)
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"preset": "h200", "inter_bandwidth_gbps": 100}))
+    c = load_cluster(str(f), num_devices=16)
+    assert (c.inter_bandwidth_gbps, c.peak_tflops, c.name) == (100, 989.0, str(f))
+    f.write_text(json.dumps({"nvlink": 1}))
+    with pytest.raises(ValueError, match=r"unknown cluster field\(s\) \['nvlink'\]"):
+        load_cluster(str(f), num_devices=8)
+    f.write_text(json.dumps({"intra_bandwidth_gbps": -1}))
+    with pytest.raises(ValueError, match="intra_bandwidth_gbps=-1 must be a positive number"):
+        load_cluster(str(f), num_devices=8)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_cluster(str(tmp_path / "missing.json"), num_devices=8)
+    assert math.isinf(a800.link(3, 3)[0]) and a800.link(0, 9) == (40.0, 20.0)
