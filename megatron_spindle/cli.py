@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_plan)
+    from . import compare
+    compare.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,71 @@
+"""``spindle compare``: the table, the JSON shape, the plot, and clear errors on bad input."""
+import json
+
+import pytest
+
+from megatron_spindle.cli import main
+from megatron_spindle.planner.baselines import SYSTEMS
+
+TINY = ["compare", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4"]
+
+
+def run(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_has_every_system_per_device_count(capsys):
+    rc, out, err = run(capsys, TINY + ["--gpus", "4,8", "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [r["gpus"] for r in doc["results"]] == [4, 8]
+    for r in doc["results"]:
+        assert r["lower_bound_ms"] > 0
+        assert set(r["systems"]) == set(SYSTEMS)
+        for name, s in r["systems"].items():
+            assert set(s["breakdown"]) == {"compute_ms", "transfer_ms", "sync_ms", "idle_ms"}, name
+            assert s["step_ms"] == pytest.approx(sum(s["breakdown"].values()))
+            assert s["peak_memory_gib"] > 0
+
+
+def test_table_and_plot(capsys, tmp_path):
+    png = tmp_path / "fig8.png"
+    rc, out, err = run(capsys, TINY + ["--gpus", "8", "--plot", str(png)])
+    assert rc == 0, err
+    assert "multitask-clip (4 tasks) on 8 devices, cluster a800-8x8 (8 per island): lower bound ΣC* =" in out
+    for name in SYSTEMS:
+        assert f"\n{name} " in out
+    assert "Spindle / ΣC*: compute makespan" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cluster_file_and_h200_preset(capsys, tmp_path):
+    f = tmp_path / "slow.json"
+    f.write_text(json.dumps({"inter_bandwidth_gbps": 1.0}))
+    rc, out, _ = run(capsys, TINY + ["--gpus", "16", "--json", "--cluster", str(f)])
+    assert rc == 0 and json.loads(out)["results"][0]["cluster"] == str(f)
+    rc, out, _ = run(capsys, TINY + ["--gpus", "8", "--json", "--cluster", "h200"])
+    assert rc == 0 and json.loads(out)["results"][0]["cluster"] == "h200"
+
+
+def test_bad_input_is_one_clear_error(capsys, tmp_path):
+    rc, out, err = run(capsys, TINY + ["--gpus", "8", "--cluster", "dgx-a100"])
+    assert rc == 2 and "error: unknown cluster preset 'dgx-a100'" in err and out == ""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    rc, _, err = run(capsys, TINY + ["--gpus", "8", "--cluster", str(bad)])
+    assert rc == 2 and "is not valid JSON" in err
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--gpus", "8,sixteen"])
+    assert e.value.code == 2
+    assert "'sixteen' is not an integer" in capsys.readouterr().err
+
+
+def test_out_of_memory_is_reported_not_hidden(capsys, tmp_path):
+    f = tmp_path / "small.json"
+    f.write_text(json.dumps({"memory_gib": 0.001}))
+    rc, out, err = run(capsys, TINY + ["--gpus", "8", "--cluster", str(f)])
+    assert rc == 2
+    assert "Spindle has no plan on 8 devices: out of memory" in err
+    assert "sequential: out of memory on 8 device(s)" in out
