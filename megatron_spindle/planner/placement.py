@@ -116,15 +116,16 @@ class Placer:
         if tp == 1:
             return [(d,) for d in prefer]
         by_island: dict[int, list[int]] = {}
-        first: dict[int, int] = {}
+        first: dict[tuple[int, ...], int] = {}
+        pos_of = {d: i for i, d in enumerate(prefer)}
         for pos, d in enumerate(prefer):
             by_island.setdefault(self.cluster.island(d), []).append(d)
         chunks = []
         for isl, ds in by_island.items():
             for k in range(0, len(ds) - tp + 1, tp):
-                c = tuple(ds[k:k + tp])
+                c = tuple(sorted(ds[k:k + tp]))  # ascending: plan position = rank in the TP group
                 chunks.append(c)
-                first[c] = min(prefer.index(x) for x in c)
+                first[c] = min(pos_of[x] for x in c)
         chunks.sort(key=lambda c: first[c])
         return chunks
 

@@ -5,7 +5,8 @@ Rules:
 1. every slice's ranks are distinct devices in ``[0, world_size)``;
 2. no device is used twice in one wave;
 3. a slice's device count is valid for its MetaOp (``tp · d``, ``d`` dividing the batch) and its ``tp``
-   equals the MetaOp's, and every tensor-parallel group lies in one island;
+   equals the MetaOp's; every tensor-parallel group lies in one island and lists its ranks in ascending
+   order (a device's position in the group is its rank in the torch process group);
 4. every layer of every MetaOp is scheduled exactly once;
 5. dependencies: a slice starts after its MetaOp's earlier layers and its producers' last layers, i.e. in a
    later wave;
@@ -82,6 +83,10 @@ def violations(plan: Plan) -> list[Violation]:
                     grp = s.ranks[i:i + s.tp]
                     if len({r // plan.gpus_per_node for r in grp}) > 1:
                         out.append(Violation(3, f"slice {s.name}: tensor-parallel group {grp} crosses islands",
+                                             w.index, grp[0]))
+                    if list(grp) != sorted(grp):
+                        out.append(Violation(3, f"slice {s.name}: tensor-parallel group {grp} is not in ascending "
+                                                f"rank order (a device's position must be its rank in the group)",
                                              w.index, grp[0]))
     # 4
     layers_of: dict[str, list[tuple[int, int, int]]] = {m.name: [] for m in plan.metaops}

@@ -1,0 +1,362 @@
+"""The wave executor: this rank's slices of a plan, run forward wave by wave and backward in reverse.
+
+A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :meth:`finalize_grads`):
+
+1. **forward**, for each wave ``w`` in order: exchange the activations of every edge whose consumer runs in
+   ``w`` (:mod:`.flow`; local copies need no communication; all of this rank's sends and receives of the
+   boundary go into one ``batch_isend_irecv``), then run this rank's slices of ``w``. A slice's received
+   inputs are leaves that require grad, so each slice has its own autograd graph;
+2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
+   gradient 1, any other slice with the accumulated gradient of its output), then send every input's
+   gradient back to its producer (one holder per sample, :func:`planner.layout.messages` mirrored);
+3. **gradient sync**: every parameter shard is all-reduced (summed) over its parameter device group
+   (``plan.param_groups``), one flat buffer per distinct rank set, in the same order on every rank. Losses are
+   already normalised by the global batch, so summing is exact data parallelism;
+4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
+
+Every rank builds only the layers of its slices (the core of a ``param_key`` once per tensor-parallel layout).
+Waits are bounded by ``timeout_s``; a peer that dies or hangs raises :class:`SpindleTimeout` naming the wave,
+the slice and the peer.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..planner.graph import DATA_PREFIX, TaskGraph
+from ..planner.plan import Plan, Slice
+from ..planner.validate import check_plan
+from .flow import Edge, boundaries, slice_layout
+from .groups import ProcessGroupRegistry
+from .rank_sets import param_group_name, plan_rank_sets, tp_group_name
+from .trace import StepTrace
+
+
+class SpindleTimeout(RuntimeError):
+    """A peer did not answer in time (dead or hung): names the wave, the slice and the peer."""
+
+
+def _module_key(metaop: str, layer: int) -> str:
+    return f"{metaop}#{layer}".replace(".", "/")
+
+
+@dataclass
+class StepState:
+    """What one forward pass leaves for the backward pass and for reporting."""
+
+    outputs: dict[str, Tensor] = field(default_factory=dict)       # slice name -> local output
+    inputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # (slice, input index) -> leaf
+    grads: dict[str, Tensor] = field(default_factory=dict)         # slice name -> grad of its output
+    losses: dict[str, Tensor] = field(default_factory=dict)        # task -> local loss (counted once per TP)
+
+
+class SpindleModel(nn.Module):
+    """This rank's part of a multi-task model under a Spindle plan.
+
+    Args:
+        plan: the plan (its graph fingerprint and world size are checked against ``graph`` and the job).
+        graph: the task graph the plan was made for.
+        seed: model seed (same value on every rank, same as the reference model's).
+        timeout_s: bound on every wait for a peer.
+        dtype, device: parameter dtype and device (CPU float32 here).
+    """
+
+    def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        from ..models.layers import build_layer  # torch + megatron.core
+
+        if not dist.is_initialized():
+            raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        self.plan, self.graph = plan, graph
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype
+        self.metaops = {m.name: m for m in plan.metaops}
+        self.registry = ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
+        self.edges = boundaries(plan)
+        self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
+        self.layers = nn.ModuleDict()
+        self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
+        shared: dict[tuple[str, tuple[int, ...]], object] = {}
+        for wave in self.my_slices:
+            for s in wave:
+                m = self.metaops[s.metaop]
+                pos = s.ranks.index(self.rank)
+                replica, tp_rank = pos // m.tp, pos % m.tp
+                tp_ranks = s.ranks[replica * m.tp:(replica + 1) * m.tp]
+                group = self.registry.get(tp_group_name(s.name, replica)) if m.tp > 1 else None
+                for layer in range(s.layer_start, s.layer_stop):
+                    op = graph[m.operators[layer]]
+                    share = shared.get((op.param_key, tp_ranks)) if op.param_key else None
+                    mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed, graph=graph,
+                                      dtype=dtype, device=self.device, share_with=share, backend=backend)
+                    self.layers[_module_key(m.name, layer)] = mod
+                    if op.param_key and share is None:
+                        shared[(op.param_key, tp_ranks)] = mod
+                        self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        self.trace = StepTrace(self.rank)
+
+    # -- parameters -----------------------------------------------------------------------------------
+    def unique_parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def held_param_keys(self) -> set[tuple[str, int]]:
+        """(param_key, TP shard) this rank holds."""
+        return set(self._copies)
+
+    def local_cores(self) -> Iterable[tuple[str, int, nn.Module]]:
+        """(param_key, shard, layer) for every distinct parameter holder on this rank."""
+        for (key, shard), mods in sorted(self._copies.items()):
+            for mod in mods:
+                yield key, shard, mod
+
+    # -- communication helpers --------------------------------------------------------------------------
+    def _wait(self, works, what: list[str]) -> None:
+        for work, desc in zip(works, what):
+            try:
+                ok = work.wait(self.timeout)
+            except RuntimeError as e:
+                raise SpindleTimeout(f"rank {self.rank}: {desc} failed: {str(e).splitlines()[0]}") from e
+            if ok is False:
+                raise SpindleTimeout(f"rank {self.rank}: {desc} timed out after {self.timeout_s:g} s")
+
+    def _exchange(self, wave: int, edges: list[Edge], send_of, recv_into, backward: bool, phase: str) -> None:
+        """Post every message of one boundary that involves this rank, in one batch, and wait for all."""
+        ops, what, post = [], [], []
+        tag = 0
+        for e in edges:
+            for msg in (e.backward if backward else e.forward):
+                tag += 1
+                if self.rank not in (msg.src, msg.dst):
+                    continue
+                if msg.src == msg.dst:
+                    recv_into(e, msg, send_of(e, msg))
+                    continue
+                if msg.src == self.rank:
+                    ops.append(dist.P2POp(dist.isend, send_of(e, msg).contiguous(), msg.dst, tag=tag))
+                    what.append(f"wave {wave} {phase}: send of {e.src.name} -> {e.dst.name} samples "
+                                f"[{msg.start}, {msg.stop}) to rank {msg.dst}")
+                else:
+                    buf = torch.empty(self._msg_shape(e, msg), dtype=self.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, msg.src, tag=tag))
+                    what.append(f"wave {wave} {phase}: receive for {e.dst.name} from {e.src.name} samples "
+                                f"[{msg.start}, {msg.stop}) from rank {msg.src}")
+                    post.append((e, msg, buf))
+        if ops:
+            self._wait(dist.batch_isend_irecv(ops), what)
+        for e, msg, buf in post:
+            recv_into(e, msg, buf)
+
+    def _sample_shape(self, e: Edge) -> tuple[int, ...]:
+        from ..models.layers import output_shape
+        pm = self.metaops[e.src.metaop]
+        return output_shape(self.graph[pm.operators[e.src.layer_stop - 1]])
+
+    def _msg_shape(self, e: Edge, msg) -> tuple[int, ...]:
+        return (msg.stop - msg.start, *self._sample_shape(e))
+
+    def _local_range(self, s: Slice) -> tuple[int, int]:
+        return slice_layout(self.metaops[s.metaop], s).rank_samples(self.rank)
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def forward(self, batch: Mapping[str, Mapping[str, Tensor]]) -> StepState:
+        """Run every wave forward on this rank; returns the state the backward pass needs."""
+        st = StepState()
+        pieces: dict[tuple[str, int], list[tuple[int, Tensor]]] = {}
+
+        def send_of(e: Edge, msg) -> Tensor:
+            a, _ = self._local_range(e.src)
+            return st.outputs[e.src.name][msg.start - a:msg.stop - a].detach()
+
+        def recv_into(e: Edge, msg, t: Tensor) -> None:
+            pieces.setdefault((e.dst.name, e.input_index), []).append((msg.start, t))
+
+        for w, wave in enumerate(self.plan.waves):
+            t0 = time.perf_counter()
+            self._exchange(w, self.edges[w], send_of, recv_into, False, "forward")
+            self.trace.span("transfer", f"w{w} fwd transfer", t0)
+            for s in self.my_slices[w]:
+                t1 = time.perf_counter()
+                self._run_slice(s, batch, pieces, st)
+                self.trace.span("forward", f"{s.name} fwd", t1)
+        return st
+
+    def _run_slice(self, s: Slice, batch, pieces, st: StepState) -> None:
+        m = self.metaops[s.metaop]
+        a, b = self._local_range(s)
+        x: Tensor | None = None
+        for layer in range(s.layer_start, s.layer_stop):
+            op = self.graph[m.operators[layer]]
+            inputs = []
+            first_act = True
+            for i, name in enumerate(op.inputs):
+                if name.startswith(DATA_PREFIX):
+                    _, task, stream = name.split(":", 2)
+                    inputs.append(batch[task][stream][a:b].to(self.device))
+                    continue
+                if layer > s.layer_start:
+                    inputs.append(x)
+                    continue
+                idx = 0 if s.layer_start > 0 else i  # a continuation arrives as input 0
+                if s.layer_start > 0 and not first_act:
+                    raise ValueError(f"{s.name}: a mid-MetaOp layer with several operator inputs")
+                first_act = False
+                got = sorted(pieces.pop((s.name, idx), []), key=lambda p: p[0])
+                if not got or got[0][0] != a or sum(t.shape[0] for _, t in got) != b - a:
+                    raise RuntimeError(f"rank {self.rank}: {s.name} input {idx} assembled samples "
+                                       f"{[(p, p + t.shape[0]) for p, t in got]}, wanted [{a}, {b})")
+                leaf = torch.cat([t for _, t in got], 0) if len(got) > 1 else got[0][1]
+                leaf = leaf.detach().requires_grad_(True)
+                st.inputs[(s.name, idx)] = leaf
+                inputs.append(leaf)
+            x = self.layers[_module_key(m.name, layer)](inputs)
+        st.outputs[s.name] = x
+        if x.dim() == 0:  # a loss: count it once per tensor-parallel group
+            if s.ranks.index(self.rank) % m.tp == 0:
+                st.losses[m.task] = st.losses.get(m.task, 0.0) + x.detach()
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def backward(self, st: StepState) -> None:
+        """Backpropagate wave by wave in reverse; parameter gradients accumulate in ``.grad``."""
+
+        def send_of(e: Edge, msg) -> Tensor:
+            a, _ = self._local_range(e.dst)
+            g = st.inputs[(e.dst.name, e.input_index)].grad
+            return g[msg.start - a:msg.stop - a]
+
+        def recv_into(e: Edge, msg, t: Tensor) -> None:
+            a, b = self._local_range(e.src)
+            if e.src.name not in st.grads:
+                st.grads[e.src.name] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            st.grads[e.src.name][msg.start - a:msg.stop - a] += t
+
+        for w in range(len(self.plan.waves) - 1, -1, -1):
+            for s in reversed(self.my_slices[w]):
+                t1 = time.perf_counter()
+                out = st.outputs[s.name]
+                if out.dim() == 0:
+                    grad = torch.ones_like(out)
+                else:
+                    grad = st.grads.pop(s.name, None)
+                    if grad is None:
+                        raise RuntimeError(f"rank {self.rank}: no gradient reached the output of {s.name}")
+                if out.requires_grad:
+                    torch.autograd.backward(out, grad)
+                for (name, idx), leaf in st.inputs.items():
+                    if name == s.name and leaf.grad is None:
+                        leaf.grad = torch.zeros_like(leaf)
+                self.trace.span("backward", f"{s.name} bwd", t1)
+            t0 = time.perf_counter()
+            self._exchange(w, self.edges[w], send_of, recv_into, True, "backward")
+            self.trace.span("transfer", f"w{w} bwd transfer", t0)
+        st.outputs.clear()
+        st.inputs.clear()
+
+    # -- gradient sync, norm, losses ----------------------------------------------------------------------
+    def _grad_buckets(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+        """Per distinct rank set (sorted): this rank's parameters whose groups use it, in a fixed order."""
+        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for g in self.plan.param_groups:
+            if self.rank not in g.ranks or len(g.ranks) < 2:
+                continue
+            mods = self._copies.get((g.param_key, g.tp_rank), [])
+            if not mods:
+                raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
+                                   f"but holds no copy of it")
+            buckets.setdefault(tuple(g.ranks), []).extend(p for _, p in sorted(mods[0].core.named_parameters()))
+        return sorted(buckets.items(), key=lambda kv: (len(kv[0]), kv[0]))
+
+    def finalize_grads(self) -> None:
+        """Sum local copies, then all-reduce every parameter shard over its parameter device group."""
+        t0 = time.perf_counter()
+        for (key, shard), mods in self._copies.items():  # several local copies (different TP groups)
+            if len(mods) > 1:
+                params = [dict(m.core.named_parameters()) for m in mods]
+                for name in params[0]:
+                    total = sum(self._grad(p[name]) for p in params)
+                    for p in params:
+                        p[name].grad = total.clone()
+        for ranks, params in self._grad_buckets():
+            group = self.registry.get(param_group_name_for(self.plan, ranks))
+            flat = torch.cat([self._grad(p).reshape(-1) for p in params])
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            self._wait([work], [f"gradient all-reduce over ranks {list(ranks)}"])
+            off = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[off:off + n].view_as(p).clone()
+                off += n
+        self._sync_copies_after_reduce()
+        self.trace.span("sync", "gradient sync", t0)
+
+    def _sync_copies_after_reduce(self) -> None:
+        for mods in self._copies.values():
+            if len(mods) > 1:
+                src = dict(mods[0].core.named_parameters())
+                for m in mods[1:]:
+                    for name, p in m.core.named_parameters():
+                        p.grad = src[name].grad.clone()
+
+    @staticmethod
+    def _grad(p: nn.Parameter) -> Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
+        from ..models.layer_state import shard_spec
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in self.plan.param_groups:
+            if self.rank != g.ranks[0] or (g.param_key, g.tp_rank) not in self._copies:
+                continue
+            core = self._copies[(g.param_key, g.tp_rank)][0].core
+            for _, p in core.named_parameters():
+                if shard_spec(p) is None and g.tp_rank != 0:
+                    continue  # a replicated parameter of a TP layer: count it on shard 0 only
+                sq += self._grad(p).double().pow(2).sum()
+        work = dist.all_reduce(sq, async_op=True)
+        self._wait([work], ["gradient-norm all-reduce over all ranks"])
+        return math.sqrt(float(sq))
+
+    def clip_grads(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in self.unique_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def reduce_losses(self, st: StepState) -> dict[str, float]:
+        """Each task's loss summed over its data-parallel replicas (same on every rank)."""
+        vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
+        work = dist.all_reduce(vec, async_op=True)
+        self._wait([work], ["loss all-reduce over all ranks"])
+        return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
+
+    def destroy(self) -> None:
+        self.registry.destroy()
+
+
+def param_group_name_for(plan: Plan, ranks: tuple[int, ...]) -> str:
+    """A registry name whose ranks are ``ranks`` (the registry caches groups by rank set)."""
+    for g in plan.param_groups:
+        if tuple(g.ranks) == ranks:
+            return param_group_name(g.param_key, g.tp_rank)
+    raise KeyError(f"no parameter group with ranks {ranks}")
