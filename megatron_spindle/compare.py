@@ -234,7 +234,7 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
     for h, lab in zip(handles, labels):
         seen.setdefault(lab, h)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=3, fontsize=7)
-    fig.tight_layout(rect=(0, 0.5 / (3.2 * rows + 0.6) + 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.6 / (3.2 * rows + 0.6), 1, 1))
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fig.savefig(path, dpi=130)
