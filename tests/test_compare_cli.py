@@ -49,6 +49,16 @@ def test_cluster_file_and_h200_preset(capsys, tmp_path):
     assert rc == 0 and json.loads(out)["results"][0]["cluster"] == "h200"
 
 
+def test_curves_file_replaces_the_analytic_device(capsys, tmp_path):
+    f = tmp_path / "curves.json"
+    f.write_text(json.dumps({"schema_version": 1, "device": {"peak_tflops": 31.2}}))
+    rc, out, _ = run(capsys, TINY + ["--gpus", "8", "--json"])
+    fast = json.loads(out)["results"][0]["systems"]["sequential"]["breakdown"]["compute_ms"]
+    rc, out, _ = run(capsys, TINY + ["--gpus", "8", "--json", "--curves", str(f)])
+    assert rc == 0
+    assert json.loads(out)["results"][0]["systems"]["sequential"]["breakdown"]["compute_ms"] > fast
+
+
 def test_bad_input_is_one_clear_error(capsys, tmp_path):
     rc, out, err = run(capsys, TINY + ["--gpus", "8", "--cluster", "dgx-a100"])
     assert rc == 2 and "error: unknown cluster preset 'dgx-a100'" in err and out == ""

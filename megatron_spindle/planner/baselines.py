@@ -105,11 +105,24 @@ def relaxed_levels(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve]
 
 
 @dataclass
+class Segment:
+    """The layers of one MetaOp a lane still has to run."""
+
+    metaop: str
+    devices: int
+    left: int
+    """Layers not yet scheduled."""
+    layer_ms: float
+    """Time of one layer on ``devices``."""
+    next_layer: int = 0
+
+
+@dataclass
 class Lane:
-    """MetaOps run one after another on ``ranks`` (each on the first ``n`` of them)."""
+    """MetaOps run one after another on ``ranks`` (each on the first ``devices`` of them)."""
 
     ranks: tuple[int, ...]
-    queue: list[list]  # [metaop name, devices, layers left, ms per layer, next layer]
+    queue: list[Segment]
 
     @classmethod
     def of(cls, ranks: Sequence[int], ms: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
@@ -120,11 +133,11 @@ class Lane:
             if n is None:
                 raise ValueError(f"MetaOp {m.name!r} cannot run on a share of {len(ranks)} devices "
                                  f"(valid counts {m.valid_counts(num_devices)})")
-            q.append([m.name, n, m.num_layers, curves[m.name].time(n), 0])
+            q.append(Segment(m.name, n, m.num_layers, curves[m.name].time(n)))
         return cls(tuple(ranks), q)
 
     def ideal_ms(self) -> float:
-        return sum(left * t for _, _, left, t, _ in self.queue)
+        return sum(seg.left * seg.layer_ms for seg in self.queue)
 
 
 class _Builder:
@@ -154,37 +167,37 @@ class _Builder:
     def lanes(self, lanes: Sequence[Lane], num_devices: int) -> None:
         """Run concurrent lanes as waves (see the module docstring)."""
         self.ideal_ms += max((lane.ideal_ms() for lane in lanes), default=0.0)
+
+        def fits(seg: Segment, span: float) -> int:
+            return min(seg.left, int(math.floor(span / seg.layer_ms * (1 + 1e-9))))
+
         while any(lane.queue for lane in lanes):
-            heads = [lane for lane in lanes if lane.queue]
-            first = min(lane.queue[0][2] * lane.queue[0][3] for lane in heads)
+            active = [lane for lane in lanes if lane.queue]
+            heads = [lane.queue[0] for lane in active]
+            first = min(seg.left * seg.layer_ms for seg in heads)
             # candidate wave lengths: the first finisher's span, or a later layer boundary within the slack
             spans = {first}
-            for lane in heads:
-                _, _, left, t1, _ = lane.queue[0]
-                k = min(left, int(math.floor(first / t1 * (1 + 1e-9))))
-                if k < left and (k + 1) * t1 <= first * (1 + ALIGN_SLACK):
-                    spans.add((k + 1) * t1)
+            for seg in heads:
+                k = fits(seg, first)
+                if k < seg.left and (k + 1) * seg.layer_ms <= first * (1 + ALIGN_SLACK):
+                    spans.add((k + 1) * seg.layer_ms)
             best = None
             for span in sorted(spans):
-                take = {id(lane): min(lane.queue[0][2], int(math.floor(span / lane.queue[0][3] * (1 + 1e-9))))
-                        for lane in heads}
-                dur = max(take[id(lane)] * lane.queue[0][3] for lane in heads)
-                work = sum(take[id(lane)] * lane.queue[0][3] * lane.queue[0][1] for lane in heads)
+                take = [fits(seg, span) for seg in heads]
+                dur = max(k * seg.layer_ms for k, seg in zip(take, heads))
+                work = sum(k * seg.layer_ms * seg.devices for k, seg in zip(take, heads))
                 key = ((num_devices * dur - work) / work, dur)
                 if best is None or key < best[0]:
                     best = (key, take)
-            take = best[1]
             parts = []
-            for lane in heads:
-                name, n, left, t1, start = lane.queue[0]
-                k = take[id(lane)]
+            for lane, seg, k in zip(active, heads, best[1]):
                 if k == 0:
                     continue
-                parts.append((WaveSlice(metaop=name, layer_start=start, layers=k, devices=n, time_ms=k * t1),
-                              lane.ranks[:n]))
-                lane.queue[0][2] -= k
-                lane.queue[0][4] += k
-                if lane.queue[0][2] == 0:
+                parts.append((WaveSlice(metaop=seg.metaop, layer_start=seg.next_layer, layers=k, devices=seg.devices,
+                                        time_ms=k * seg.layer_ms), lane.ranks[:seg.devices]))
+                seg.left -= k
+                seg.next_layer += k
+                if seg.left == 0:
                     lane.queue.pop(0)
             self.wave(parts)
 

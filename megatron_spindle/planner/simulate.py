@@ -242,7 +242,7 @@ def check_fits(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> No
                 f"({cluster.memory_gib:g} GiB × {cluster.usable_memory_fraction:g} usable)")
 
 
-def _slice_time(plan: Plan, s: Slice, curves: Mapping) -> float:
+def _slice_time(s: Slice, curves: Mapping) -> float:
     return s.num_layers * curves[s.metaop].time(len(s.ranks))
 
 
@@ -280,7 +280,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> Step
     flows = transfer_flows(plan, cluster)
     waves = []
     for w in plan.waves:
-        times = [_slice_time(plan, s, curves) for s in w.slices]
+        times = [_slice_time(s, curves) for s in w.slices]
         duration = max(times, default=0.0)
         busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
         f = flows.get(w.index, [])
