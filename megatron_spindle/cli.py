@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     from . import compare
     compare.add_parser(sub)
+    from .profiler import cli as profiler_cli
+    profiler_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,124 @@
+"""The backend's link, measured: latency and bandwidth in the simulator's own cost model.
+
+The step simulator (:mod:`megatron_spindle.planner.simulate`) times communication with two formulas over one
+latency ``λ`` and one bandwidth ``B`` per link kind:
+
+* a wave boundary (batched send/recv, every device sending and receiving ``S`` bytes): ``t = λ + S / B``;
+* a ring all-reduce of ``S`` bytes over ``n`` devices: ``t = 2(n-1)·λ + 2(n-1)/n · S / B``.
+
+:func:`measure_link` times both on the live backend (the exchange between processes 0 and 1 exactly as the
+runtime posts it, one ``batch_isend_irecv``; the all-reduce over all processes) at a few sizes, and
+:func:`fit_link` finds the ``(λ, B)`` that fit all of them together. Both formulas are linear in ``(λ, 1/B)``,
+so this is a 2-parameter least squares with relative weights (each time weighted by ``1/t``), with ``λ ≥ 0``
+and ``B > 0`` enforced by refitting the other parameter alone. The fit error (largest relative error at a
+measurement) says how well one ``(λ, B)`` describes the backend: gloo's all-reduce is not a textbook ring.
+
+:func:`cluster_fields` writes the result as :class:`~megatron_spindle.planner.cluster.Cluster` fields, one
+island (intra = inter), for ``spindle compare --cluster FILE`` and the CPU benchmark.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+#: Message sizes of the link measurement (bytes): latency-bound to bandwidth-bound.
+SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+
+
+def _coefficients(m: Mapping) -> tuple[float, float]:
+    """``(a, c)`` with ``t_ms = a·λ_ms + c·(1/B in ms per byte)`` for one measurement."""
+    s = float(m["bytes"])
+    if m["kind"] == "exchange":
+        return 1.0, s
+    if m["kind"] == "allreduce":
+        n = int(m["ranks"])
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n * s
+    raise ValueError(f"unknown link measurement kind {m['kind']!r} (exchange or allreduce)")
+
+
+def fit_link(measurements: Sequence[Mapping]) -> dict:
+    """``{"latency_us", "bandwidth_gbps", "fit_error"}`` from ``[{"kind", "ranks", "bytes", "ms"}, ...]``.
+
+    >>> ms = [{"kind": "exchange", "ranks": 2, "bytes": s, "ms": 0.1 + s / 2e6} for s in (1e3, 1e6)]
+    >>> ms += [{"kind": "allreduce", "ranks": 2, "bytes": 1e6, "ms": 0.2 + 1e6 / 2e6}]
+    >>> r = fit_link(ms); round(r["latency_us"], 6), round(r["bandwidth_gbps"], 6), r["fit_error"] < 1e-9
+    (100.0, 2.0, True)
+    """
+    rows = [(*_coefficients(m), float(m["ms"])) for m in measurements if float(m["ms"]) > 0]
+    if not rows:
+        raise ValueError("no link measurements to fit")
+    w = [1.0 / t for _, _, t in rows]  # relative least squares: minimise Σ ((model - t) / t)²
+    saa = sum(wi * wi * a * a for wi, (a, c, t) in zip(w, rows))
+    sac = sum(wi * wi * a * c for wi, (a, c, t) in zip(w, rows))
+    scc = sum(wi * wi * c * c for wi, (a, c, t) in zip(w, rows))
+    sat = sum(wi * wi * a * t for wi, (a, c, t) in zip(w, rows))
+    sct = sum(wi * wi * c * t for wi, (a, c, t) in zip(w, rows))
+    det = saa * scc - sac * sac
+    lat, inv_bw = ((sat * scc - sct * sac) / det, (saa * sct - sac * sat) / det) if det > 0 else (-1.0, -1.0)
+    if lat < 0 or inv_bw <= 0:
+        if inv_bw > 0 and scc > 0:  # latency alone would be negative: bandwidth only
+            lat, inv_bw = 0.0, sct / scc
+        else:                       # bandwidth would be infinite: latency only
+            lat, inv_bw = max(sat / saa, 1e-9), 1e-15
+    err = max(abs(a * lat + c * inv_bw - t) / t for a, c, t in rows)
+    return {"latency_us": lat * 1e3, "bandwidth_gbps": 1.0 / inv_bw / 1e6, "fit_error": err}
+
+
+def cluster_fields(link: Mapping, *, name: str, gpus_per_node: int, memory_gib: float) -> dict:
+    """:class:`~megatron_spindle.planner.cluster.Cluster` fields for the measured link (one island)."""
+    bw = float(link["bandwidth_gbps"])
+    lat = max(float(link["latency_us"]), 1e-3)
+    if not (math.isfinite(bw) and bw > 0):
+        raise ValueError(f"measured bandwidth {bw} GB/s is not a positive number")
+    return {"name": name, "gpus_per_node": gpus_per_node, "intra_bandwidth_gbps": bw,
+            "inter_bandwidth_gbps": bw, "intra_latency_us": lat, "inter_latency_us": lat,
+            "memory_gib": memory_gib}
+
+
+def measure_link(*, device, repeats: int = 10, warmup: int = 3,
+                 sizes: Sequence[int] = SIZES_BYTES) -> list[dict]:
+    """Time the exchange (processes 0 and 1) and the all-reduce (all processes); collective over the world.
+
+    Returns the medians (ms) as ``[{"kind", "ranks", "bytes", "ms"}, ...]`` on every process (rank 0's
+    clock). Needs at least two processes.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        raise ValueError("measuring a link needs at least two processes")
+    cuda = torch.device(device).type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    out = []
+    for nbytes in sizes:
+        send = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        recv = torch.empty_like(send)
+        for kind in ("exchange", "allreduce"):
+            times = []
+            for i in range(warmup + repeats):
+                sync()
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "exchange":
+                    if rank < 2:
+                        peer = 1 - rank
+                        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
+                                                        dist.P2POp(dist.irecv, recv, peer)])
+                        for w in works:
+                            w.wait()
+                else:
+                    dist.all_reduce(send)
+                sync()
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            out.append({"kind": kind, "ranks": 2 if kind == "exchange" else world, "bytes": nbytes,
+                        "ms": times[len(times) // 2]})
+    return out

@@ -1,0 +1,356 @@
+"""``spindle profile``: measure every MetaOp of a model on the live backend, fit its curve, write a curves file.
+
+How a run goes (every process runs :func:`profile_rank`; process 0 keeps the books and prints):
+
+1. contract the model exactly as ``spindle plan`` will (same device memory and island size, so the same
+   tensor-parallel degrees and signatures), and list the targets and points (:mod:`.points`);
+2. drop the points the cache already holds for this backend, device type, dtype and thread count;
+3. pack the rest into rounds (:func:`.points.schedule_rounds`): in a round every process measures a different
+   point at once (a tensor-parallel point takes ``tp`` processes); after the round the results are gathered
+   on process 0, written to the cache, and one progress line per point is printed (MetaOp, devices, time,
+   elapsed, remaining);
+4. with two or more processes, measure the link (:mod:`.link`);
+5. fit every target's curve and write the curves file (:mod:`.fit`) and, if asked, a cluster file.
+
+Launching: under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process runs the profile;
+otherwise :func:`profile` starts ``nproc`` processes itself (``spawn``, a free local port; also for one
+process, so that the caller's process never holds a process group). Backend: NCCL with one GPU per process when CUDA is available, else gloo on CPU.
+CPU processes run ``OMP_NUM_THREADS`` threads (default: cores / processes, as ``torchrun`` would set 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from .fit import curves_document, summary_table
+from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """What to profile and how."""
+
+    model: str
+    """Built-in model name (``multitask-clip``, ``qwen-val``, ``ofasys``)."""
+    tasks: int | None = None
+    """Number of tasks (default: the model's largest)."""
+    size: str = "full"
+    """``full`` or ``tiny``."""
+    batch: int | None = None
+    """Global batch per task (default: the model's)."""
+    nproc: int = 1
+    """Processes that measure (a tensor-parallel point needs ``tp`` of them)."""
+    max_devices: int = 32
+    """Largest device count to measure and to fit (the paper profiles n = 1 … 32)."""
+    gpus_per_node: int = 8
+    """Island size of the plans that will use the curves (it caps tensor parallelism, as in ``spindle plan``)."""
+    memory_gib: float | None = None
+    """Memory of one device, GiB (default: measured: the GPU's, or the host's RAM / processes)."""
+    warmup: int = 3
+    """Untimed repeats before timing each point."""
+    repeats: int = 10
+    """Timed repeats per point (at least); the point is their median."""
+    min_seconds: float = 0.2
+    """Time more repeats of a fast layer until they add up to this (the median then spans a longer window)."""
+    out: str | None = "curves.json"
+    """Curves file to write (None: do not write)."""
+    cluster_out: str | None = None
+    """Also write the measured link as a cluster JSON file (``spindle compare --cluster FILE``)."""
+    cache: str | None = dataclasses.field(default_factory=default_cache_path)
+    """Cache of measured points (None: no cache)."""
+    fresh: bool = False
+    """Measure every point again (the cache is overwritten, not read)."""
+    seed: int = 0
+    measure_link: bool = True
+    """Measure the backend's latency and bandwidth (needs two or more processes)."""
+    verbose: bool = True
+    """Print progress lines and the summary (process 0)."""
+
+    def __post_init__(self) -> None:
+        for f in ("nproc", "max_devices", "gpus_per_node", "repeats"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"profile {f}={v!r} must be a positive integer")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"profile warmup={self.warmup!r} must be a non-negative integer")
+        if not self.min_seconds >= 0:
+            raise ValueError(f"profile min_seconds={self.min_seconds!r} must not be negative")
+        if self.memory_gib is not None and not self.memory_gib > 0:
+            raise ValueError(f"profile memory_gib={self.memory_gib!r} must be positive")
+
+
+def _host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None) -> dict | None:
+    """Run the profile on this process of an initialised world; the curves document on process 0, else None."""
+    import torch
+    import torch.distributed as dist
+
+    from ..planner.cluster import Cluster
+    from ..planner.build import make_metaops
+    from ..planner.workloads import build_graph
+    from ..runtime.cpu_compat import apply_cpu_patches
+    from .link import cluster_fields, fit_link, measure_link
+    from .timing import time_layer
+
+    t_start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.nproc:
+        raise ValueError(f"the profile was asked for --nproc {cfg.nproc} but runs on {world} processes")
+    say = (log or (lambda s: print(s, flush=True))) if rank == 0 and cfg.verbose else (lambda s: None)
+    backend = dist.get_backend()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dtype = torch.bfloat16
+        where = Where(backend=backend, device_type=torch.cuda.get_device_name(device), dtype="bfloat16")
+        memory_gib = cfg.memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
+    else:
+        apply_cpu_patches()
+        device, dtype = torch.device("cpu"), torch.float32
+        where = Where(backend=backend, device_type="cpu", dtype="float32", threads=torch.get_num_threads())
+        memory_gib = cfg.memory_gib or _host_memory_gib() / world
+
+    graph = build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)
+    cluster = Cluster(name="profile", num_devices=cfg.max_devices, gpus_per_node=cfg.gpus_per_node,
+                      memory_gib=memory_gib)
+    metaops = make_metaops(graph, cluster)
+    targets = targets_of(metaops, cfg.max_devices)
+    points = points_of(targets)
+
+    cache = None
+    if rank == 0:
+        cache = ProfileCache.load(None if cfg.fresh else cfg.cache)
+        cache.path = cfg.cache
+        pending = [p for p in points if cfg.fresh or cache.get(targets[p.target], p.devices, where) is None]
+    else:
+        pending = None
+    box = [pending]
+    dist.broadcast_object_list(box, src=0)
+    pending = box[0]
+    rounds = schedule_rounds(pending, world)  # raises on every rank alike when tp > nproc
+
+    say(f"profiling {graph.model} ({len(graph.tasks)} tasks, {cfg.size}): {len(metaops)} MetaOps, "
+        f"{len(targets)} distinct, {len(points)} points up to {cfg.max_devices} devices "
+        f"({len(points) - len(pending)} cached, {len(pending)} to measure) on {world} {backend} process(es), "
+        f"{where.device_type}" + (f", {where.threads} thread(s) each" if where.threads else ""))
+
+    groups = {}
+    for tp in sorted({p.tp for p in pending if p.tp > 1}):
+        for k in range(world // tp):
+            ranks = tuple(range(k * tp, (k + 1) * tp))
+            groups[ranks] = dist.new_group(list(ranks))
+
+    t_measure = time.perf_counter()
+    done = 0
+    for ri, rnd in enumerate(rounds):
+        result = None
+        for p, ranks in rnd:
+            if rank not in ranks:
+                continue
+            t = targets[p.target]
+            samples = time_layer(graph, t.operator, p.local_batch, warmup=cfg.warmup, repeats=cfg.repeats,
+                                 min_seconds=cfg.min_seconds,
+                                 tp_group=groups.get(ranks), tp_rank=ranks.index(rank), tp_size=p.tp,
+                                 seed=cfg.seed, dtype=dtype, device=device)
+            if rank == ranks[0]:
+                result = (p, samples)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank != 0:
+            continue
+        for item in gathered:
+            if item is None:
+                continue
+            p, samples = item
+            t = targets[p.target]
+            e = cache.put(t, p.devices, where, samples_ms=samples, local_batch=p.local_batch,
+                          warmup=cfg.warmup)
+            done += 1
+            elapsed = time.perf_counter() - t_measure
+            left = elapsed / (ri + 1) * (len(rounds) - ri - 1)
+            say(f"[{done:>{len(str(len(pending)))}}/{len(pending)}] {t.label:<34} n={p.devices:<3} "
+                f"(local batch {p.local_batch}{f', tp {p.tp}' if p.tp > 1 else ''}) {e['ms']:8.3f} ms   "
+                f"elapsed {_fmt_s(elapsed)}, remaining ~{_fmt_s(left)}")
+        cache.save()
+
+    link = None
+    if cfg.measure_link and world >= 2:
+        link_ms = measure_link(device=device)
+        if rank == 0:
+            link = {**fit_link(link_ms), "measurements": link_ms}
+            say(f"link ({backend}): latency {link['latency_us']:.0f} us, bandwidth {link['bandwidth_gbps']:.2f} "
+                f"GB/s (fit error {link['fit_error']:.0%} over {len(link_ms)} measurements)")
+    if rank != 0:
+        dist.barrier()
+        return None
+
+    entries: dict[int, list] = {}
+    for i, t in enumerate(targets):
+        for n in t.counts:
+            e = cache.get(t, n, where)
+            if e is not None:
+                entries.setdefault(i, []).append(e)
+    cl = None
+    if link is not None:
+        cl = cluster_fields(link, name=f"{backend}-{where.device_type}-{world}proc",
+                            gpus_per_node=cfg.gpus_per_node, memory_gib=memory_gib)
+    measured = {"model": graph.model, "tasks": len(graph.tasks), "size": cfg.size, "batch": cfg.batch,
+                **where.to_json(), "nproc": world, "max_devices": cfg.max_devices,
+                "gpus_per_node": cfg.gpus_per_node, "warmup": cfg.warmup, "repeats": cfg.repeats,
+                "min_seconds": cfg.min_seconds,
+                "points_measured": len(pending), "points_cached": len(points) - len(pending),
+                "torch": torch.__version__, "profile_s": round(time.perf_counter() - t_start, 3)}
+    if link is not None:
+        measured["link"] = link
+    doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
+    if cfg.out:
+        _write_json(cfg.out, doc)
+    if cfg.cluster_out and cl is not None:
+        _write_json(cfg.cluster_out, cl)
+    say("")
+    say(summary_table(doc))
+    say("")
+    say(f"profiled in {_fmt_s(time.perf_counter() - t_start)} (measuring {_fmt_s(time.perf_counter() - t_measure)})"
+        + (f"; curves written to {cfg.out}" if cfg.out else "")
+        + (f"; cluster written to {cfg.cluster_out}" if cfg.cluster_out and cl is not None else ""))
+    dist.barrier()
+    return doc
+
+
+def _write_json(path: str, obj) -> None:
+    import json
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.write("\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------------------
+def _backend() -> str:
+    import torch
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _threads(nproc: int) -> int:
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // nproc)
+
+
+def profile(cfg: ProfileConfig) -> dict:
+    """Run the profile: under torchrun, in an initialised world, or on ``nproc`` spawned processes.
+
+    Returns the curves document (under torchrun: on process 0; ``{}`` on the others).
+    """
+    from ..planner.workloads import build_graph
+    build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)  # bad input: fail before starting
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return profile_rank(cfg) or {}
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group(_backend())
+        try:
+            torch.set_num_threads(_threads(dist.get_world_size()))
+            return profile_rank(dataclasses.replace(cfg, nproc=dist.get_world_size())
+                                if cfg.nproc == 1 else cfg) or {}
+        finally:
+            dist.destroy_process_group()
+    return _spawn(cfg)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, cfg: ProfileConfig, port: int, results) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.nproc)})
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(_threads(cfg.nproc))
+        dist.init_process_group(_backend(), rank=rank, world_size=cfg.nproc)
+        try:
+            doc = profile_rank(cfg)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, doc))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        results.put((rank, False, f"{type(e).__name__}: {e}" if isinstance(e, ValueError)
+                     else traceback.format_exc()))
+
+
+def _spawn(cfg: ProfileConfig) -> dict:
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, cfg, port, results), daemon=True) for r in range(cfg.nproc)]
+    for p in procs:
+        p.start()
+    doc, errors, finished = None, {}, set()
+    try:
+        while len(finished) < cfg.nproc:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in finished]
+                if dead:
+                    time.sleep(0.5)  # let a traceback that is on its way arrive
+                    while True:
+                        try:
+                            rank, ok, value = results.get_nowait()
+                        except queue.Empty:
+                            break
+                        if not ok:
+                            errors[rank] = value
+                    for r in dead:
+                        errors.setdefault(r, f"process exited with code {procs[r].exitcode}")
+                    break
+                continue
+            finished.add(rank)
+            if ok:
+                doc = value if rank == 0 else doc
+            else:
+                errors[rank] = value
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    if errors:
+        first = min(errors)
+        msg = errors[first]
+        if msg.startswith("ValueError: "):
+            raise ValueError(msg[len("ValueError: "):])
+        raise RuntimeError(f"profile process {first} failed:\n{msg}")
+    return doc or {}
+
+
+if __name__ == "__main__":  # pragma: no cover - use `spindle profile`
+    sys.exit("run `spindle profile --help`")
