@@ -3,7 +3,8 @@
 ``spindle profile --model NAME [--tasks K] [--size tiny|full] [--batch B] --nproc N [--out curves.json]``
 measures every MetaOp on the live backend and writes the curves that ``spindle plan --curves`` and
 ``spindle compare --curves`` read. Run it as is (it starts ``N`` processes) or under
-``torchrun --nproc-per-node N -m megatron_spindle.cli profile ...``.
+``torchrun --nproc-per-node N -m megatron_spindle.cli profile --model NAME ...`` (without ``--nproc``, which
+torchrun's own parser would take for ``--nproc-per-node``).
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
     p.add_argument("--batch", type=_positive_int, default=None, help="global batch per task (default: the model's)")
-    p.add_argument("--nproc", type=_positive_int, required=True,
-                   help="processes that measure (gloo on CPU, NCCL with one GPU each); under torchrun: its world size")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="processes that measure (gloo on CPU, NCCL with one GPU each); required unless run under "
+                        "torchrun, which sets the number (omit it there: torchrun reads --nproc as its own option)")
     p.add_argument("--out", default="curves.json", metavar="FILE", help="curves file to write (default curves.json)")
     p.add_argument("--cluster-out", default=None, metavar="FILE",
                    help="also write the measured link as cluster fields (for spindle compare --cluster FILE)")
@@ -70,9 +72,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args) -> int:
+    import os
+
     from .run import ProfileConfig, profile
 
-    cfg = ProfileConfig(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, nproc=args.nproc,
+    nproc = args.nproc
+    if nproc is None:
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError("--nproc N is required (unless run under torchrun)")
+        nproc = int(os.environ["WORLD_SIZE"])
+    cfg = ProfileConfig(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, nproc=nproc,
                         max_devices=args.max_devices, gpus_per_node=args.gpus_per_node,
                         memory_gib=args.memory_gib, warmup=args.warmup, repeats=args.repeats,
                         min_seconds=args.min_time, out=args.out,

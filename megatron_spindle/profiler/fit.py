@@ -69,14 +69,18 @@ def uncovered(curves_file: CurvesFile, metaops: Sequence[MetaOp]) -> list[str]:
     return [m.name for m in metaops if m.name not in curves_file.by_name and m.signature not in sigs]
 
 
+def _g(v: float) -> str:
+    return "0" if abs(v) < 1e-9 else f"{v:.3g}"
+
+
 def summary_table(doc: Mapping) -> str:
-    """One line per fitted curve: MetaOps, points (devices: ms), fit error, segments."""
-    rows = [("MetaOp", "batch", "tp", "points: devices=ms", "fit err", "segments (x≥start: α + β·x ms)")]
+    """One line per fitted curve: MetaOps, points (devices: ms), fit error, segments (x = batch / devices)."""
+    rows = [("MetaOp", "batch", "tp", "points: devices=ms", "fit err", "segments (x=batch/devices ≥ start: α + β·x ms)")]
     for c in doc["curves"]:
         names = c["metaops"]
         label = names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else "")
         pts = " ".join(f"{n}={ms:.3g}" for n, ms in c["points"])
-        segs = "; ".join(f"x≥{s['x_start']:g}: {s['alpha_ms']:.3g}+{s['beta_ms']:.3g}x"
+        segs = "; ".join(f"x≥{s['x_start']:g}: {s['alpha_ms']:.3g}+{_g(s['beta_ms'])}x"
                          for s in c["fit"]["segments"])
         rows.append((label, str(c["signature"]["batch"]), str(c["signature"]["tp"]), pts,
                      f"{c['fit_error']:.1%}", segs))

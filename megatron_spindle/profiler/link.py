@@ -8,10 +8,11 @@ latency ``λ`` and one bandwidth ``B`` per link kind:
 
 :func:`measure_link` times both on the live backend (the exchange between processes 0 and 1 exactly as the
 runtime posts it, one ``batch_isend_irecv``; the all-reduce over all processes) at a few sizes, and
-:func:`fit_link` finds the ``(λ, B)`` that fit all of them together. Both formulas are linear in ``(λ, 1/B)``,
-so this is a 2-parameter least squares with relative weights (each time weighted by ``1/t``), with ``λ ≥ 0``
-and ``B > 0`` enforced by refitting the other parameter alone. The fit error (largest relative error at a
-measurement) says how well one ``(λ, B)`` describes the backend: gloo's all-reduce is not a textbook ring.
+:func:`fit_link` fits ``(λ, B)`` to each kind. Both formulas are linear in ``(λ, 1/B)``, so each fit is a
+2-parameter least squares with relative weights (each time weighted by ``1/t``), with ``λ ≥ 0`` and ``B > 0``
+enforced by refitting the other parameter alone. The link takes the exchange's latency and the all-reduce's
+bandwidth (see :func:`fit_link`); the fit error (largest relative error at a measurement) says how well one
+``(λ, B)`` describes the backend: gloo's all-reduce is not a textbook ring.
 
 :func:`cluster_fields` writes the result as :class:`~megatron_spindle.planner.cluster.Cluster` fields, one
 island (intra = inter), for ``spindle compare --cluster FILE`` and the CPU benchmark.
@@ -22,7 +23,7 @@ import math
 from typing import Mapping, Sequence
 
 #: Message sizes of the link measurement (bytes): latency-bound to bandwidth-bound.
-SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+SIZES_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
 def _coefficients(m: Mapping) -> tuple[float, float]:
@@ -36,32 +37,56 @@ def _coefficients(m: Mapping) -> tuple[float, float]:
     raise ValueError(f"unknown link measurement kind {m['kind']!r} (exchange or allreduce)")
 
 
-def fit_link(measurements: Sequence[Mapping]) -> dict:
-    """``{"latency_us", "bandwidth_gbps", "fit_error"}`` from ``[{"kind", "ranks", "bytes", "ms"}, ...]``.
-
-    >>> ms = [{"kind": "exchange", "ranks": 2, "bytes": s, "ms": 0.1 + s / 2e6} for s in (1e3, 1e6)]
-    >>> ms += [{"kind": "allreduce", "ranks": 2, "bytes": 1e6, "ms": 0.2 + 1e6 / 2e6}]
-    >>> r = fit_link(ms); round(r["latency_us"], 6), round(r["bandwidth_gbps"], 6), r["fit_error"] < 1e-9
-    (100.0, 2.0, True)
-    """
-    rows = [(*_coefficients(m), float(m["ms"])) for m in measurements if float(m["ms"]) > 0]
-    if not rows:
-        raise ValueError("no link measurements to fit")
-    w = [1.0 / t for _, _, t in rows]  # relative least squares: minimise Σ ((model - t) / t)²
+def _lsq(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Relative least squares ``t ≈ a·λ + c·u`` over ``(a, c, t)`` rows, with ``λ ≥ 0`` and ``u > 0``."""
+    w = [1.0 / t for _, _, t in rows]  # minimise Σ ((model - t) / t)²
     saa = sum(wi * wi * a * a for wi, (a, c, t) in zip(w, rows))
     sac = sum(wi * wi * a * c for wi, (a, c, t) in zip(w, rows))
     scc = sum(wi * wi * c * c for wi, (a, c, t) in zip(w, rows))
     sat = sum(wi * wi * a * t for wi, (a, c, t) in zip(w, rows))
     sct = sum(wi * wi * c * t for wi, (a, c, t) in zip(w, rows))
     det = saa * scc - sac * sac
-    lat, inv_bw = ((sat * scc - sct * sac) / det, (saa * sct - sac * sat) / det) if det > 0 else (-1.0, -1.0)
+    lat, inv_bw = ((sat * scc - sct * sac) / det, (saa * sct - sac * sat) / det) if det > 1e-30 * saa * scc else (-1.0, -1.0)
     if lat < 0 or inv_bw <= 0:
         if inv_bw > 0 and scc > 0:  # latency alone would be negative: bandwidth only
             lat, inv_bw = 0.0, sct / scc
-        else:                       # bandwidth would be infinite: latency only
+        else:                       # bandwidth would be infinite (or not measurable): latency only
             lat, inv_bw = max(sat / saa, 1e-9), 1e-15
-    err = max(abs(a * lat + c * inv_bw - t) / t for a, c, t in rows)
-    return {"latency_us": lat * 1e3, "bandwidth_gbps": 1.0 / inv_bw / 1e6, "fit_error": err}
+    return lat, inv_bw
+
+
+def fit_link(measurements: Sequence[Mapping]) -> dict:
+    """``{"latency_us", "bandwidth_gbps", "fit_error", "by_kind"}`` from ``[{"kind", "ranks", "bytes", "ms"}]``.
+
+    The simulator has one ``(λ, B)`` for both uses of a link, but a backend need not behave alike in both
+    (gloo's all-reduce reaches a quarter of its send/recv bandwidth). So each kind is fitted on its own
+    (``by_kind``) and the link takes the latency of the **exchange** (wave boundaries move small activations:
+    latency-bound) and the bandwidth of the **all-reduce** (gradient sync moves the large messages:
+    bandwidth-bound); with one kind only, both come from it. ``fit_error`` is the largest relative error of
+    the chosen ``(λ, B)`` over all measurements.
+
+    >>> ms = [{"kind": "exchange", "ranks": 2, "bytes": s, "ms": 0.1 + s / 2e6} for s in (1e3, 1e6)]
+    >>> ms += [{"kind": "allreduce", "ranks": 2, "bytes": s, "ms": 0.2 + s / 2e6} for s in (1e3, 1e6)]
+    >>> r = fit_link(ms); round(r["latency_us"], 6), round(r["bandwidth_gbps"], 6), r["fit_error"] < 1e-9
+    (100.0, 2.0, True)
+    """
+    rows = {}
+    for m in measurements:
+        if float(m["ms"]) > 0:
+            rows.setdefault(m["kind"], []).append((*_coefficients(m), float(m["ms"])))
+    if not rows:
+        raise ValueError("no link measurements to fit")
+    by_kind = {}
+    for kind, rs in rows.items():
+        lat, inv_bw = _lsq(rs)
+        by_kind[kind] = {"latency_us": lat * 1e3, "bandwidth_gbps": 1.0 / inv_bw / 1e6,
+                         "fit_error": max(abs(a * lat + c * inv_bw - t) / t for a, c, t in rs)}
+    lat_kind = "exchange" if "exchange" in by_kind else next(iter(by_kind))
+    bw_kind = "allreduce" if "allreduce" in by_kind else next(iter(by_kind))
+    lat = by_kind[lat_kind]["latency_us"] * 1e-3
+    inv_bw = 1.0 / (by_kind[bw_kind]["bandwidth_gbps"] * 1e6)
+    err = max(abs(a * lat + c * inv_bw - t) / t for rs in rows.values() for a, c, t in rs)
+    return {"latency_us": lat * 1e3, "bandwidth_gbps": 1.0 / inv_bw / 1e6, "fit_error": err, "by_kind": by_kind}
 
 
 def cluster_fields(link: Mapping, *, name: str, gpus_per_node: int, memory_gib: float) -> dict:
@@ -75,11 +100,18 @@ def cluster_fields(link: Mapping, *, name: str, gpus_per_node: int, memory_gib: 
             "memory_gib": memory_gib}
 
 
-def measure_link(*, device, repeats: int = 10, warmup: int = 3,
+def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float | None = None,
                  sizes: Sequence[int] = SIZES_BYTES) -> list[dict]:
     """Time the exchange (processes 0 and 1) and the all-reduce (all processes); collective over the world.
 
-    Returns the medians (ms) as ``[{"kind", "ranks", "bytes", "ms"}, ...]`` on every process (rank 0's
+    Measured in the runtime's regime: in the wave runtime an exchange follows a wave's compute, and a step
+    adds up many of them. So before every timed repeat all processes compute for ``busy_ms`` (default 2 ms on
+    CPU, 0 on GPUs, where the host is idle while kernels run) after a common barrier, and the point is the
+    **mean** of the repeats, not the median. On a CPU whose cores are all busy with ranks, a message waits for
+    the receiving thread to be scheduled; on a small VM this costs milliseconds now and then (2-core
+    Firecracker VM, gloo: median 0.2 ms, mean 1-2 ms after 1-3 ms of compute), and only the mean adds up.
+
+    Returns ``[{"kind", "ranks", "bytes", "ms" (mean), "median_ms", "busy_ms"}, ...]`` on every process (rank 0's
     clock). Needs at least two processes.
     """
     import time
@@ -91,10 +123,18 @@ def measure_link(*, device, repeats: int = 10, warmup: int = 3,
     if world < 2:
         raise ValueError("measuring a link needs at least two processes")
     cuda = torch.device(device).type == "cuda"
+    if busy_ms is None:
+        busy_ms = 0.0 if cuda else 2.0
+    work = torch.randn(96, 96)
 
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
+
+    def busy():
+        end = time.perf_counter() + busy_ms * 1e-3
+        while time.perf_counter() < end:
+            work @ work
 
     out = []
     for nbytes in sizes:
@@ -105,6 +145,7 @@ def measure_link(*, device, repeats: int = 10, warmup: int = 3,
             for i in range(warmup + repeats):
                 sync()
                 dist.barrier()
+                busy()
                 t0 = time.perf_counter()
                 if kind == "exchange":
                     if rank < 2:
@@ -120,5 +161,5 @@ def measure_link(*, device, repeats: int = 10, warmup: int = 3,
                     times.append((time.perf_counter() - t0) * 1e3)
             times.sort()
             out.append({"kind": kind, "ranks": 2 if kind == "exchange" else world, "bytes": nbytes,
-                        "ms": times[len(times) // 2]})
+                        "ms": sum(times) / len(times), "median_ms": times[len(times) // 2], "busy_ms": busy_ms})
     return out

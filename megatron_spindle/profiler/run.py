@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from . import launch
 from .fit import curves_document, summary_table
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
 
@@ -191,8 +190,10 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
         link_ms = measure_link(device=device)
         if rank == 0:
             link = {**fit_link(link_ms), "measurements": link_ms}
-            say(f"link ({backend}): latency {link['latency_us']:.0f} us, bandwidth {link['bandwidth_gbps']:.2f} "
-                f"GB/s (fit error {link['fit_error']:.0%} over {len(link_ms)} measurements)")
+            kinds = "; ".join(f"{k}: {v['latency_us']:.0f} us + bytes / {v['bandwidth_gbps']:.2f} GB/s "
+                              f"(fit error {v['fit_error']:.0%})" for k, v in link["by_kind"].items())
+            say(f"link ({backend}): latency {link['latency_us']:.0f} us (exchange), bandwidth "
+                f"{link['bandwidth_gbps']:.2f} GB/s (all-reduce); {kinds}")
     if rank != 0:
         dist.barrier()
         return None
@@ -242,19 +243,10 @@ def _write_json(path: str, obj) -> None:
 # --------------------------------------------------------------------------------------------------
 # Launching
 # --------------------------------------------------------------------------------------------------
-def _backend() -> str:
-    import torch
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _threads(nproc: int) -> int:
-    return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // nproc)
-
-
 def profile(cfg: ProfileConfig) -> dict:
-    """Run the profile: under torchrun, in an initialised world, or on ``nproc`` spawned processes.
+    """Run the profile: in an initialised world, under torchrun, or on ``nproc`` spawned processes.
 
-    Returns the curves document (under torchrun: on process 0; ``{}`` on the others).
+    Returns the curves document (on process 0; ``{}`` on the others).
     """
     from ..planner.workloads import build_graph
     build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)  # bad input: fail before starting
@@ -265,92 +257,14 @@ def profile(cfg: ProfileConfig) -> dict:
     if dist.is_initialized():
         return profile_rank(cfg) or {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group(_backend())
+        dist.init_process_group(launch.backend())
         try:
-            torch.set_num_threads(_threads(dist.get_world_size()))
-            return profile_rank(dataclasses.replace(cfg, nproc=dist.get_world_size())
-                                if cfg.nproc == 1 else cfg) or {}
+            torch.set_num_threads(launch.threads_per_process(dist.get_world_size()))
+            return profile_rank(cfg) or {}
         finally:
             dist.destroy_process_group()
-    return _spawn(cfg)
+    return launch.spawn(_spawned, cfg.nproc, cfg)[0] or {}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, cfg: ProfileConfig, port: int, results) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.nproc)})
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    try:
-        import torch
-        import torch.distributed as dist
-        torch.set_num_threads(_threads(cfg.nproc))
-        dist.init_process_group(_backend(), rank=rank, world_size=cfg.nproc)
-        try:
-            doc = profile_rank(cfg)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, doc))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        results.put((rank, False, f"{type(e).__name__}: {e}" if isinstance(e, ValueError)
-                     else traceback.format_exc()))
-
-
-def _spawn(cfg: ProfileConfig) -> dict:
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, cfg, port, results), daemon=True) for r in range(cfg.nproc)]
-    for p in procs:
-        p.start()
-    doc, errors, finished = None, {}, set()
-    try:
-        while len(finished) < cfg.nproc:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in finished]
-                if dead:
-                    time.sleep(0.5)  # let a traceback that is on its way arrive
-                    while True:
-                        try:
-                            rank, ok, value = results.get_nowait()
-                        except queue.Empty:
-                            break
-                        if not ok:
-                            errors[rank] = value
-                    for r in dead:
-                        errors.setdefault(r, f"process exited with code {procs[r].exitcode}")
-                    break
-                continue
-            finished.add(rank)
-            if ok:
-                doc = value if rank == 0 else doc
-            else:
-                errors[rank] = value
-                break
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-    if errors:
-        first = min(errors)
-        msg = errors[first]
-        if msg.startswith("ValueError: "):
-            raise ValueError(msg[len("ValueError: "):])
-        raise RuntimeError(f"profile process {first} failed:\n{msg}")
-    return doc or {}
-
-
-if __name__ == "__main__":  # pragma: no cover - use `spindle profile`
-    sys.exit("run `spindle profile --help`")
+def _spawned(rank: int, world: int, cfg: ProfileConfig) -> dict | None:
+    return profile_rank(cfg)
