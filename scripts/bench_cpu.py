@@ -1,0 +1,506 @@
+"""Measured comparison on this machine: Megatron-style sequential training against the Spindle plan.
+
+One run, ``--nproc`` gloo processes (default: one per core), the same tiny multi-task model, the same data:
+
+1. **profile** (:mod:`megatron_spindle.profiler`) every MetaOp on these processes at 1 … ``nproc`` devices, and
+   the gloo link (latency, bandwidth), unless ``--curves FILE`` (a ``spindle profile`` output with its
+   ``cluster``) is given;
+2. **plan** with those curves on that link: the Spindle plan (:func:`~megatron_spindle.planner.build.make_plan`)
+   and the ``sequential`` baseline plan, and **predict** both steps with the simulator
+   (:func:`~megatron_spindle.planner.simulate.simulate`: compute from the curves, inter-wave transfers and the
+   gradient all-reduces from the measured link);
+3. **train** both on the same processes, steps interleaved (A B B A …, so slow drift in other load on the
+   machine hits both alike), after ``--warmup`` steps:
+
+   * *sequential*, the way Megatron-LM trains several tasks today, not through the Spindle runtime: the whole
+     multi-task model (every rank holds every weight) is wrapped once in megatron.core's
+     ``DistributedDataParallel`` over all ranks; each task in turn runs ``forward_backward_no_pipelining``
+     (one microbatch, the task's encoders, heads and loss on the rank's ``B / nproc`` samples), gradients
+     accumulate over the tasks in DDP's buffers, and ``finalize_model_grads`` all-reduces them once per step
+     (as Megatron does for microbatches). The contrastive loss needs every pair, so the task's two pooled
+     embeddings are all-gathered (in one collective, with gradient) before it, as CLIP trainers do;
+   * *Spindle*: :class:`~megatron_spindle.runtime.executor.SpindleModel` executing the plan (waves, inter-wave
+     send/recv, gradient sync over each parameter's device group).
+
+   A step is timed from a common barrier to the last rank's end of gradient sync (forward, backward, sync:
+   what the simulator predicts); the optimizer update (SGD, same for both) is timed apart and reported. Medians
+   over the timed steps. Both start from the same weights and see the same batches, so their losses must agree
+   (reported: largest relative difference over all steps and tasks).
+
+Output: a table of measured and predicted step times, the Spindle / sequential ratio measured and predicted,
+the prediction error of the Spindle plan, and the measured vs predicted breakdown of the Spindle step. With
+``--json`` the last line is one JSON object (``measured_ratio``, ``predicted_ratio``, ``measured_step_s``,
+``predicted_step_s``, ``prediction_error`` and more; ratios are Spindle / sequential step time, the error is
+``predicted / measured - 1`` of the Spindle step).
+
+Megatron on CPU: ``DistributedDataParallel``, ``forward_backward_no_pipelining`` and ``finalize_model_grads``
+run unchanged on gloo, given (a) :func:`~megatron_spindle.runtime.cpu_compat.apply_cpu_patches`
+(``torch.cuda.current_device`` -> CPU: DDP allocates its grad buffers there) and (b) :class:`CudaToCpu`, a
+``TorchFunctionMode`` that turns ``device="cuda"`` into CPU for tensors megatron creates in Python (the
+schedule's token counter). Their gradients equal the single-process reference's (``tests/test_bench_cpu.py``).
+
+Run: ``TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 python scripts/bench_cpu.py [--json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from megatron_spindle.planner.graph import TaskGraph  # noqa: E402  (pure Python)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Megatron-style baseline (torch + megatron.core)
+# --------------------------------------------------------------------------------------------------
+def _cuda_to_cpu_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class CudaToCpu(TorchFunctionMode):
+        """Rewrite ``device="cuda"`` (or ``cuda:N``) in torch calls made from Python to ``cpu``."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            d = kwargs.get("device")
+            if d is not None and torch.device(d).type == "cuda":
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
+
+    return CudaToCpu()
+
+
+def patch_schedule_devices() -> None:
+    """On CPU, make megatron's schedules create their token counter on CPU (idempotent).
+
+    ``forward_backward_no_pipelining`` builds ``torch.zeros([], dtype=torch.int, device="cuda")``; the module's
+    ``torch`` is replaced by a proxy whose ``zeros`` maps ``device="cuda"`` to CPU and forwards everything else.
+    Unlike a ``TorchFunctionMode`` held around the whole step, this costs nothing per tensor operation
+    (the mode put 10-20 us of Python on every op of the forward and backward passes).
+    """
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    if torch.cuda.is_available() or isinstance(schedules.torch, _CpuTorch):
+        return
+    schedules.torch = _CpuTorch(torch)
+
+
+class _CpuTorch:
+    def __init__(self, torch) -> None:
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def zeros(self, *args, **kwargs):
+        if kwargs.get("device") is not None and self._torch.device(kwargs["device"]).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return self._torch.zeros(*args, **kwargs)
+
+
+class MegatronSequential:
+    """Every task in turn over all ranks: megatron.core DDP + ``forward_backward_no_pipelining``.
+
+    Only graphs whose losses are contrastive (multitask-clip) are supported: their one loss per task is
+    computed on the all-gathered batch on every rank (see the module docstring).
+    """
+
+    def __init__(self, graph: TaskGraph, *, seed: int = 0) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.enums import ModelType
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from megatron_spindle.models.blocks import self_group
+        from megatron_spindle.models.data import parse_data_input
+        from megatron_spindle.models.reference import ReferenceModel
+        from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+
+        bad = sorted({op.op_type for op in graph.operators if op.op_type in ("lm_head",)})
+        if bad:
+            raise ValueError(f"the Megatron-style baseline supports contrastive losses only, not {bad}")
+        apply_cpu_patches()
+        patch_schedule_devices()
+        self.graph = graph
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp = dist.new_group(list(range(self.world)))
+        one = self_group()
+        self.pgc = ProcessGroupCollection(tp=one, pp=one, cp=one, tp_cp=one, mp=one, dp=self.dp, dp_cp=self.dp,
+                                          intra_dp_cp=self.dp, ep=one, expt_tp=one, expt_dp=one, tp_ep_pp=one,
+                                          embd=None, pos_embd=None)
+        dp_group, rank, world = self.dp, self.rank, self.world
+
+        class AllGather(torch.autograd.Function):
+            """Concatenate every rank's samples; backward sums the gradient over ranks, keeps this rank's rows."""
+
+            @staticmethod
+            def forward(ctx, x):
+                parts = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(parts, x.contiguous(), group=dp_group)
+                ctx.rows = x.shape[0]
+                return torch.cat(parts, 0)
+
+            @staticmethod
+            def backward(ctx, grad):
+                grad = grad.contiguous()
+                dist.all_reduce(grad, group=dp_group)
+                return grad[rank * ctx.rows:(rank + 1) * ctx.rows]
+
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   use_cpu_initialization=True)
+        ref = ReferenceModel(graph, seed=seed)
+
+        class MultiTaskModel(MegatronModule):
+            """The whole multi-task model; ``forward(task, batch)`` is one task's loss on local samples."""
+
+            def __init__(self) -> None:
+                super().__init__(config=config)
+                self.model_type = ModelType.encoder_or_decoder
+                self.ref = ref
+
+            def set_input_tensor(self, tensor) -> None:  # no pipeline stages
+                pass
+
+            def forward(self, task, batch):
+                acts, loss = {}, None
+                for op in graph.operators:
+                    if op.task != task:
+                        continue
+                    if op.op_type == "contrastive_loss":  # both embeddings in one all-gather
+                        pair = [acts[name] for name in op.inputs]
+                        both = AllGather.apply(torch.cat(pair, dim=1))
+                        inputs = list(torch.split(both, [x.shape[1] for x in pair], dim=1))
+                    else:
+                        inputs = [batch[parse_data_input(name)[1]] if name.startswith("data:") else acts[name]
+                                  for name in op.inputs]
+                    out = self.ref.layer(op.name)(inputs)
+                    if op.op_type == "contrastive_loss":
+                        loss = out if loss is None else loss + out
+                    else:
+                        acts[op.name] = out
+                return loss
+
+        with _cuda_to_cpu_mode():  # construction only: DDP's buffers
+            self.model = DistributedDataParallel(config, DistributedDataParallelConfig(), MultiTaskModel(),
+                                                 pg_collection=self.pgc)
+        self.params = [p for p in self.model.parameters()]
+
+    def parameters(self):
+        return self.params
+
+    def step(self, batch) -> dict[str, float]:
+        """Forward, backward and gradient sync of every task; ``param.grad`` holds the synced gradient."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+        losses = {}
+        self.model.zero_grad_buffer()
+        for task in self.graph.tasks:
+            data = batch[task]
+            rows = next(iter(data.values())).shape[0] // self.world
+            local = {k: v[self.rank * rows:(self.rank + 1) * rows] for k, v in data.items()}
+
+            def forward_step(it, model, task=task):
+                return model(task, next(it)), lambda out: (out, {"loss": out.detach()})
+
+            store = forward_backward_no_pipelining(
+                forward_step_func=forward_step, data_iterator=iter([local]), model=self.model,
+                num_microbatches=1, seq_length=0, micro_batch_size=rows, pg_collection=self.pgc)
+            losses[task] = store[0]["loss"]
+        finalize_model_grads([self.model], pg_collection=self.pgc)
+        for p in self.params:
+            p.grad = p.main_grad
+        return losses
+
+    def losses_value(self, losses) -> dict[str, float]:
+        return {t: float(v) for t, v in losses.items()}
+
+
+class SpindleRunner:
+    """The Spindle runtime on a plan, with the same step interface as :class:`MegatronSequential`."""
+
+    def __init__(self, plan, graph: TaskGraph, *, seed: int = 0) -> None:
+        from megatron_spindle.runtime.executor import SpindleModel
+        self.model = SpindleModel(plan, graph, seed=seed, timeout_s=300)
+
+    def parameters(self):
+        return self.model.unique_parameters()
+
+    def step(self, batch):
+        st = self.model(batch)
+        self.model.backward(st)
+        self.model.finalize_grads()
+        return st
+
+    def losses_value(self, st) -> dict[str, float]:
+        return self.model.reduce_losses(st)
+
+
+# --------------------------------------------------------------------------------------------------
+# One process of the benchmark
+# --------------------------------------------------------------------------------------------------
+def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
+    """Profile (unless curves are given), plan, predict, then train both systems; results on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.profiler.run import ProfileConfig, profile_rank
+    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()
+    graph = build_graph(opts["model"], tasks=opts["tasks"], size="tiny", batch=opts["batch"])
+    doc = opts.get("curves_doc")
+    t0 = time.perf_counter()
+    if doc is None:
+        doc = profile_rank(ProfileConfig(
+            model=opts["model"], tasks=opts["tasks"], size="tiny", batch=opts["batch"], nproc=world,
+            max_devices=world, out=opts["curves_out"], cache=opts["cache"], fresh=opts["fresh"],
+            repeats=opts["repeats"], min_seconds=opts["min_seconds"], verbose=opts["verbose"]))
+    profile_s = time.perf_counter() - t0
+    box = [predict(graph, doc, world) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    pred = box[0]
+
+    data = SyntheticData(graph, seed=opts["seed"])
+    n_steps = opts["warmup"] + opts["steps"]
+    batches = [data.batch(s) for s in range(n_steps)]
+    systems = {"sequential": MegatronSequential(graph, seed=opts["seed"]),
+               "spindle": SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"])}
+    opt = {k: torch.optim.SGD(list(s.parameters()), lr=opts["lr"]) for k, s in systems.items()}
+    times = {k: {"step": [], "optimizer": []} for k in systems}
+    losses = {k: [] for k in systems}
+    spans = []
+    order = list(systems)
+    for i in range(n_steps):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            sysm = systems[name]
+            if name == "spindle":
+                sysm.model.trace.step = i
+            dist.barrier()
+            a = time.perf_counter()
+            out = sysm.step(batches[i])
+            b = time.perf_counter()
+            opt[name].step()
+            opt[name].zero_grad(set_to_none=True)
+            c = time.perf_counter()
+            if i >= opts["warmup"]:
+                times[name]["step"].append(b - a)
+                times[name]["optimizer"].append(c - b)
+            losses[name].append(sysm.losses_value(out))
+    tr = systems["spindle"].model.trace
+    waves = []
+    for i in range(opts["warmup"], n_steps):
+        spans.append(tr.totals(i))
+        waves.append(tr.wave_times(i))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"times": times, "spans": spans, "waves": waves})
+    systems["spindle"].model.destroy()
+    if rank != 0:
+        return None
+    return {"pred": {k: v for k, v in pred.items() if k != "spindle_plan"}, "ranks": gathered,
+            "losses": losses, "profile_s": profile_s, "curves_doc": doc,
+            "plan_summary": pred["plan_summary"], "threads": torch.get_num_threads()}
+
+
+def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
+    """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link."""
+    from megatron_spindle.planner.analytic import CurvesFile
+    from megatron_spindle.planner.baselines import plan_system
+    from megatron_spindle.planner.build import make_plan
+    from megatron_spindle.planner.cluster import Cluster
+    from megatron_spindle.planner.render import grid, metaop_table
+    from megatron_spindle.planner.simulate import simulate
+
+    if "cluster" not in doc:
+        raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")
+    cluster = Cluster(**{**doc["cluster"], "num_devices": world})
+    cf = CurvesFile.parse(doc)
+    plans = {"spindle": make_plan(graph, cluster, curves_file=cf),
+             "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
+    sims = {k: simulate(p, cluster) for k, p in plans.items()}
+    sp = sims["spindle"]
+    wave_pred = [{"index": w.index, "compute_s": w.duration_ms / 1e3,
+                  "transfer_s": (t.transfer_fwd_ms + t.transfer_bwd_ms) / 1e3,
+                  "slices": [(sl.name, list(sl.ranks)) for sl in w.slices]}
+                 for w, t in zip(plans["spindle"].waves, sp.waves)]
+    return {"spindle_plan": plans["spindle"], "cluster": cluster.to_json(), "wave_pred": wave_pred,
+            "sims": {k: s.to_json() for k, s in sims.items()},
+            "waves": {k: len(p.waves) for k, p in plans.items()},
+            "plan_summary": metaop_table(plans["spindle"]) + "\n\n" + grid(plans["spindle"])}
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+def _step_series(ranks: list[dict], system: str, key: str) -> list[float]:
+    """Per timed step, the slowest rank's time (s)."""
+    per_rank = [r["times"][system][key] for r in ranks]
+    return [max(vals) for vals in zip(*per_rank)]
+
+
+def summarize(res: dict, opts: dict) -> dict:
+    ranks = res["ranks"]
+    meas = {k: statistics.median(_step_series(ranks, k, "step")) for k in ("sequential", "spindle")}
+    optim = {k: statistics.median(_step_series(ranks, k, "optimizer")) for k in ("sequential", "spindle")}
+    spread = {k: (min(_step_series(ranks, k, "step")), max(_step_series(ranks, k, "step")))
+              for k in ("sequential", "spindle")}
+    sims = res["pred"]["sims"]
+    pred = {k: sims[k]["step_ms"] / 1e3 for k in ("sequential", "spindle")}
+    cats = ("forward", "backward", "transfer", "sync")
+    spindle_spans = {c: statistics.mean(statistics.median(s[c] for s in r["spans"]) for r in ranks) for c in cats}
+    worst = 0.0
+    for a, b in zip(res["losses"]["sequential"], res["losses"]["spindle"]):
+        for t in a:
+            worst = max(worst, abs(a[t] - b[t]) / max(abs(b[t]), 1e-12))
+    m_ratio = meas["spindle"] / meas["sequential"]
+    p_ratio = pred["spindle"] / pred["sequential"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    return {
+        "model": opts["model"], "tasks": opts["tasks"], "batch": opts["batch"], "nproc": opts["nproc"],
+        "threads_per_process": res["threads"], "steps": opts["steps"], "warmup": opts["warmup"],
+        "measured_ratio": m_ratio, "predicted_ratio": p_ratio,
+        "measured_step_s": meas["spindle"], "predicted_step_s": pred["spindle"],
+        "prediction_error": pred["spindle"] / meas["spindle"] - 1,
+        "sequential_measured_step_s": meas["sequential"], "sequential_predicted_step_s": pred["sequential"],
+        "sequential_prediction_error": pred["sequential"] / meas["sequential"] - 1,
+        "measured_speedup": 1 / m_ratio, "predicted_speedup": 1 / p_ratio,
+        "step_range_s": spread, "optimizer_s": optim,
+        "measured_ratio_with_optimizer": (meas["spindle"] + optim["spindle"]) / (meas["sequential"] + optim["sequential"]),
+        "spindle_measured_breakdown_s": {**{c: spindle_spans[c] for c in cats}},
+        "spindle_predicted_breakdown_s": {k: v / 1e3 for k, v in sims["spindle"]["breakdown"].items()},
+        "sequential_predicted_breakdown_s": {k: v / 1e3 for k, v in sims["sequential"]["breakdown"].items()},
+        "waves": res["pred"]["waves"], "max_loss_rel_diff": worst, "profile_s": res["profile_s"],
+        "link": {k: res["pred"]["cluster"][k] for k in ("intra_latency_us", "intra_bandwidth_gbps")},
+        "load_average_1min": load,
+        "waves_detail": wave_table(res),
+    }
+
+
+def wave_table(res: dict) -> list[dict]:
+    """Per Spindle wave: predicted compute and transfer, and measured (median over steps, slowest rank)."""
+    out = []
+    ranks = res["ranks"]
+    for w in res["pred"]["wave_pred"]:
+        comp, xfer = [], []
+        for step in range(len(ranks[0]["waves"])):
+            per_rank_c, per_rank_t = [], []
+            for r, rr in enumerate(ranks):
+                wt = rr["waves"][step]
+                per_rank_c.append(sum(wt.get(f"{name} {d}", 0.0) for name, rs in w["slices"] if r in rs
+                                      for d in ("fwd", "bwd")))
+                per_rank_t.append(wt.get(f"w{w['index']} fwd transfer", 0.0) + wt.get(f"w{w['index']} bwd transfer", 0.0))
+            comp.append(max(per_rank_c))
+            xfer.append(max(per_rank_t))
+        out.append({"wave": w["index"], "predicted_compute_s": w["compute_s"], "measured_compute_s": statistics.median(comp),
+                    "predicted_transfer_s": w["transfer_s"], "measured_transfer_s": statistics.median(xfer),
+                    "slices": [name for name, _ in w["slices"]]})
+    return out
+
+
+def format_report(s: dict) -> str:
+    ms = lambda x: f"{x * 1e3:8.2f} ms"  # noqa: E731
+    lines = [
+        f"{s['model']}, {s['tasks']} tasks, tiny, batch {s['batch']} per task, on {s['nproc']} gloo processes "
+        f"({s['threads_per_process']} thread each); {s['steps']} timed steps after {s['warmup']} warm-up, medians",
+        f"link (profiled): latency {s['link']['intra_latency_us']:.0f} us, bandwidth "
+        f"{s['link']['intra_bandwidth_gbps']:.2f} GB/s; profile took {s['profile_s']:.1f} s",
+        "",
+        f"{'system':<36}{'measured':>12}{'predicted':>12}{'error':>9}{'waves':>7}   measured range",
+    ]
+    for k, label in (("sequential", "sequential (Megatron DDP, task by task)"), ("spindle", "Spindle plan")):
+        meas = s["measured_step_s"] if k == "spindle" else s["sequential_measured_step_s"]
+        pred = s["predicted_step_s"] if k == "spindle" else s["sequential_predicted_step_s"]
+        err = s["prediction_error"] if k == "spindle" else s["sequential_prediction_error"]
+        lo, hi = s["step_range_s"][k]
+        lines.append(f"{label:<36}{ms(meas):>12}{ms(pred):>12}{err:>+9.1%}{s['waves'][k]:>7}   "
+                     f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms")
+    lines += [
+        "",
+        f"Spindle / sequential step time: measured {s['measured_ratio']:.3f} (speedup {s['measured_speedup']:.2f}x), "
+        f"predicted {s['predicted_ratio']:.3f} (speedup {s['predicted_speedup']:.2f}x)",
+        f"with the optimizer update (SGD, not simulated: sequential {s['optimizer_s']['sequential'] * 1e3:.2f} ms, "
+        f"Spindle {s['optimizer_s']['spindle'] * 1e3:.2f} ms): measured ratio {s['measured_ratio_with_optimizer']:.3f}",
+        "Spindle step, measured (mean over ranks) vs predicted:",
+    ]
+    mb, pb = s["spindle_measured_breakdown_s"], s["spindle_predicted_breakdown_s"]
+    lines.append(f"  compute (fwd+bwd) {(mb['forward'] + mb['backward']) * 1e3:7.2f} ms busy   predicted "
+                 f"{pb['compute_ms'] * 1e3:7.2f} ms busy + {pb['idle_ms'] * 1e3:.2f} ms idle")
+    lines.append(f"  transfer          {mb['transfer'] * 1e3:7.2f} ms        predicted {pb['transfer_ms'] * 1e3:7.2f} ms")
+    lines.append(f"  gradient sync     {mb['sync'] * 1e3:7.2f} ms        predicted {pb['sync_ms'] * 1e3:7.2f} ms")
+    lines.append(f"losses of the two systems agree within {s['max_loss_rel_diff']:.1e} (relative, every step and task); "
+                 f"1-min load average at the end {s['load_average_1min']:.2f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="multitask-clip", help="built-in model (contrastive losses only)")
+    p.add_argument("--tasks", type=int, default=7, help="tasks (default 7: vision, text, audio, depth, thermal, imu)")
+    p.add_argument("--batch", type=int, default=64, help="global batch per task (default 64)")
+    p.add_argument("--nproc", type=int, default=os.cpu_count() or 1, help="gloo processes (default: cores)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per system (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curves", default=None, metavar="FILE", help="use these profiled curves (with 'cluster') "
+                   "instead of profiling now")
+    p.add_argument("--curves-out", default=os.path.join(ROOT, "out", "bench_cpu", "curves.json"),
+                   help="where the profile writes its curves")
+    p.add_argument("--cache", default=None, help="profile cache (default: the profiler's)")
+    p.add_argument("--fresh", action="store_true", help="profile every point again")
+    p.add_argument("--repeats", type=int, default=10, help="profile repeats per point (at least)")
+    p.add_argument("--min-time", type=float, default=0.3, help="profile seconds per point (at least)")
+    p.add_argument("--plan", action="store_true", help="print the Spindle plan (MetaOps and wave grid)")
+    p.add_argument("--waves", action="store_true", help="print predicted and measured times of every Spindle wave")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from megatron_spindle.profiler.launch import spawn
+    from megatron_spindle.profiler.points import default_cache_path
+
+    args = parse_args(argv)
+    if args.nproc < 2:
+        raise SystemExit("bench_cpu: needs at least 2 processes (--nproc)")
+    opts = {"model": args.model, "tasks": args.tasks, "batch": args.batch, "nproc": args.nproc,
+            "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "seed": args.seed,
+            "curves_out": args.curves_out, "cache": args.cache or default_cache_path(), "fresh": args.fresh,
+            "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True}
+    if args.curves:
+        with open(args.curves) as fh:
+            opts["curves_doc"] = json.load(fh)
+    res = spawn(bench_rank, args.nproc, opts)[0]
+    s = summarize(res, opts)
+    if args.plan:
+        print(res["plan_summary"])
+        print()
+    if args.waves:
+        print(f"{'wave':<6}{'compute pred':>13}{'meas':>9}{'transfer pred':>15}{'meas':>9}   slices")
+        for w in s["waves_detail"]:
+            print(f"w{w['wave']:<5}{w['predicted_compute_s'] * 1e3:>13.2f}{w['measured_compute_s'] * 1e3:>9.2f}"
+                  f"{w['predicted_transfer_s'] * 1e3:>15.2f}{w['measured_transfer_s'] * 1e3:>9.2f}   "
+                  f"{' '.join(w['slices'])}")
+        print()
+    print(format_report(s))
+    if args.json:
+        print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
