@@ -352,6 +352,11 @@ def _step_series(ranks: list[dict], system: str, key: str) -> list[float]:
     return [max(vals) for vals in zip(*per_rank)]
 
 
+def _seconds(breakdown_ms: dict) -> dict:
+    """``{"compute_ms": 12.0, ...}`` -> ``{"compute_s": 0.012, ...}``."""
+    return {k.removesuffix("_ms") + "_s": v / 1e3 for k, v in breakdown_ms.items()}
+
+
 def summarize(res: dict, opts: dict) -> dict:
     ranks = res["ranks"]
     meas = {k: statistics.median(_step_series(ranks, k, "step")) for k in ("sequential", "spindle")}
@@ -381,8 +386,8 @@ def summarize(res: dict, opts: dict) -> dict:
         "step_range_s": spread, "optimizer_s": optim,
         "measured_ratio_with_optimizer": (meas["spindle"] + optim["spindle"]) / (meas["sequential"] + optim["sequential"]),
         "spindle_measured_breakdown_s": {**{c: spindle_spans[c] for c in cats}},
-        "spindle_predicted_breakdown_s": {k: v / 1e3 for k, v in sims["spindle"]["breakdown"].items()},
-        "sequential_predicted_breakdown_s": {k: v / 1e3 for k, v in sims["sequential"]["breakdown"].items()},
+        "spindle_predicted_breakdown_s": _seconds(sims["spindle"]["breakdown"]),
+        "sequential_predicted_breakdown_s": _seconds(sims["sequential"]["breakdown"]),
         "waves": res["pred"]["waves"], "max_loss_rel_diff": worst, "profile_s": res["profile_s"],
         "link": {k: res["pred"]["cluster"][k] for k in ("intra_latency_us", "intra_bandwidth_gbps")},
         "load_average_1min": load,
@@ -438,9 +443,11 @@ def format_report(s: dict) -> str:
     ]
     mb, pb = s["spindle_measured_breakdown_s"], s["spindle_predicted_breakdown_s"]
     lines.append(f"  compute (fwd+bwd) {(mb['forward'] + mb['backward']) * 1e3:7.2f} ms busy   predicted "
-                 f"{pb['compute_ms'] * 1e3:7.2f} ms busy + {pb['idle_ms'] * 1e3:.2f} ms idle")
-    lines.append(f"  transfer          {mb['transfer'] * 1e3:7.2f} ms        predicted {pb['transfer_ms'] * 1e3:7.2f} ms")
-    lines.append(f"  gradient sync     {mb['sync'] * 1e3:7.2f} ms        predicted {pb['sync_ms'] * 1e3:7.2f} ms")
+                 f"{pb['compute_s'] * 1e3:7.2f} ms busy + {pb['idle_s'] * 1e3:.2f} ms idle")
+    lines.append(f"  transfer          {mb['transfer'] * 1e3:7.2f} ms        predicted {pb['transfer_s'] * 1e3:7.2f} ms"
+                 "   (measured: inter-wave send/recv incl. waiting for the peer)")
+    lines.append(f"  gradient sync     {mb['sync'] * 1e3:7.2f} ms        predicted {pb['sync_s'] * 1e3:7.2f} ms"
+                 "   (measured incl. waiting for the peer's backward)")
     lines.append(f"losses of the two systems agree within {s['max_loss_rel_diff']:.1e} (relative, every step and task); "
                  f"1-min load average at the end {s['load_average_1min']:.2f}")
     return "\n".join(lines)
