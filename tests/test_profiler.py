@@ -192,6 +192,23 @@ def live(tmp_path_factory):
     return files, first, second
 
 
+def test_fresh_remeasures_its_points_and_keeps_other_entries_of_the_cache(tmp_path):
+    cache = tmp_path / "cache.json"
+    g, ms = tiny_clip(batch=16)
+    other = ProfileCache(str(cache))
+    other.put(targets_of(ms, 4)[0], 1, CPU, samples_ms=[1.0], local_batch=16, warmup=0)
+    other.save()
+    args = ["profile", "--model", "multitask-clip", "--tasks", "4", "--size", "tiny", "--batch", "4", "--nproc", "1",
+            "--max-devices", "1", "--warmup", "0", "--repeats", "1", "--min-time", "0", "--no-link",
+            "--cache", str(cache), "--out", str(tmp_path / "c.json"), "--fresh"]
+    r = _spindle(args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "13 points up to 1 devices (0 cached, 13 to measure) on 1 gloo process(es)" in r.stdout
+    entries = json.load(open(cache))["entries"]
+    assert len(entries) == 14  # 13 measured (batch 4) + the batch-16 entry, kept
+    assert sum(e["signature"]["batch"] == 16 for e in entries) == 1
+
+
 def test_live_profile_measures_data_and_tensor_parallel_points_and_shows_progress(live):
     files, first, _ = live
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -239,6 +256,13 @@ def test_spindle_plan_and_compare_use_the_measured_curves(live, capsys, tmp_path
     rc = main(["compare", "--model", "qwen-val", "--size", "tiny", "--batch", "4", "--gpus", "2",
                "--curves", files["curves"], "--cluster", files["cluster"], "--json"])
     assert rc == 0, capsys.readouterr().err
+
+
+def test_what_is_measured_and_fitted_needs_no_torch():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
+            "import megatron_spindle.profiler.points, megatron_spindle.profiler.fit, megatron_spindle.profiler.link\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
 
 
 def test_bad_profile_input_is_one_line_and_status_2(tmp_path):

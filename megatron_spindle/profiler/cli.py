@@ -64,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cache", default=default_cache_path(), metavar="FILE",
                    help="cache of measured points (default %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    p.add_argument("--fresh", action="store_true", help="measure every point again and overwrite the cache")
+    p.add_argument("--fresh", action="store_true", help="measure every point again (replacing their cache entries)")
     p.add_argument("--no-link", action="store_true", help="do not measure the backend's latency and bandwidth")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.set_defaults(func=cmd_profile)

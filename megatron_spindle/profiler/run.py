@@ -63,7 +63,7 @@ class ProfileConfig:
     cache: str | None = dataclasses.field(default_factory=default_cache_path)
     """Cache of measured points (None: no cache)."""
     fresh: bool = False
-    """Measure every point again (the cache is overwritten, not read)."""
+    """Measure every point again (their cache entries are replaced; other entries are kept)."""
     seed: int = 0
     measure_link: bool = True
     """Measure the backend's latency and bandwidth (needs two or more processes)."""
@@ -131,8 +131,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
 
     cache = None
     if rank == 0:
-        cache = ProfileCache.load(None if cfg.fresh else cfg.cache)
-        cache.path = cfg.cache
+        cache = ProfileCache.load(cfg.cache)
         pending = [p for p in points if cfg.fresh or cache.get(targets[p.target], p.devices, where) is None]
     else:
         pending = None
