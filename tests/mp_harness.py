@@ -66,7 +66,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+    # not daemonic: megatron.core's checkpoint writer starts a multiprocessing Manager (a child process);
+    # every process is killed in the finally clause below anyway
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -116,6 +116,10 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _cpu_synchronize(device=None) -> None:
+    """No CUDA stream to wait for on a CPU-only process."""
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron.core for a CPU-only process; idempotent. Returns whether patches are in place.
 
@@ -147,6 +151,10 @@ def apply_cpu_patches() -> bool:
     # 3. Allocation device: GlobalMemoryBuffer (local attention) and all-gathers along the last dim
     #    allocate on torch.cuda.current_device().
     torch.cuda.current_device = _cpu_current_device
+
+    # 4. Checkpoints: dist_checkpointing's file writer calls torch.cuda.synchronize() before staging
+    #    tensors, unconditionally; without CUDA there is nothing to wait for.
+    torch.cuda.synchronize = _cpu_synchronize
 
     _PATCHED = True
     return True
