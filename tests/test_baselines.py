@@ -116,8 +116,6 @@ def test_spindle_is_never_slower_than_a_baseline_on_the_papers_workloads():
                 assert spindle.sim.step_ms <= r.sim.step_ms, (c.model, c.tasks, c.gpus, b)
 
 
-@pytest.mark.xfail(strict=True, reason="placement.py's greedy order lets the largest slice of a wave take its "
-                                       "producers' island first; see docs/results/paper_table.md")
 def test_island_aware_placement_moves_less_than_naive_placement():
     total = {s: sum(c.results[s].sim.breakdown.transfer_ms for c in paper_results())
              for s in ("spindle", "spindle-naive-placement")}

@@ -64,6 +64,13 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
                             variant=ls.variant) for ls in sched]
     plan = assemble_plan(graph, cluster, metaops, curves, level_info, waves, ranks,
                          system="spindle" if placement == "spindle" else "spindle-naive-placement")
+    if placement == "spindle":
+        # The island-aware search is greedy; keep the naive layout when it fits memory and moves less.
+        naive = assemble_plan(graph, cluster, metaops, curves, level_info, waves, sequential_placement(waves),
+                              system="spindle")
+        if (max(naive.device_memory_bytes) <= cluster.memory_limit_bytes
+                and transfer_cost_ms(naive, cluster) < transfer_cost_ms(plan, cluster)):
+            plan = naive
     if validate:
         from .validate import check_plan
         check_plan(plan)
@@ -155,3 +162,10 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
             for k in slice_param_keys(m, s.layer_start, s.num_layers):
                 held[r][(k, pos % m.tp)] = layer_state_bytes(m)
     return [act[d] + sum(held[d].values()) for d in range(num_devices)]
+
+
+
+def transfer_cost_ms(plan: Plan, cluster: Cluster) -> float:
+    """Inter-wave transfer time of a plan as the step simulator predicts it (forward + backward)."""
+    from .simulate import simulate
+    return simulate(plan, cluster, check_memory=False).breakdown.transfer_ms

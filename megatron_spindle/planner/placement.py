@@ -67,7 +67,9 @@ class Placer:
         self.order: list[tuple[int, int]] = []
         for wi, w in enumerate(waves):
             slots = list(range(len(w.slices)))
-            slots.sort(key=lambda si: (-self._in_bytes(wi, si), -w.slices[si].devices, si))
+            # heaviest inflow first; on a tie the smaller slice first, so a large slice does not take its
+            # producers' island and push smaller slices fed from the same island across nodes
+            slots.sort(key=lambda si: (-self._in_bytes(wi, si), w.slices[si].devices, si))
             self.order += [(wi, si) for si in slots]
         self.nodes = 0
         self.deepest: tuple[int, str] = (-1, "")
