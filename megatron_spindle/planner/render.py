@@ -140,5 +140,7 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
     ax.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops[:40]], fontsize=5, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), ncol=1 + len(handles) // 30)
     fig.tight_layout()
+    import os
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -233,8 +233,12 @@ class SpindleModel(nn.Module):
                 st.losses[m.task] = st.losses.get(m.task, 0.0) + x.detach()
 
     # -- backward ---------------------------------------------------------------------------------------
-    def backward(self, st: StepState) -> None:
-        """Backpropagate wave by wave in reverse; parameter gradients accumulate in ``.grad``."""
+    def backward(self, st: StepState, *, loss_scale: float = 1.0) -> None:
+        """Backpropagate wave by wave in reverse; parameter gradients accumulate in ``.grad``.
+
+        ``loss_scale`` multiplies every loss (``1/num_microbatches`` when passes are accumulated, so the
+        gradient is that of the mean over the accumulated passes, as in Megatron).
+        """
 
         def send_of(e: Edge, msg) -> Tensor:
             a, _ = self._local_range(e.dst)
@@ -252,7 +256,7 @@ class SpindleModel(nn.Module):
                 t1 = time.perf_counter()
                 out = st.outputs[s.name]
                 if out.dim() == 0:
-                    grad = torch.ones_like(out)
+                    grad = torch.full_like(out, loss_scale)
                 else:
                     grad = st.grads.pop(s.name, None)
                     if grad is None:

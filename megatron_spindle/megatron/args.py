@@ -1,0 +1,112 @@
+"""Command-line flags: Spindle's, registered through Megatron's ``extra_args_provider`` hook.
+
+``add_spindle_args(parser)`` is what Megatron-LM's ``pretrain(..., extra_args_provider=add_spindle_args)``
+calls with its argparse parser (it must return the parser). :func:`add_training_args` adds, with
+Megatron's own names and defaults, the training flags our CPU loop reads when ``megatron.training`` is not
+used, so one launch command works in both modes. Pure argparse: no torch import.
+"""
+from __future__ import annotations
+
+import argparse
+
+MODELS = ("multitask-clip", "qwen-val", "ofasys")
+
+
+def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``--spindle*`` flags (Megatron's ``extra_args_provider``); returns the parser."""
+    g = parser.add_argument_group("spindle", "Spindle wavefront scheduling of multi-task models")
+    g.add_argument("--spindle", action="store_true",
+                   help="run the step as a Spindle wave plan (per-slice process groups, wave executor); "
+                        "without it every task runs over all ranks one after another, as Megatron does")
+    g.add_argument("--spindle-plan", default=None, metavar="PATH",
+                   help="use this saved plan (spindle plan --out) instead of planning at start")
+    g.add_argument("--spindle-curves", default=None, metavar="PATH",
+                   help="scaling curves for the planner (spindle profile --out); default: analytic model")
+    g.add_argument("--spindle-model", default="multitask-clip", choices=MODELS,
+                   help="which built-in multi-task model to train")
+    g.add_argument("--spindle-tasks", type=int, default=None,
+                   help="number of tasks (multitask-clip 4/7/10, ofasys 4/7, qwen-val 3); default the most")
+    g.add_argument("--spindle-size", default="full", choices=("full", "tiny"),
+                   help="model size: the paper's full size or a tiny copy for CPU runs and tests")
+    g.add_argument("--spindle-gpus-per-node", type=int, default=None,
+                   help="devices per NVLink island for placement (default: ranks per node, at most 8)")
+    g.add_argument("--spindle-memory-gib", type=float, default=None,
+                   help="device memory the planner may fill, GiB (default 80)")
+    g.add_argument("--spindle-trace", default=None, metavar="DIR",
+                   help="write a per-rank Chrome trace of every wave (forward, backward, transfer, sync) to DIR")
+    g.add_argument("--spindle-gantt", default=None, metavar="PNG", help="draw the plan's waves per device")
+    g.add_argument("--spindle-check-equivalence", action="store_true",
+                   help="run the first step also as a single-process reference on rank 0 and print "
+                        "'equivalence: max relative difference X' over losses and gradients")
+    g.add_argument("--spindle-timeout", type=float, default=300.0,
+                   help="seconds to wait for a peer before failing with the wave, slice and peer named")
+    g.add_argument("--spindle-predict-interval", type=int, default=10,
+                   help="every N iterations rank 0 logs predicted against measured step time and the "
+                        "MetaOps with the largest error (0: never)")
+    g.add_argument("--spindle-task-schedule", default=None, metavar="SPEC",
+                   help="change the active tasks mid-training without restarting, e.g. "
+                        "'0:vision-text,audio-text;10:vision-text' (iteration:tasks;...): replans and keeps "
+                        "parameters and optimizer state")
+    return parser
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-named training flags for the CPU loop (a subset with Megatron's meanings)."""
+    g = parser.add_argument_group("training", "Megatron-LM training flags read by the built-in loop")
+    g.add_argument("--train-iters", type=int, default=30, help="optimizer steps")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per task in one pass of the plan (default: the model's)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per task per optimizer step; a multiple of --micro-batch-size "
+                        "(passes are accumulated)")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--lr-decay-style", default="cosine", choices=("constant", "linear", "cosine"),
+                   help="learning-rate decay after warm-up")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    g.add_argument("--seed", type=int, default=1234, help="model and data seed")
+    g.add_argument("--log-interval", type=int, default=1, help="iterations between progress lines")
+    g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory to write")
+    g.add_argument("--load", default=None, metavar="DIR", help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters (GPU only)")
+    return parser
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    add_training_args(parser)
+    return add_spindle_args(parser)
+
+
+def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
+    """``'0:a,b;10:a'`` -> ``[(0, ('a', 'b')), (10, ('a',))]``; names must be tasks of the model.
+
+    >>> parse_task_schedule("0:x,y;5:x", ("x", "y"))
+    [(0, ('x', 'y')), (5, ('x',))]
+    """
+    if not spec:
+        return [(0, tasks)]
+    out = []
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        it, _, names = part.partition(":")
+        try:
+            start = int(it)
+        except ValueError:
+            raise ValueError(f"--spindle-task-schedule: {part!r} does not start with an iteration number") from None
+        chosen = tuple(n.strip() for n in names.split(",") if n.strip())
+        bad = [n for n in chosen if n not in tasks]
+        if bad or not chosen:
+            raise ValueError(f"--spindle-task-schedule: unknown or no tasks {bad or chosen!r} at iteration {start}; "
+                             f"tasks are {list(tasks)}")
+        out.append((start, tuple(t for t in tasks if t in chosen)))
+    out.sort()
+    if not out or out[0][0] != 0:
+        raise ValueError("--spindle-task-schedule must start at iteration 0")
+    return out

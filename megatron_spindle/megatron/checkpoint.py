@@ -1,0 +1,176 @@
+"""Checkpoints through megatron.core's distributed checkpointing, independent of the plan.
+
+Every parameter is saved under a plan-independent key, ``model/<param_key>/<name>``, as a
+``ShardedTensor`` of its full (unsharded) shape: a tensor-parallel shard declares its offset, and the copies
+that data-parallel replicas and other slices hold declare a non-zero ``replica_id`` so exactly one copy is
+written. AdamW's moments are saved the same way (``optim/<param_key>/<name>/exp_avg``...). Loading asks for
+the keys of the *current* plan, so a checkpoint written under one plan loads under another (another world
+size, tensor-parallel degree or task mix): megatron.core reshards. Keys the checkpoint lacks (a task that
+joined) keep their fresh initialisation and are reported.
+
+A tensor-parallel weight whose shards interleave (``partition_stride`` 2, a SwiGLU ``linear_fc1``) is
+saved as ``[..., stride, n/stride, ...]`` so every rank's piece is one contiguous block.
+
+Atomicity: a checkpoint is written to ``iter_NNNNNNN.tmp`` and renamed when every rank has finished, then
+``latest_checkpointed_iteration.txt`` is replaced atomically. A step that fails leaves the previous
+checkpoint and the pointer to it untouched.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from ..models.layer_state import shard_spec
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, or for another model."""
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _tp_of(plan) -> dict[str, int]:
+    out = {}
+    for m in plan.metaops:
+        for k in m.param_keys:
+            if k:
+                out[k] = m.tp
+    return out
+
+
+def _sharded(key: str, t: torch.Tensor, p: torch.nn.Parameter | None, shard: int, tp: int, replica: tuple):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    spec = shard_spec(p) if p is not None else None
+    if spec is None:
+        return ShardedTensor.from_rank_offsets(key, t, replica_id=replica)
+    dim, stride = spec
+    n = t.shape[dim]
+    view = t.view(*t.shape[:dim], stride, n // stride, *t.shape[dim + 1:])
+    return ShardedTensor.from_rank_offsets(key, view, (dim + 1, shard, tp), replica_id=replica)
+
+
+def ensure_adam_state(optimizer) -> None:
+    """Create empty AdamW state for parameters that have none yet (so a load has somewhere to go)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sharded_state_dict(model, optimizer=None) -> dict:
+    """This rank's plan-independent sharded state: parameters and (optionally) AdamW state."""
+    plan, rank = model.plan, model.rank
+    tp_of = _tp_of(plan)
+    groups = {(g.param_key, g.tp_rank): g.ranks for g in plan.param_groups}
+    out = {}
+    for (key, shard), mods in sorted(model._copies.items()):
+        idx = groups[(key, shard)].index(rank)
+        for name, p in sorted(mods[0].core.named_parameters()):
+            tp = tp_of[key]
+            replica = (0, idx) if shard_spec(p) is not None else (shard, idx)  # a replicated tensor of a TP
+            base = f"{key}/{name}"                                              # layer: one main copy in all
+            out[f"model/{base}"] = _sharded(f"model/{base}", p.data, p, shard, tp, replica)
+            if optimizer is not None:
+                st = optimizer.state[p]
+                for k in ADAM_KEYS:
+                    out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)
+                out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1,
+                                                     (shard, idx))
+    return out
+
+
+def latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"checkpoint tracker {path} is corrupt: {text[:40]!r} is not an iteration") from None
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | None = None) -> str:
+    """Write a checkpoint atomically; collective over all ranks. Returns its directory."""
+    from megatron.core import dist_checkpointing as dc
+
+    rank = dist.get_rank()
+    final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    ensure_adam_state(optimizer)
+    sd = sharded_state_dict(model, optimizer)
+    sd["common"] = {"iteration": iteration, "model": model.graph.model, "tasks": list(model.plan.tasks),
+                    **(extra or {})}
+    dc.save(sd, tmp)
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as fh:
+            fh.write(str(iteration))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
+    """Load the latest checkpoint into ``model`` and ``optimizer`` (any plan); collective.
+
+    Returns ``(iteration, common dict, keys the checkpoint lacked)``. Raises :class:`CheckpointError` with
+    the path for a missing, corrupt or foreign checkpoint; nothing on disk is modified.
+    """
+    from megatron.core import dist_checkpointing as dc
+
+    it = latest_iteration(root)
+    if it is None:
+        raise CheckpointError(f"no checkpoint in {root!r} (missing {TRACKER})")
+    path = _iter_dir(root, it)
+    try:
+        common = dc.load_common_state_dict(path)
+        meta = dc.load_tensors_metadata(path)
+    except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    saved_model = (common.get("common") or common).get("model") if isinstance(common, dict) else None
+    if saved_model is not None and saved_model != model.graph.model:
+        raise CheckpointError(f"checkpoint {path} is for model {saved_model!r}, not {model.graph.model!r}")
+    ensure_adam_state(optimizer)
+    want = sharded_state_dict(model, optimizer)
+    present = {k: v for k, v in want.items() if v.key in meta}
+    missing = sorted({k.split("/")[1] for k in want if k not in present and k.startswith("model/")})
+    for k, v in present.items():
+        saved = tuple(meta[v.key].global_shape)
+        if saved != tuple(v.global_shape):
+            raise CheckpointError(f"checkpoint {path}: {v.key} has shape {list(saved)}, this model needs "
+                                  f"{list(v.global_shape)} (another model size?)")
+    try:
+        loaded = dc.load(present, path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    with torch.no_grad():
+        for k, v in present.items():
+            if loaded[k].data_ptr() != v.data.data_ptr():
+                v.data.copy_(loaded[k])
+    inner = common.get("common", common) if isinstance(common, dict) else {}
+    return it, inner, missing

@@ -1,0 +1,254 @@
+"""A small Megatron-style training loop on megatron.core, driven by the same hooks as the Megatron adapter.
+
+Megatron-LM's own loop asserts CUDA; where it cannot run (no GPU, or ``megatron.training`` absent), this
+loop does what ``pretrain`` does with our hooks: initialise ``torch.distributed``, plan (rank 0, then
+broadcast) or load a plan, build this rank's slices, and for every iteration run
+:func:`~megatron_spindle.megatron.schedule.spindle_forward_backward` (accumulated passes, group-wise
+gradient sync), clip the global gradient norm, step AdamW under megatron.core's learning-rate schedule,
+log on rank 0, and checkpoint. Without ``--spindle`` the plan is the ``sequential`` baseline: every task
+over all ranks, one after another, as Megatron runs multi-task models today.
+
+Rank 0 prints the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
+samples/s), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
+ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def log0(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def init_distributed(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:  # a plain `python script.py`: a one-rank job
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def make_graph(args):
+    from ..planner.workloads import build_graph
+    return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
+                       batch=args.micro_batch_size)
+
+
+def make_cluster(args, world: int):
+    from ..planner.analytic import CurvesFile
+    from ..planner.cluster import load_cluster
+    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    mem = args.spindle_memory_gib if args.spindle_memory_gib is not None else (
+        curves.device.memory_gib if curves else None)
+    return load_cluster(None, num_devices=world, gpus_per_node=per_node, memory_gib=mem), curves
+
+
+def plan_for(args, graph, world: int):
+    """The plan of this job: loaded (checked against the model and world) or made on rank 0 and broadcast."""
+    from ..planner.baselines import plan_system
+    from ..planner.plan import Plan
+    from ..planner.validate import check_plan
+
+    if args.spindle_plan:
+        plan = Plan.load(args.spindle_plan)
+        check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        return plan
+    box = [None]
+    if dist.get_rank() == 0:
+        cluster, curves = make_cluster(args, world)
+        try:
+            p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves)
+            box[0] = p.to_json()
+        except ValueError as e:
+            box[0] = {"error": str(e)}
+    dist.broadcast_object_list(box, src=0)
+    if "error" in box[0]:
+        raise ValueError(box[0]["error"])
+    return Plan.from_json(box[0])
+
+
+def make_optimizer(model, args):
+    params = model.unique_parameters()
+    return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             weight_decay=args.weight_decay)
+
+
+def make_scheduler(optimizer, args):
+    """megatron.core's OptimizerParamScheduler over the torch optimizer's parameter groups."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    for g in optimizer.param_groups:
+        g.setdefault("max_lr", args.lr)
+        g.setdefault("min_lr", args.min_lr)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1),
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+
+
+class _Batches:
+    """The multi-task data iterator: synthetic, deterministic in (seed, pass index), restricted to the
+    plan's tasks. ``position`` is the pass index, so a resumed run sees the same data."""
+
+    def __init__(self, graph, seed: int, tasks: Sequence[str], position: int = 0) -> None:
+        from ..models.data import SyntheticData
+        self.data = SyntheticData(graph, seed=seed)
+        self.tasks = tuple(tasks)
+        self.position = position
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.data.batch(self.position)
+        self.position += 1
+        return {t: batch[t] for t in self.tasks}
+
+
+def predicted_vs_measured(model, step: int) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(predicted ms, measured ms, [(MetaOp, predicted ms, measured ms)] worst first) for rank 0's view.
+
+    Measured: this rank's forward + backward span of each slice it ran in ``step``; predicted: the slice's
+    time in the plan. The step's measured time is the wall time of the step on this rank.
+    """
+    times = model.trace.wave_times(step)
+    per: dict[str, list[float]] = {}
+    for s in model.plan.rank_slices(model.rank):
+        got = times.get(f"{s.name} fwd", 0.0) + times.get(f"{s.name} bwd", 0.0)
+        acc = per.setdefault(s.metaop, [0.0, 0.0])
+        acc[0] += s.time_ms
+        acc[1] += got * 1e3
+    rows = sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]) / max(r[1], 1e-9))
+    measured = model.trace.totals(step)["step"] * 1e3
+    return model.plan.makespan_ms, measured, rows
+
+
+def pretrain(args, *, extra_json: dict | None = None) -> dict:
+    """Train per ``args`` (see :mod:`.args`); returns the final summary (rank 0 also prints it as JSON)."""
+    from ..planner.render import gantt, grid, summary
+    from ..runtime.cpu_compat import apply_cpu_patches
+    from ..runtime.executor import SpindleModel
+    from ..runtime.trace import write_chrome_trace
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .schedule import forward_step, reduce_reports, spindle_forward_backward
+
+    init_distributed(args.spindle_timeout)
+    apply_cpu_patches()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    graph = make_graph(args)
+    plan = plan_for(args, graph, world)
+    micro = graph.operators[0].batch
+    glob = args.global_batch_size or micro
+    if glob % micro:
+        raise ValueError(f"--global-batch-size {glob} is not a multiple of the per-pass batch {micro}")
+    accum = glob // micro
+    log0(f"spindle: {'wave plan' if args.spindle else 'sequential (Megatron-style) plan'} for "
+         f"{graph.model} ({len(graph.tasks)} tasks, {args.spindle_size}) on {world} ranks, "
+         f"batch {micro} per task per pass x {accum} passes")
+    log0(grid(plan))
+    log0(summary(plan))
+    if rank == 0 and args.spindle_gantt:
+        gantt(plan, args.spindle_gantt)
+        log0(f"Gantt chart written to {args.spindle_gantt}")
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device)
+    optimizer = make_optimizer(model, args)
+    sched = make_scheduler(optimizer, args)
+    start = 0
+    if args.load:
+        start, common, missing = load_checkpoint(args.load, model, optimizer)
+        log0(f"resumed from {args.load} at iteration {start}"
+             + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
+    sched.step(start) if start else None
+    data = _Batches(graph, args.seed, plan.tasks, position=start * accum)
+    if args.spindle_check_equivalence:
+        from .equivalence import check_first_step
+        diff = check_first_step(model, graph, data.data.batch(data.position), args.seed)
+        log0(f"equivalence: max relative difference {diff:.3e}")
+    step_times, last = [], {}
+    for it in range(start, args.train_iters):
+        model.trace.step = it
+        t0 = time.perf_counter()
+        reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                           num_microbatches=accum, seq_length=None, micro_batch_size=micro)
+        norm = model.clip_grads(args.clip_grad)
+        t_opt = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sched.step(1)
+        model.trace.span("optimizer", "optimizer step", t_opt)
+        losses = reduce_reports(reports)
+        dt = time.perf_counter() - t0
+        model.trace.span("step", "step", t0)
+        step_times.append(dt)
+        last = losses
+        if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+            per = " ".join(f"{t} {v:.4f}" for t, v in losses.items())
+            log0(f"iteration {it + 1:5d}/{args.train_iters} | loss {sum(losses.values()):.4f} ({per}) | "
+                 f"step {dt:.3f} s | {accum * micro * len(plan.tasks) / dt:8.1f} samples/s | "
+                 f"grad norm {norm:.3f} | lr {optimizer.param_groups[0]['lr']:.2e}")
+        if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
+            pred, meas, rows = predicted_vs_measured(model, it)
+            worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
+            src = {c.source for _, c in plan.curves}
+            note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
+            log0(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {rank} "
+                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured): {worst}{note}")
+        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+            save_checkpoint(args.save, it + 1, model, optimizer)
+            log0(f"saved checkpoint {args.save} at iteration {it + 1}")
+    if args.save and (not args.save_interval or args.train_iters % args.save_interval) and args.train_iters > start:
+        save_checkpoint(args.save, args.train_iters, model, optimizer)
+        log0(f"saved checkpoint {args.save} at iteration {args.train_iters}")
+    if args.spindle_trace:
+        events = [None] * world
+        dist.all_gather_object(events, model.trace.chrome_events())
+        if rank == 0:
+            path = os.path.join(args.spindle_trace, "trace.json")
+            write_chrome_trace(path, [e for ev in events for e in ev])
+            log0(f"Chrome trace of every rank written to {path}")
+    steady = step_times[1:] or step_times
+    result = {"steps": len(step_times), "final_loss": sum(last.values()) if last else None,
+              "task_losses": last, "step_time_s": statistics.median(steady) if steady else None,
+              "samples_per_s": (accum * micro * len(plan.tasks) / statistics.median(steady)) if steady else None,
+              "world_size": world, "system": plan.system, "waves": len(plan.waves), **(extra_json or {})}
+    log0(json.dumps(result))
+    model.destroy()
+    return result
+
+
+def main(argv=None, description: str = "") -> int:
+    from .args import build_parser
+    args = build_parser(description).parse_args(argv)
+    try:
+        pretrain(args)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        for line in str(e).splitlines()[1:]:
+            print(line, file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

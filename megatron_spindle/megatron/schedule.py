@@ -1,0 +1,82 @@
+"""The forward-backward function Megatron's ``train_step`` calls, run by the wave executor.
+
+Megatron-LM's ``train_step`` gets its schedule from ``get_forward_backward_func()`` and calls it with
+keywords ``forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+decoder_seq_length, forward_only, ...``; it expects one report dict per microbatch whose values are
+``tensor([sum, count])``: it adds them over microbatches and all-reduces over the data-parallel group
+(here: all ranks, since the global TP = PP = 1) and logs ``sum / count``.
+:func:`spindle_forward_backward` has that contract:
+
+* ``forward_step_func(data_iterator, model) -> (state, loss_func)``: :func:`forward_step` below is the one
+  our models use: it takes the next multi-task batch and runs every wave forward (``model(batch)``);
+* ``loss_func(state) -> (loss, report)``: each task's loss contribution of this rank with count
+  ``1/world``, so Megatron's sum over ranks gives ``[task loss, 1]`` and the logged mean is the task loss;
+* after the last microbatch it runs the group-wise gradient sync (what ``finalize_model_grads`` does for
+  Megatron's own DDP), unless ``forward_only``.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+def forward_step(data_iterator, model):
+    """Megatron-style forward step of a Spindle model: one multi-task batch through every wave."""
+    batch = next(data_iterator)
+    state = model(batch)
+    return state, partial(loss_func, model)
+
+
+def loss_func(model, state):
+    """``(loss, {task: tensor([this rank's share of the task loss, 1/world])})``."""
+    world = dist.get_world_size()
+    report = {}
+    total = torch.zeros((), dtype=torch.float64)
+    for task in model.plan.tasks:
+        v = float(state.losses.get(task, 0.0))
+        total += v
+        report[task] = torch.tensor([v, 1.0 / world], dtype=torch.float64)
+    return total, report
+
+
+def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                             seq_length: int | None = None, micro_batch_size: int | None = None,
+                             decoder_seq_length: int | None = None, forward_only: bool = False,
+                             collect_non_loss_data: bool = False, first_val_step=None, **kwargs) -> list[dict]:
+    """Run ``num_microbatches`` passes of the plan; gradients accumulate, then sync once.
+
+    ``model`` may be the Spindle model or a one-element list of it (Megatron passes a list of chunks).
+    ``seq_length`` and ``micro_batch_size`` are accepted for signature compatibility: the plan fixes them.
+    """
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"Spindle runs one model chunk per rank, got {len(model)} (no virtual pipeline)")
+        model = model[0]
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    reports = []
+    for _ in range(num_microbatches):
+        if forward_only:
+            with torch.no_grad():
+                state, fn = forward_step_func(data_iterator, model)
+        else:
+            state, fn = forward_step_func(data_iterator, model)
+        _, report = fn(state)
+        if not forward_only:
+            model.backward(state, loss_scale=1.0 / num_microbatches)
+        reports.append(report)
+    if not forward_only:
+        model.finalize_grads()
+    return reports
+
+
+def reduce_reports(reports: list[dict]) -> dict[str, float]:
+    """What Megatron's ``train_step`` does with the reports: sum, all-reduce, divide."""
+    out = {}
+    for key in reports[0]:
+        val = torch.stack([r[key] for r in reports]).sum(0)
+        dist.all_reduce(val)
+        out[key] = float(val[0] / val[1])
+    return out
