@@ -16,8 +16,12 @@ $(VENV)/.installed: requirements.txt setup.py
 
 .venv: $(VENV)/.installed
 
+# The demo: profile the tiny Multitask-CLIP on this machine (cached after the first run), then train it
+# for 30 steps on 4 CPU ranks with the plan made from those curves (a GPU machine trains the full model).
 demo: $(VENV)/.installed
-	$(VENV)/bin/spindle plan --model multitask-clip --tasks 4 --gpus 16 --gantt out/plan.png --out out/plan.json
+	$(VENV)/bin/spindle profile --model multitask-clip --tasks 4 --size tiny --batch 16 --nproc 2 \
+		--max-devices 4 --gpus-per-node 4 --out out/curves_tiny.json --quiet
+	PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests

@@ -134,7 +134,7 @@ def predicted_vs_measured(model, step: int) -> tuple[float, float, list[tuple[st
         acc = per.setdefault(s.metaop, [0.0, 0.0])
         acc[0] += s.time_ms
         acc[1] += got * 1e3
-    rows = sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]) / max(r[1], 1e-9))
+    rows = sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]))
     measured = model.trace.totals(step)["step"] * 1e3
     return model.plan.makespan_ms, measured, rows
 
@@ -209,8 +209,11 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
             worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
             src = {c.source for _, c in plan.curves}
             note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if not torch.cuda.is_available() and local > (os.cpu_count() or 1):
+                note += f" [{local} ranks share {os.cpu_count()} cores: compute runs about {local / os.cpu_count():.0f}x slower]"
             log0(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {rank} "
-                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured): {worst}{note}")
+                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured, this rank): {worst}{note}")
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             save_checkpoint(args.save, it + 1, model, optimizer)
             log0(f"saved checkpoint {args.save} at iteration {it + 1}")
