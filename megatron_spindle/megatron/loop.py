@@ -84,7 +84,10 @@ def plan_for(args, graph, world: int):
 
 
 def make_optimizer(model, args):
-    params = model.unique_parameters()
+    return make_optimizer_params(model.unique_parameters(), args)
+
+
+def make_optimizer_params(params, args):
     return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay)
 
@@ -152,7 +155,13 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
     apply_cpu_patches()
     rank, world = dist.get_rank(), dist.get_world_size()
     graph = make_graph(args)
-    plan = plan_for(args, graph, world)
+    from .args import parse_task_schedule
+    schedule = parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    if len(schedule) > 1 and args.spindle_plan:
+        raise ValueError("--spindle-task-schedule plans each task set itself; it cannot use --spindle-plan")
+    phase_of = lambda it: max(i for i, (s0, _) in enumerate(schedule) if s0 <= it)  # noqa: E731
+    sub = graph.subset(schedule[0][1]) if len(schedule) > 1 else graph
+    plan = plan_for(args, sub, world)
     micro = graph.operators[0].batch
     glob = args.global_batch_size or micro
     if glob % micro:
@@ -168,7 +177,8 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         log0(f"Gantt chart written to {args.spindle_gantt}")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device)
+    model = SpindleModel(plan, sub, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
+                         layer_graph=graph)
     optimizer = make_optimizer(model, args)
     sched = make_scheduler(optimizer, args)
     start = 0
@@ -183,7 +193,26 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         diff = check_first_step(model, graph, data.data.batch(data.position), args.seed)
         log0(f"equivalence: max relative difference {diff:.3e}")
     step_times, last = [], {}
+    phase = phase_of(start)
+    if phase and args.load:
+        raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
     for it in range(start, args.train_iters):
+        if phase_of(it) != phase:  # the task mix changes: replan without restarting
+            from ..runtime.replan import replan
+            phase = phase_of(it)
+            sub = graph.subset(schedule[phase][1])
+            plan = plan_for(args, sub, world)
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            model, optimizer = replan(model, optimizer, plan, sub, layer_graph=graph, seed=args.seed,
+                                      make_optimizer=lambda ps: make_optimizer_params(ps, args))
+            for g, lr in zip(optimizer.param_groups, lrs):
+                g["lr"] = lr
+            sched = make_scheduler(optimizer, args)
+            sched.step(it) if it else None
+            data.tasks = plan.tasks
+            log0(f"iteration {it}: tasks now {', '.join(plan.tasks)}; replanned ({len(plan.waves)} waves), "
+                 f"weights and optimizer state kept")
+            log0(grid(plan))
         model.trace.step = it
         t0 = time.perf_counter()
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],

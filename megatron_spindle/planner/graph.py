@@ -215,6 +215,17 @@ class TaskGraph:
     def total_params(self) -> int:
         return sum(self.param_counts().values())
 
+    def subset(self, tasks) -> "TaskGraph":
+        """The graph of some of the tasks (a task joining or leaving); same operators and weights."""
+        wanted = set(tasks)
+        unknown = sorted(wanted - set(self.tasks))
+        if unknown or not wanted:
+            raise ValueError(f"graph {self.model!r}: cannot keep tasks {unknown or []}; tasks: {list(self.tasks)}")
+        tasks = tuple(t for t in self.tasks if t in wanted)
+        return TaskGraph(model=self.model, tasks=tasks,
+                         task_weights=tuple(w for t, w in zip(self.tasks, self.task_weights) if t in tasks),
+                         operators=tuple(op for op in self.operators if op.task in tasks))
+
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": list(self.tasks), "task_weights": list(self.task_weights),
                 "operators": [op.to_json() for op in self.operators]}

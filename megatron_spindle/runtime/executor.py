@@ -70,7 +70,12 @@ class SpindleModel(nn.Module):
 
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", layer_graph: TaskGraph | None = None,
+                 reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None) -> None:
+        """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
+        and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
+        ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
+        model takes over instead of building new ones (see :mod:`.replan`)."""
         super().__init__()
         from ..models.layers import build_layer  # torch + megatron.core
 
@@ -100,12 +105,17 @@ class SpindleModel(nn.Module):
                 for layer in range(s.layer_start, s.layer_stop):
                     op = graph[m.operators[layer]]
                     share = shared.get((op.param_key, tp_ranks)) if op.param_key else None
-                    mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed, graph=graph,
+                    if share is None and op.param_key and reuse:
+                        share = reuse.get((op.param_key, tp_ranks))
+                    mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
+                                      graph=layer_graph or graph,
                                       dtype=dtype, device=self.device, share_with=share, backend=backend)
                     self.layers[_module_key(m.name, layer)] = mod
-                    if op.param_key and share is None:
+                    if op.param_key and (op.param_key, tp_ranks) not in shared:
                         shared[(op.param_key, tp_ranks)] = mod
                         self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        self.cores_by_group = dict(shared)
+        """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
 
     # -- parameters -----------------------------------------------------------------------------------
