@@ -73,6 +73,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory to write")
     g.add_argument("--load", default=None, metavar="DIR", help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters (GPU only)")
     return parser
 

@@ -29,6 +29,13 @@ TRACKER = "latest_checkpointed_iteration.txt"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+try:  # torch's checkpoint exception derives from BaseException, not Exception
+    from torch.distributed.checkpoint.api import CheckpointException as _DcpError
+    _READ_ERRORS = (Exception, _DcpError)
+except ImportError:  # pragma: no cover
+    _READ_ERRORS = (Exception,)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, or for another model."""
 
@@ -148,7 +155,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     try:
         common = dc.load_common_state_dict(path)
         meta = dc.load_tensors_metadata(path)
-    except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+    except _READ_ERRORS as e:  # any failure to read is a corrupt checkpoint
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
     saved_model = (common.get("common") or common).get("model") if isinstance(common, dict) else None
@@ -165,7 +172,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
                                   f"{list(v.global_shape)} (another model size?)")
     try:
         loaded = dc.load(present, path)
-    except Exception as e:  # noqa: BLE001
+    except _READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
     with torch.no_grad():

@@ -243,12 +243,14 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
                 note += f" [{local} ranks share {os.cpu_count()} cores: compute runs about {local / os.cpu_count():.0f}x slower]"
             log0(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {rank} "
                  f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured, this rank): {worst}{note}")
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+        stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
+        if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
+                          or it + 1 == args.train_iters):
             save_checkpoint(args.save, it + 1, model, optimizer)
             log0(f"saved checkpoint {args.save} at iteration {it + 1}")
-    if args.save and (not args.save_interval or args.train_iters % args.save_interval) and args.train_iters > start:
-        save_checkpoint(args.save, args.train_iters, model, optimizer)
-        log0(f"saved checkpoint {args.save} at iteration {args.train_iters}")
+        if stop:
+            log0(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
+            break
     if args.spindle_trace:
         events = [None] * world
         dist.all_gather_object(events, model.trace.chrome_events())
@@ -272,9 +274,12 @@ def main(argv=None, description: str = "") -> int:
     try:
         pretrain(args)
     except ValueError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        for line in str(e).splitlines()[1:]:
-            print(line, file=sys.stderr)
+        from ..planner.validate import PlanError
+        if isinstance(e, PlanError):  # the violated rules, without the grid
+            msg = "; ".join(str(v) for v in e.violations[:3])
+            print(f"error: invalid plan {args.spindle_plan or ''}: {msg}".replace("  ", " "), file=sys.stderr)
+        else:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

@@ -1,0 +1,168 @@
+"""The training loop: checkpoint resume (same plan, another plan), atomic checkpoints, bad input.
+
+Resume must continue with exactly the losses of an uninterrupted run (same data positions, same optimizer
+state, same learning-rate schedule), also when the checkpoint loads under another plan (4 ranks -> 2 ranks,
+and the sequential plan -> the Spindle plan).
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mp_harness import run_ranks
+
+BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "8", "--log-interval", "100",
+        "--spindle-predict-interval", "0", "--lr", "1e-3", "--seed", "7"]
+
+
+def _args(extra):
+    from megatron_spindle.megatron.args import build_parser
+    return build_parser().parse_args(BASE + extra)
+
+
+def _losses_of(monkey_log):
+    return [json.loads(line) for line in monkey_log]
+
+
+def _run(rank, world, ckpt, script):
+    """Run several trainings in one process group; returns each run's summary (task losses of the last step)."""
+    import io
+    from contextlib import redirect_stdout
+    from megatron_spindle.megatron.loop import pretrain
+    out = []
+    for extra in script:
+        if extra == "FAIL_SAVE":
+            out.append(_failing_save(ckpt))
+            continue
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            res = pretrain(_args([a.replace("CKPT", ckpt) for a in extra]))
+        lines = [l for l in buf.getvalue().splitlines() if l.startswith("iteration ")]
+        out.append({"result": res, "lines": lines})
+    return out
+
+
+def _failing_save(ckpt):
+    """A save that dies half-way must leave the previous checkpoint and the tracker untouched."""
+    import megatron.core.dist_checkpointing as dc
+    from megatron_spindle.megatron import checkpoint as C
+    from megatron_spindle.megatron.loop import make_graph, make_optimizer, plan_for
+    from megatron_spindle.runtime.executor import SpindleModel
+    import torch.distributed as dist
+    args = _args(["--spindle"])
+    g = make_graph(args)
+    model = SpindleModel(plan_for(args, g, dist.get_world_size()), g, seed=7)
+    opt = make_optimizer(model, args)
+    real = dc.save
+
+    def boom(*a, **k):
+        raise OSError("disk full (simulated)")
+    dc.save = boom
+    try:
+        C.save_checkpoint(ckpt, 999, model, opt)
+        raised = False
+    except OSError:
+        raised = True
+    finally:
+        dc.save = real
+    dist.barrier()
+    model.destroy()
+    return {"raised": raised, "latest": C.latest_iteration(ckpt)}
+
+
+def _digest(path):
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(f.encode() + fh.read())
+    return h.hexdigest()
+
+
+def _iters(lines):
+    """{iteration: line without timing fields}"""
+    out = {}
+    for l in lines:
+        it = int(l.split()[1].split("/")[0])
+        out[it] = l.split(" | step")[0].split("| loss ")[1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ckpt"))
+    four = run_ranks(_run, 4, d, [
+        ["--spindle", "--train-iters", "6", "--log-interval", "1"],                         # uninterrupted
+        ["--spindle", "--train-iters", "6", "--exit-interval", "3", "--log-interval", "1", "--save", "CKPT"],
+        ["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"],       # resume, same plan
+        ["--train-iters", "6", "--log-interval", "1", "--load", "CKPT"],                    # sequential plan
+        "FAIL_SAVE",
+    ], timeout_s=400)
+    two = run_ranks(_run, 2, d, [["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"]],
+                    timeout_s=300)
+    return d, four, two
+
+
+def test_resume_continues_with_the_uninterrupted_losses(runs):
+    _, four, two = runs
+    full = _iters(four[0][0]["lines"])
+    first, resumed, other_plan = (_iters(four[0][i]["lines"]) for i in (1, 2, 3))
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+    for it in (1, 2, 3):
+        assert first[it] == full[it]
+    for it in (4, 5, 6):
+        assert resumed[it] == full[it], "same plan"
+        assert other_plan[it] == full[it], "the sequential plan on the same ranks"
+        assert _iters(two[0][0]["lines"])[it] == full[it], "another world size (4 -> 2 ranks)"
+
+
+def test_a_failed_save_leaves_the_last_checkpoint(runs):
+    d, four, _ = runs
+    assert four[0][4] == {"raised": True, "latest": 3}
+    assert os.path.isdir(os.path.join(d, "iter_0000003"))
+    assert not os.path.exists(os.path.join(d, "iter_0000999"))
+
+
+def _cli(args, env_extra=None, cwd=None):
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port())}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", *BASE, *args],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _port():
+    from mp_harness import free_port
+    return free_port()
+
+
+def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
+    d, _, _ = runs
+    r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", "--spindle-model", "gpt5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice: 'gpt5'" in r.stderr
+    # a plan for another model, and for another world size
+    from megatron_spindle.planner.build import make_plan
+    from megatron_spindle.planner.cluster import load_cluster
+    from megatron_spindle.planner.workloads import build_graph
+    other = tmp_path / "ofasys.json"
+    make_plan(build_graph("ofasys", tasks=4, size="tiny", batch=8), load_cluster(None, num_devices=1)).save(str(other))
+    r = _cli(["--spindle", "--spindle-plan", str(other), "--train-iters", "1"])
+    assert r.returncode == 2 and "not for this model" in r.stderr, r.stderr[-2000:]
+    wrong_world = tmp_path / "four.json"
+    make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=8),
+              load_cluster(None, num_devices=4)).save(str(wrong_world))
+    r = _cli(["--spindle", "--spindle-plan", str(wrong_world), "--train-iters", "1"])
+    assert r.returncode == 2 and "plan is for 4 devices but the job has 1" in r.stderr, r.stderr[-2000:]
+    # a corrupt checkpoint: one clear error, nothing on disk changes
+    corrupt = tmp_path / "corrupt"
+    import shutil
+    shutil.copytree(d, corrupt)
+    shard = next(p for p in (corrupt / "iter_0000003").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:64])
+    before = _digest(corrupt)
+    r = _cli(["--spindle", "--train-iters", "4", "--load", str(corrupt), "--save", str(corrupt)])
+    assert r.returncode == 2 and "corrupt" in r.stderr and "iter_0000003" in r.stderr, r.stderr[-2000:]
+    assert _digest(corrupt) == before
