@@ -8,7 +8,8 @@ layers take and return replicated activations).
 Moving an activation from layout S to layout D (forward), every rank of D needs its replica's samples. For
 each destination rank and each source replica that overlaps its range we pick one source rank: the
 destination itself when it holds the samples (a local copy), else a rank in the same island, else the
-replica's rank with the same position in its TP group, so the choice is deterministic and spreads load.
+replica's rank at the destination's index in its layout modulo the replica size, so the choice is
+deterministic and spreads load over the replica.
 Backward (gradients) is the mirror image: every rank of S needs the gradient of its samples, taken from one
 holder in D chosen by the same rule. Pure Python: the planner counts the bytes, the runtime executes the
 same messages.
@@ -86,8 +87,8 @@ def messages(src: Layout, dst: Layout, *, island_of=None) -> list[Message]:
             for i in range(first, last + 1):
                 s0, s1 = src.samples(i)
                 lo, hi = max(a, s0), min(b, s1)
-                if lo < hi:
-                    out.append(Message(_pick(src.replica(i), d, pos, island_of), d, lo, hi))
+                if lo < hi:  # spread over the source replica by the destination's index in its layout
+                    out.append(Message(_pick(src.replica(i), d, j * dst.tp + pos, island_of), d, lo, hi))
     return out
 
 

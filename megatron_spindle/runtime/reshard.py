@@ -107,21 +107,14 @@ def _check_pair(src: Layout, dst: Layout) -> None:
 
 
 def _route(have: Layout, need: Layout) -> list[Message]:
-    """Every rank of every ``need`` group receives its group's samples from ``have``'s holders."""
-    out = []
-    for j in range(need.dp):
-        a, b = need.samples(j)
-        for d in need.group(j):
-            k = need.ranks.index(d)
-            for i in range(have.dp):
-                lo, hi = have.samples(i)
-                lo, hi = max(lo, a), min(hi, b)
-                if lo >= hi:
-                    continue
-                holders = have.group(i)
-                s = d if d in holders else holders[k % have.tp]
-                out.append(Message(s, d, lo, hi))
-    return sorted(out, key=lambda m: (m.dst, m.start))
+    """Every rank of every ``need`` group receives its group's samples from ``have``'s holders.
+
+    The routing is the planner's (:func:`megatron_spindle.planner.layout.messages`), so the bytes the
+    planner counts are the bytes this module moves.
+    """
+    from ..planner import layout as P
+    msgs = P.messages(P.Layout(have.ranks, have.tp, have.batch), P.Layout(need.ranks, need.tp, need.batch))
+    return sorted((Message(m.src, m.dst, m.start, m.stop) for m in msgs), key=lambda m: (m.dst, m.start))
 
 
 def forward_messages(src: Layout, dst: Layout) -> list[Message]:
