@@ -5,7 +5,8 @@
 #   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29517]
 #   GPUS_PER_NODE [all GPUs; 4 CPU ranks with gloo when there is no GPU]
 #   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30]
-#   MICRO_BATCH [model default on GPU, 16 on CPU]: samples per task in one pass of the plan
+#   MICRO_BATCH [model default on GPU; 4 on CPU]: samples per task per rank in one pass (as in Megatron);
+#     a pass of the plan carries MICRO_BATCH x ranks samples of every task
 #   OUT [out/multitask_clip]: plan.png, trace.json and checkpoints go here
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
 # Extra arguments pass through to examples/pretrain_multitask_clip.py (see its --help).
@@ -18,7 +19,7 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || ec
 if [ "$NGPU" -gt 0 ]; then
   GPUS_PER_NODE=${GPUS_PER_NODE:-$NGPU}; MODEL_SIZE=${MODEL_SIZE:-full}; MICRO=${MICRO_BATCH:-}
 else
-  GPUS_PER_NODE=${GPUS_PER_NODE:-4}; MODEL_SIZE=${MODEL_SIZE:-tiny}; MICRO=${MICRO_BATCH:-16}
+  GPUS_PER_NODE=${GPUS_PER_NODE:-4}; MODEL_SIZE=${MODEL_SIZE:-tiny}; MICRO=${MICRO_BATCH:-4}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 fi
 ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Launch Qwen-VAL pretraining with Spindle under torchrun: the same environment variables as
-# scripts/run_multitask_clip.sh (TASKS is fixed at 3; OUT defaults to out/qwen_val, MICRO_BATCH to 4 on CPU).
+# scripts/run_multitask_clip.sh (TASKS is fixed at 3; OUT defaults to out/qwen_val, MICRO_BATCH to 1 per rank on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SCRIPT=examples/pretrain_qwen_val.py OUT=${OUT:-out/qwen_val} TASKS=${TASKS:-3}
 if ! .venv/bin/python -c "import torch,sys; sys.exit(0 if torch.cuda.device_count() else 1)" 2>/dev/null; then
-  export MICRO_BATCH=${MICRO_BATCH:-4}
+  export MICRO_BATCH=${MICRO_BATCH:-1}
 fi
 exec scripts/run_multitask_clip.sh "$@"

@@ -98,6 +98,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                         errors[r] = f"no result within {timeout_s:.0f} s"
                 break
     finally:
+        if not errors:  # let finished ranks run their exit handlers (checkpoint writers' helper processes)
+            for p in procs:
+                p.join(timeout=10)
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -179,7 +179,7 @@ def test_pretrain_spindle_falls_back_to_the_loop_with_one_notice(monkeypatch, ca
     assert len(notice) == 1 and "built-in megatron.core loop" in notice[0] and "--num-layers" in notice[0]
     args = seen["args"]
     assert args.spindle and args.train_iters == 3
-    assert args.micro_batch_size == 8  # Megatron's per-rank micro batch x WORLD_SIZE per pass of the plan
+    assert args.micro_batch_size == 2  # per rank, as in Megatron; loop.make_graph multiplies by the world size
     with pytest.raises(SystemExit):
         adapter.fallback_args(["--spindle-plna", "x"])
     capsys.readouterr()

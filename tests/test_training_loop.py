@@ -14,7 +14,7 @@ import pytest
 
 from mp_harness import run_ranks
 
-BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "8", "--log-interval", "100",
+BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--log-interval", "100",
         "--spindle-predict-interval", "0", "--lr", "1e-3", "--seed", "7"]
 
 
@@ -28,6 +28,7 @@ def _losses_of(monkey_log):
 
 
 def _run(rank, world, ckpt, script):
+    micro = ["--micro-batch-size", str(8 // world)]  # 8 samples per task per pass on any world size
     """Run several trainings in one process group; returns each run's summary (task losses of the last step)."""
     import io
     from contextlib import redirect_stdout
@@ -39,7 +40,7 @@ def _run(rank, world, ckpt, script):
             continue
         buf = io.StringIO()
         with redirect_stdout(buf):
-            res = pretrain(_args([a.replace("CKPT", ckpt) for a in extra]))
+            res = pretrain(_args(micro + [a.replace("CKPT", ckpt) for a in extra]))
         lines = [l for l in buf.getvalue().splitlines() if l.startswith("iteration ")]
         out.append({"result": res, "lines": lines})
     return out
@@ -52,8 +53,8 @@ def _failing_save(ckpt):
     from megatron_spindle.megatron.loop import make_graph, make_optimizer, plan_for
     from megatron_spindle.runtime.executor import SpindleModel
     import torch.distributed as dist
-    args = _args(["--spindle"])
-    g = make_graph(args)
+    args = _args(["--spindle", "--micro-batch-size", str(8 // dist.get_world_size())])
+    g = make_graph(args, dist.get_world_size())
     model = SpindleModel(plan_for(args, g, dist.get_world_size()), g, seed=7)
     opt = make_optimizer(model, args)
     real = dc.save
@@ -129,7 +130,8 @@ def test_a_failed_save_leaves_the_last_checkpoint(runs):
 def _cli(args, env_extra=None, cwd=None):
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port())}
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", *BASE, *args],
+    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", *BASE, "--micro-batch-size", "8",
+                           *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 

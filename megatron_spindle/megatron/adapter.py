@@ -602,7 +602,7 @@ def fallback_args(argv=None, extra_args_provider: Callable | None = None):
 
     Returns ``(args, ignored)``: flags the loop does not know (Megatron-only ones such as ``--num-layers``)
     are ignored and listed, except misspelt ``--spindle*`` flags, which are errors. ``--micro-batch-size``
-    is per rank as in Megatron, so the loop's per-pass batch is ``micro_batch_size x WORLD_SIZE``.
+    is per rank in both, so a pass carries ``micro_batch_size x world`` samples per task.
     """
     from .args import build_parser
 
@@ -614,9 +614,7 @@ def fallback_args(argv=None, extra_args_provider: Callable | None = None):
     bad = [f for f in flags if f.startswith("--spindle")]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if args.micro_batch_size:
-        args.micro_batch_size *= int(os.environ.get("WORLD_SIZE", "1"))
-    return args, flags
+    return args, flags  # --micro-batch-size is per rank in the loop too (loop.make_graph)
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,

@@ -55,9 +55,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("training", "Megatron-LM training flags read by the built-in loop")
     g.add_argument("--train-iters", type=int, default=30, help="optimizer steps")
     g.add_argument("--micro-batch-size", type=int, default=None,
-                   help="samples per task in one pass of the plan (default: the model's)")
+                   help="samples per task per rank in one pass, as in Megatron: a pass of the plan carries "
+                        "this x world size samples of every task (default: the model's batch per pass)")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per task per optimizer step; a multiple of --micro-batch-size "
+                   help="samples per task per optimizer step; a multiple of micro batch x world size "
                         "(passes are accumulated)")
     g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")

@@ -179,5 +179,13 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
         for k, v in present.items():
             if loaded[k].data_ptr() != v.data.data_ptr():
                 v.data.copy_(loaded[k])
+        for mods in model._copies.values():  # a shard held twice on this rank (two TP groups): same values
+            first = dict(mods[0].core.named_parameters())
+            for other in mods[1:]:
+                for name, p in other.core.named_parameters():
+                    p.copy_(first[name])
+                    for key in ADAM_KEYS + ("step",):
+                        if p in optimizer.state and first[name] in optimizer.state:
+                            optimizer.state[p][key] = optimizer.state[first[name]][key].clone()
     inner = common.get("common", common) if isinstance(common, dict) else {}
     return it, inner, missing

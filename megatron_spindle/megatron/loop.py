@@ -43,10 +43,12 @@ def init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def make_graph(args):
+def make_graph(args, world: int = 1):
+    """The task graph of this run. ``--micro-batch-size`` is per rank, as in Megatron: one pass of the plan
+    carries ``micro_batch_size x world`` samples of every task (the plan's batch)."""
     from ..planner.workloads import build_graph
     return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
-                       batch=args.micro_batch_size)
+                       batch=args.micro_batch_size * world if args.micro_batch_size else None)
 
 
 def make_cluster(args, world: int):
@@ -154,7 +156,7 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
     init_distributed(args.spindle_timeout)
     apply_cpu_patches()
     rank, world = dist.get_rank(), dist.get_world_size()
-    graph = make_graph(args)
+    graph = make_graph(args, world)
     from .args import parse_task_schedule
     schedule = parse_task_schedule(args.spindle_task_schedule, graph.tasks)
     if len(schedule) > 1 and args.spindle_plan:
@@ -165,7 +167,8 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
     micro = graph.operators[0].batch
     glob = args.global_batch_size or micro
     if glob % micro:
-        raise ValueError(f"--global-batch-size {glob} is not a multiple of the per-pass batch {micro}")
+        raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {micro} "
+                         f"(--micro-batch-size x {world} ranks)")
     accum = glob // micro
     log0(f"spindle: {'wave plan' if args.spindle else 'sequential (Megatron-style) plan'} for "
          f"{graph.model} ({len(graph.tasks)} tasks, {args.spindle_size}) on {world} ranks, "
