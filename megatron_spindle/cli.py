@@ -81,6 +81,11 @@ def cmd_plan(args) -> int:
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "plan": args.out, "gantt": args.gantt}))
         return 0
+    if curves is not None:
+        uncovered = [m for m, c in plan.curves if c.source == "analytic"]
+        if uncovered:
+            print(f"note: {len(uncovered)} MetaOp(s) not in {args.curves} use the analytic curve: "
+                  f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}", file=sys.stderr)
     print(metaop_table(plan))
     print()
     print(grid(plan))

@@ -76,12 +76,13 @@ def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
 def metaop_table(plan: Plan) -> str:
     c = codes(plan)
     n_star = {m: n for lv in plan.levels for m, n in lv.n_star}
-    rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "n*", "slices (devices x layers)", "fit err")]
+    rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "n*", "slices (devices x layers)", "curve", "fit err")]
     for m in plan.metaops:
         sl = [s for s in plan.slices() if s.metaop == m.name]
         desc = " ".join(f"{len(s.ranks)}x{s.num_layers}" for s in sl)
         rows.append((c[m.name], m.name, str(m.level), str(m.num_layers), str(m.batch), str(m.tp),
-                     f"{n_star.get(m.name, 0):.2f}", desc, f"{plan.curve(m.name).fit_error:.1%}"))
+                     f"{n_star.get(m.name, 0):.2f}", desc, plan.curve(m.name).source,
+                     f"{plan.curve(m.name).fit_error:.1%}"))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(width[i]) for i, v in enumerate(r)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
