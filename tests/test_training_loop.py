@@ -42,7 +42,8 @@ def _run(rank, world, ckpt, script):
         with redirect_stdout(buf):
             res = pretrain(_args(micro + [a.replace("CKPT", ckpt) for a in extra]))
         lines = [l for l in buf.getvalue().splitlines() if l.startswith("iteration ")]
-        out.append({"result": res, "lines": lines})
+        resumed = [l for l in buf.getvalue().splitlines() if l.startswith("resumed ")]
+        out.append({"result": res, "lines": lines, "resumed": resumed})
     return out
 
 
@@ -101,6 +102,7 @@ def runs(tmp_path_factory):
         ["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"],       # resume, same plan
         ["--train-iters", "6", "--log-interval", "1", "--load", "CKPT"],                    # sequential plan
         "FAIL_SAVE",
+        ["--spindle", "--spindle-tasks", "7", "--train-iters", "4", "--load", "CKPT"],     # another task mix
     ], timeout_s=400)
     two = run_ranks(_run, 2, d, [["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"]],
                     timeout_s=300)
@@ -168,3 +170,12 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
     r = _cli(["--spindle", "--train-iters", "4", "--load", str(corrupt), "--save", str(corrupt)])
     assert r.returncode == 2 and "corrupt" in r.stderr and "iter_0000003" in r.stderr, r.stderr[-2000:]
     assert _digest(corrupt) == before
+
+
+def test_a_checkpoint_loads_under_another_task_mix(runs):
+    _, four, _ = runs
+    seven = four[0][5]
+    assert sorted(_iters(seven["lines"])) == [4]
+    assert len(seven["result"]["task_losses"]) == 7
+    (line,) = seven["resumed"]
+    assert "at iteration 3" in line and "fresh weights for" in line and "imu" in line  # the new tasks' encoder

@@ -164,7 +164,10 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     ensure_adam_state(optimizer)
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta}
-    missing = sorted({k.split("/")[1] for k in want if k not in present and k.startswith("model/")})
+    mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # report the weights no rank found, wherever they live
+    missing = sorted(set().union(*every))
     for k, v in present.items():
         saved = tuple(meta[v.key].global_shape)
         if saved != tuple(v.global_shape):
