@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+from .argtypes import positive_int
+
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="built-in model: multitask-clip, qwen-val or ofasys")
@@ -20,24 +22,14 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="JSON scaling curves / device constants (default: the analytic model)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be positive")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spindle", description="Spindle wavefront planning for "
                                      "multi-task multi-modal training on Megatron-LM")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one training step and print it as a wave x device grid")
     _add_workload_args(p)
-    p.add_argument("--gpus", type=_positive_int, required=True, help="number of devices")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="devices per island (default 8)")
+    p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="devices per island (default 8)")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device in GiB (default 80)")
     p.add_argument("--no-search", action="store_true",
                    help="run only the paper's pipeline per level (no candidate search)")

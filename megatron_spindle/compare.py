@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .argtypes import positive_int_list
 from .planner.analytic import CurvesFile, DeviceModel
 from .planner.baselines import SYSTEMS, lower_bound_ms, plan_system
 from .planner.cluster import DEFAULT_PRESET, load_cluster
@@ -244,25 +245,12 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
-def _gpu_list(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        try:
-            v = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (want e.g. 8,16,32)") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"device count {v} must be positive")
-        out.append(v)
-    return out
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``spindle compare`` on the ``spindle`` command's subparsers."""
     from .cli import _add_workload_args
     p = subparsers.add_parser("compare", help="simulate Spindle and the baselines on one workload and compare")
     _add_workload_args(p)
-    p.add_argument("--gpus", type=_gpu_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
+    p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
                    help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw grouped bars of the speedups")

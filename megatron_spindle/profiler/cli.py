@@ -10,25 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be positive")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must not be negative")
-    return v
+from ..argtypes import non_negative_int, positive_int
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,21 +26,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="built-in model: multitask-clip, qwen-val or ofasys")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
-    p.add_argument("--batch", type=_positive_int, default=None, help="global batch per task (default: the model's)")
-    p.add_argument("--nproc", type=_positive_int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None, help="global batch per task (default: the model's)")
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="processes that measure (gloo on CPU, NCCL with one GPU each); required unless run under "
                         "torchrun, which sets the number (omit it there: torchrun reads --nproc as its own option)")
     p.add_argument("--out", default="curves.json", metavar="FILE", help="curves file to write (default curves.json)")
     p.add_argument("--cluster-out", default=None, metavar="FILE",
                    help="also write the measured link as cluster fields (for spindle compare --cluster FILE)")
-    p.add_argument("--max-devices", type=_positive_int, default=32,
+    p.add_argument("--max-devices", type=positive_int, default=32,
                    help="largest device count to measure (default 32, as the paper)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8,
+    p.add_argument("--gpus-per-node", type=positive_int, default=8,
                    help="island size of the plans that will use the curves (caps TP, as in spindle plan; default 8)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="memory per device in GiB (default: measured; decides TP degrees as in spindle plan)")
-    p.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed repeats per point (default 3)")
-    p.add_argument("--repeats", type=_positive_int, default=10, help="timed repeats per point; the median counts (default 10)")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed repeats per point (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed repeats per point; the median counts (default 10)")
     p.add_argument("--min-time", type=float, default=0.2, metavar="SECONDS",
                    help="time more repeats of a fast layer until they add up to this (default 0.2)")
     p.add_argument("--cache", default=default_cache_path(), metavar="FILE",
