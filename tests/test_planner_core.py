@@ -1,5 +1,4 @@
 """Pure planner tests: contraction, curves, allocation, discretization, the paper's worked example."""
-import math
 import subprocess
 import sys
 

@@ -135,7 +135,6 @@ def random_workload(draw):
         task = f"t{t}"
         tasks.append(task)
         B = draw(st.sampled_from(batch_choices))
-        prev = [data_input(task, "x")]
         heads = []
         for e in range(draw(st.integers(1, 2))):  # encoders
             h = draw(st.sampled_from([16, 32]))

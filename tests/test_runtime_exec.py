@@ -11,7 +11,6 @@ two summation orders. With SGD every parameter is compared; AdamW is exercised b
 
 All cases run in one group of 4 gloo processes (process start costs seconds).
 """
-import dataclasses
 import json
 import os
 import re
@@ -206,7 +205,6 @@ def test_trace_records_every_wave_phase(results, tmp_path):
 def _hang_or_die(rank, world, plan, g, mode):
     from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
     apply_cpu_patches()
-    import torch.distributed as dist
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 

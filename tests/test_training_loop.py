@@ -5,7 +5,6 @@ state, same learning-rate schedule), also when the checkpoint loads under anothe
 and the sequential plan -> the Spindle plan).
 """
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -21,10 +20,6 @@ BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--log-interval", "100
 def _args(extra):
     from megatron_spindle.megatron.args import build_parser
     return build_parser().parse_args(BASE + extra)
-
-
-def _losses_of(monkey_log):
-    return [json.loads(line) for line in monkey_log]
 
 
 def _run(rank, world, ckpt, script):

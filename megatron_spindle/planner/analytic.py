@@ -26,10 +26,10 @@ is validated and used as is.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from .jsonfile import read_json
 from .curves import ScalingCurve, fit_piecewise
 from .metaops import MetaOp
 
@@ -114,14 +114,7 @@ class CurvesFile:
 
     @classmethod
     def load(cls, path: str) -> "CurvesFile":
-        try:
-            with open(path) as fh:
-                obj = json.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"curves file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"curves file {path!r} is not valid JSON: {e}") from None
-        return cls.parse(obj, origin=path)
+        return cls.parse(read_json(path, "curves file"), origin=path)
 
     @classmethod
     def parse(cls, obj, *, origin: str = "<curves>") -> "CurvesFile":

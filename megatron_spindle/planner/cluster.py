@@ -17,10 +17,11 @@ A preset describes a node type and its interconnect; ``num_devices`` is set by t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from .jsonfile import read_json
 
 #: Share of a link's line rate that NCCL reaches for large messages. NVIDIA's NCCL maintainer: "450GB/s is
 #: the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s"
@@ -141,13 +142,7 @@ DEFAULT_PRESET = "a800-8x8"
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path) as fh:
-            obj = json.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"cluster file {path!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"cluster file {path!r} is not valid JSON: {e}") from None
+    obj = read_json(path, "cluster file")
     if not isinstance(obj, dict):
         raise ValueError(f"cluster file {path!r}: top level must be an object of cluster fields")
     return obj

@@ -20,7 +20,7 @@ sits on the device that already holds its samples when possible.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .cluster import Cluster
 from .layout import Layout, messages

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from .jsonfile import read_json
 from .curves import ScalingCurve
 from .metaops import MetaOp
 
@@ -299,10 +300,4 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        try:
-            with open(path) as fh:
-                return cls.from_json(json.load(fh))
-        except FileNotFoundError:
-            raise ValueError(f"plan file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {path!r} is not valid JSON: {e}") from None
+        return cls.from_json(read_json(path, "plan file"))
