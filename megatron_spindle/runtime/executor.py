@@ -117,6 +117,7 @@ class SpindleModel(nn.Module):
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
+        self._ranges: dict[str, tuple[int, int]] = {}
 
     # -- parameters -----------------------------------------------------------------------------------
     def unique_parameters(self) -> list[nn.Parameter]:
@@ -183,7 +184,11 @@ class SpindleModel(nn.Module):
         return (msg.stop - msg.start, *self._sample_shape(e))
 
     def _local_range(self, s: Slice) -> tuple[int, int]:
-        return slice_layout(self.metaops[s.metaop], s).rank_samples(self.rank)
+        """This rank's samples of a slice (computed once per slice, not per message and step)."""
+        got = self._ranges.get(s.name)
+        if got is None:
+            got = self._ranges[s.name] = slice_layout(self.metaops[s.metaop], s).rank_samples(self.rank)
+        return got
 
     # -- forward ----------------------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Mapping[str, Tensor]]) -> StepState:
