@@ -301,16 +301,11 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
            f"layers to whole numbers and device counts to divisors of the batch (OFASys' 64-sample batches allow only "
            f"powers of two), and short levels (embeddings, heads) whose single layer sets the wave. This is the "
            f"planner's own makespan, independent of the simulator.",
-           "* **Island-aware vs naive placement.** Under this simulator `placement.py`'s island-aware placement is not "
-           "better than the naive one. Cause: slices of a wave are placed heaviest-inflow first, ties broken by *more* "
-           "devices first, so the largest slice takes the island that holds its producers and pushes the smaller slices "
-           "whose producers sit in the same island across the node boundary (Multitask-CLIP 10 tasks on 16 GPUs, wave 2: "
-           "160 MiB cross-island vs 80 MiB naive). Also the placer scores a candidate by the *sum* of message times, while "
-           "a boundary costs the busiest link (the *max*), so it does not see a NIC becoming the bottleneck. Trying the "
-           "smaller slice first (the tie-break `-devices` -> `+devices` in `Placer.__init__`) cut the total transfer over "
-           "23 planned configurations from 451 to 369 ms when we tried it (naive: 436 ms; numbers from before later "
-           "placement commits); that change belongs to the placement owner, so it is not applied here "
-           "(`tests/test_baselines.py` keeps the property as a strict xfail).",
+           "* **Island-aware vs naive placement.** An earlier `placement.py` placed a wave's slices heaviest-inflow "
+           "first with ties broken by *more* devices first, so the largest slice took its producers' island and pushed "
+           "smaller slices fed from the same island across nodes; it also scores candidates by the *sum* of message "
+           "times while a boundary costs its busiest link. Ties now go to the smaller slice first, and the planner keeps "
+           "the naive layout when it fits memory and the simulator times its transfers lower (target 5 above).",
            "* **ΣC* is a bound for level-by-level schedules only.** The task-level baseline lets each task run at its own "
            "pace, so its compute can end below ΣC*"
            + (f" (here: {', '.join(f'{n} {g} GPUs at {r:.2f} ΣC*' for n, g, r in below_bound)})" if below_bound else "")
