@@ -94,10 +94,6 @@ class Cluster:
         if self.usable_memory_fraction > 1:
             raise ValueError(f"usable_memory_fraction={self.usable_memory_fraction} must be at most 1")
 
-    @property
-    def num_islands(self) -> int:
-        return -(-self.num_devices // self.gpus_per_node)
-
     def island(self, device: int) -> int:
         return device // self.gpus_per_node
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Mapping
 
 #: Operator types the runtime knows how to build. Each is documented where the layer is built
 #: (``megatron_spindle/models/layers.py``); the planner only needs their costs.
@@ -242,26 +242,3 @@ class TaskGraph:
         blob = json.dumps(self.to_json(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-
-def topological_order(names: Iterable[str], preds: Mapping[str, Iterable[str]]) -> list[str]:
-    """Kahn's algorithm, stable with respect to the order of ``names``; raises on a cycle."""
-    names = list(names)
-    indeg = {n: 0 for n in names}
-    succ: dict[str, list[str]] = {n: [] for n in names}
-    for n in names:
-        for p in preds.get(n, ()):
-            indeg[n] += 1
-            succ[p].append(n)
-    ready = [n for n in names if indeg[n] == 0]
-    out = []
-    while ready:
-        n = ready.pop(0)
-        out.append(n)
-        for s in succ[n]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
-    if len(out) != len(names):
-        stuck = sorted(set(names) - set(out))
-        raise ValueError(f"the graph has a cycle through {stuck[:5]}")
-    return out
