@@ -1,8 +1,8 @@
-"""Multi-process (gloo, CPU) tests: tensor-parallel layers, the group registry, inter-wave resharding.
+"""Multi-process (gloo, CPU) tests: tensor-parallel layers and the group registry.
 
 Processes start once for the module (about 10 s on 2 cores, mostly importing megatron.core); every case
-runs inside that one 4-rank job and the test functions check their part of its results. Pure tests of
-the transfer planning need no processes.
+runs inside that one 4-rank job and the test functions check their part of its results. Inter-wave
+messages are planned purely (``test_dataflow.py``) and moved by the executor (``test_runtime_exec.py``).
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import datetime
 import pytest
 import torch
 
-from megatron_spindle.runtime.reshard import (Layout, Message, TransferSpec, backward_messages,
-                                              forward_messages)
 from mp_harness import RanksFailed, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -31,17 +29,6 @@ TP2_CASES = {
              ("qwen-val", "vision-language.llm.head")],
 }
 TP4_CASES = [("qwen-val", "language.llm.1"), ("ofasys", "vqa.decoder.1")]
-
-RESHARD_CASES = [
-    (Layout(ranks=(0, 1), batch=BATCH), Layout(ranks=(2, 3), tp=2, batch=BATCH)),
-    (Layout(ranks=(0, 1, 2, 3), batch=BATCH), Layout(ranks=(1,), batch=BATCH)),
-    (Layout(ranks=(0,), batch=BATCH), Layout(ranks=(0, 1, 2, 3), batch=BATCH)),
-    (Layout(ranks=(0,), batch=BATCH), Layout(ranks=(0, 1, 2, 3), tp=2, batch=BATCH)),
-    (Layout(ranks=(0, 1, 2, 3), tp=2, batch=BATCH), Layout(ranks=(3, 2, 1, 0), batch=BATCH)),
-    (Layout(ranks=(2, 3), tp=2, batch=BATCH), Layout(ranks=(0, 1), batch=BATCH)),
-    (Layout(ranks=(0, 1, 2, 3), tp=4, batch=BATCH), Layout(ranks=(1, 3), tp=1, batch=BATCH)),
-]
-SAMPLE = (3, 2)
 
 REGISTRY = {"a": (0, 1), "b": (2, 3), "a-again": (1, 0), "mid": (1, 2), "all": (0, 1, 2, 3),
             "odd": (1, 3), "solo": (2,)}
@@ -132,39 +119,6 @@ def _registry_case(rank: int) -> dict:
     return out
 
 
-def _global(shape, offset: float = 0.0) -> torch.Tensor:
-    return torch.arange(BATCH * shape[0] * shape[1], dtype=torch.float32).reshape(BATCH, *shape) + offset
-
-
-def _reshard_cases(rank: int) -> list[str]:
-    from megatron_spindle.runtime.reshard import reshard_backward, reshard_forward, run_transfers
-
-    x, g = _global(SAMPLE), _global(SAMPLE, offset=0.5) * -1
-    done = []
-    for src, dst in RESHARD_CASES:
-        have, want = src.local_samples(rank), dst.local_samples(rank)
-        local = None if have is None else x[have[0]:have[1]]
-        got = reshard_forward(local, src, dst, sample_shape=SAMPLE)
-        if (got is None) != (want is None) or (want and not torch.equal(got, x[want[0]:want[1]])):
-            raise AssertionError(f"rank {rank}: forward {src} -> {dst} got wrong samples")
-        grad = None if want is None else g[want[0]:want[1]]
-        back = reshard_backward(grad, src, dst, sample_shape=SAMPLE)
-        if (back is None) != (have is None) or (have and not torch.equal(back, g[have[0]:have[1]])):
-            raise AssertionError(f"rank {rank}: backward {src} -> {dst} got wrong gradient")
-        done.append(f"{src}->{dst}")
-    # Fan-in: two inputs of one consumer moved in one batch_isend_irecv (same rank pairs, two tags).
-    a, b = Layout(ranks=(0, 1), batch=BATCH), Layout(ranks=(1,), batch=BATCH)
-    d = Layout(ranks=(2, 3), tp=2, batch=BATCH)
-    y = x * 10
-    specs = [TransferSpec(src=a, dst=d, sample_shape=SAMPLE), TransferSpec(src=b, dst=d, sample_shape=SAMPLE)]
-    mine = [x[slice(*a.local_samples(rank))] if rank in a.ranks else None, y if rank in b.ranks else None]
-    outs = run_transfers(specs, mine)
-    if rank in d.ranks and not (torch.equal(outs[0], x) and torch.equal(outs[1], y)):
-        raise AssertionError(f"rank {rank}: batched fan-in transfer got wrong samples")
-    done.append("fan-in")
-    return done
-
-
 def _all_cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -178,8 +132,6 @@ def _all_cases(rank: int, world: int) -> dict:
     for model, name in TP4_CASES:
         out["tp4"][name] = _tp_case(model, name, everyone, rank, world)
     out["registry"] = _registry_case(rank)
-    dist.barrier()
-    out["reshard"] = _reshard_cases(rank)
     return out
 
 
@@ -209,11 +161,6 @@ def test_registry_creates_groups_consistently(results):
         assert r["sums"] == expected
 
 
-def test_reshard_moves_exact_samples_and_gradients(results):
-    for rank in range(WORLD):
-        assert len(results[rank]["reshard"]) == len(RESHARD_CASES) + 1
-
-
 def test_harness_reports_every_failing_rank():
     with pytest.raises(RanksFailed) as info:
         run_ranks(_fail_on_odd_ranks, 2, timeout_s=60)
@@ -225,30 +172,3 @@ def _fail_on_odd_ranks(rank: int, world: int) -> int:
     if rank % 2:
         raise RuntimeError(f"odd rank {rank} failed")
     return rank
-
-
-# Pure planning tests ------------------------------------------------------------------------------
-def test_forward_messages_prefer_local_copies_and_spread_over_replicas():
-    msgs = forward_messages(Layout(ranks=(0,), batch=8), Layout(ranks=(0, 1, 2, 3), batch=8))
-    assert msgs == [Message(0, 0, 0, 2), Message(0, 1, 2, 4), Message(0, 2, 4, 6), Message(0, 3, 6, 8)]
-    assert msgs[0].local
-    msgs = forward_messages(Layout(ranks=(2, 3), tp=2, batch=8), Layout(ranks=(0, 1), batch=8))
-    assert [str(m) for m in msgs] == ["2->0[0:4]", "3->1[4:8]"]
-
-
-def test_backward_messages_take_one_replica_per_sample_range():
-    msgs = backward_messages(Layout(ranks=(0, 1, 2, 3), batch=8), Layout(ranks=(2, 3), tp=2, batch=8))
-    assert [str(m) for m in msgs] == ["2->0[0:2]", "3->1[2:4]", "2->2[4:6]", "3->3[6:8]"]
-    msgs = backward_messages(Layout(ranks=(0, 1), tp=2, batch=8), Layout(ranks=(2, 3), batch=8))
-    assert [str(m) for m in msgs] == ["2->0[0:4]", "3->0[4:8]", "2->1[0:4]", "3->1[4:8]"]
-
-
-def test_layout_validation():
-    with pytest.raises(ValueError, match="does not split"):
-        Layout(ranks=(0, 1, 2), batch=8)
-    with pytest.raises(ValueError, match="tp=2"):
-        Layout(ranks=(0, 1, 2), tp=2, batch=6)
-    with pytest.raises(ValueError, match="distinct"):
-        Layout(ranks=(0, 0), batch=8)
-    with pytest.raises(ValueError, match="different global batches"):
-        forward_messages(Layout(ranks=(0,), batch=8), Layout(ranks=(1,), batch=4))

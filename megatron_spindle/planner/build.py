@@ -1,8 +1,8 @@
 """From a task graph to a placed, validated plan: the planner's front door.
 
 ``make_plan(graph, cluster)`` runs contraction, curves, per-level allocation and wavefront scheduling,
-placement, and assembles the :class:`~.plan.Plan` (transfers, parameter device groups, memory), then checks
-it against the validation rules. :func:`assemble_plan` turns any wave schedule with ranks into a plan, so
+placement, and assembles the :class:`~.plan.Plan` (its data flow from :mod:`.dataflow`: transfers with their
+messages and parameter device groups; memory), then checks it against the validation rules. :func:`assemble_plan` turns any wave schedule with ranks into a plan, so
 the baselines emit the same format.
 """
 from __future__ import annotations
@@ -12,19 +12,16 @@ from typing import Mapping, Sequence
 from .analytic import CurvesFile, DeviceModel, build_curves
 from .cluster import Cluster
 from .curves import ScalingCurve
+from .dataflow import param_groups, transfers
 from .graph import TaskGraph
-from .layout import Layout, messages
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
 from .placement import place, sequential_placement
-from .plan import LevelInfo, ParamGroup, Plan, Slice, Transfer, WavePlan
+from .plan import LevelInfo, Plan, Slice, WavePlan
 from .scheduler import LevelSchedule, plan_level
+from .simulate import simulate
+from .validate import check_plan
 from .waves import Wave
-
-
-def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
-    """Where a slice of ``m`` on ``ranks`` keeps its activations (see :mod:`.layout`)."""
-    return Layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
 
 
 def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
@@ -72,7 +69,6 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
                 and transfer_cost_ms(naive, cluster) < transfer_cost_ms(plan, cluster)):
             plan = naive
     if validate:
-        from .validate import check_plan
         check_plan(plan)
     return plan
 
@@ -94,60 +90,11 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
         task_weights=graph.task_weights, world_size=cluster.num_devices, gpus_per_node=cluster.gpus_per_node,
         memory_limit_bytes=cluster.memory_limit_bytes, metaops=tuple(metaops),
         curves=tuple((m.name, curves[m.name]) for m in metaops), levels=tuple(level_info),
-        waves=tuple(wave_plans), transfers=tuple(compute_transfers(by_name, all_slices, cluster)),
-        param_groups=tuple(compute_param_groups(by_name, all_slices)),
+        waves=tuple(wave_plans), transfers=tuple(transfers(metaops, all_slices, cluster.gpus_per_node)),
+        param_groups=tuple(param_groups(metaops, all_slices)),
         device_memory_bytes=tuple(device_memory(by_name, all_slices, cluster.num_devices)),
         makespan_ms=sum(w.duration_ms for w in wave_plans),
         lower_bound_ms=sum(lv.c_star_ms for lv in level_info))
-
-
-def _slice_of_layer(slices: Sequence[Slice]) -> dict[tuple[str, int], Slice]:
-    out = {}
-    for s in slices:
-        for layer in range(s.layer_start, s.layer_stop):
-            out[(s.metaop, layer)] = s
-    return out
-
-
-def compute_transfers(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], cluster: Cluster) -> list[Transfer]:
-    """Every producer → consumer edge between slices, with the bytes that move and where they go."""
-    where = _slice_of_layer(slices)
-    out = []
-    for s in slices:
-        m = by_name[s.metaop]
-        if s.layer_start > 0:
-            edges = [(0, where[(m.name, s.layer_start - 1)], m)]
-        else:
-            edges = []
-            for idx, inp in enumerate(m.inputs):
-                if inp in by_name:
-                    p = by_name[inp]
-                    edges.append((idx, where[(p.name, p.num_layers - 1)], p))
-        for idx, src, p in edges:
-            per_sample = 2.0 * p.out_elems_per_sample
-            msgs = messages(slice_layout(p, src.ranks), slice_layout(m, s.ranks), island_of=cluster.island)
-            total = sum((x.stop - x.start) * per_sample for x in msgs)
-            local = sum((x.stop - x.start) * per_sample for x in msgs if x.src == x.dst)
-            cross = sum((x.stop - x.start) * per_sample for x in msgs
-                        if cluster.island(x.src) != cluster.island(x.dst))
-            out.append(Transfer(src=src.name, dst=s.name, input_index=idx, bytes=total, local_bytes=local,
-                                cross_island_bytes=cross))
-    return out
-
-
-def compute_param_groups(by_name: Mapping[str, MetaOp], slices: Sequence[Slice]) -> list[ParamGroup]:
-    """One group per (weight, TP shard): the devices that hold it and all-reduce its gradient."""
-    groups: dict[tuple[str, int], set[int]] = {}
-    info: dict[tuple[str, int], tuple[int, int]] = {}
-    for s in slices:
-        m = by_name[s.metaop]
-        for k in slice_param_keys(m, s.layer_start, s.num_layers):
-            for pos, r in enumerate(s.ranks):
-                key = (k, pos % m.tp)
-                groups.setdefault(key, set()).add(r)
-                info[key] = (m.tp, m.params_per_layer // m.tp)
-    return [ParamGroup(param_key=k, tp_rank=t, tp=info[(k, t)][0], ranks=tuple(sorted(groups[(k, t)])),
-                       params=info[(k, t)][1]) for k, t in sorted(groups)]
 
 
 def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int) -> list[float]:
@@ -164,8 +111,6 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
     return [act[d] + sum(held[d].values()) for d in range(num_devices)]
 
 
-
 def transfer_cost_ms(plan: Plan, cluster: Cluster) -> float:
     """Inter-wave transfer time of a plan as the step simulator predicts it (forward + backward)."""
-    from .simulate import simulate
     return simulate(plan, cluster, check_memory=False).breakdown.transfer_ms

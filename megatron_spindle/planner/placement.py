@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .cluster import Cluster
-from .layout import Layout, messages
+from .dataflow import Layout, messages, slice_layout
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp
 from .waves import Wave, WaveSlice
@@ -94,9 +94,7 @@ class Placer:
         return sum(b for _, _, b in self.producers(wi, si))
 
     def layout(self, wi: int, si: int, ranks: Sequence[int]) -> Layout:
-        s = self.waves[wi].slices[si]
-        m = self.m[s.metaop]
-        return Layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
+        return slice_layout(self.m[self.waves[wi].slices[si].metaop], ranks)
 
     def comm_ms(self, wi: int, si: int, ranks: Sequence[int], st: _State) -> float:
         s = self.waves[wi].slices[si]

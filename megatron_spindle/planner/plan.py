@@ -20,7 +20,8 @@ from .jsonfile import read_json
 from .curves import ScalingCurve
 from .metaops import MetaOp
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: transfers carry their forward and backward messages (1 had byte totals only)."""
 PLAN_KIND = "spindle-plan"
 
 _SLICE_RE = re.compile(r"^w(\d+):([A-Za-z0-9_.+\-]+)\[(\d+)-(\d+)\]x(\d+)(?:tp(\d+))?$")
@@ -113,28 +114,78 @@ class WavePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Message:
+    """Samples ``[start, stop)`` of one edge's tensor go from rank ``src`` to rank ``dst``.
+
+    ``src == dst`` is a local copy (no communication). ``bytes`` is what the message moves at bf16
+    (:data:`.dataflow.ACTIVATION_BYTES` per element).
+    """
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+    bytes: float
+
+    @property
+    def local(self) -> bool:
+        return self.src == self.dst
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}[{self.start}:{self.stop}]"
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "start": self.start, "stop": self.stop, "bytes": self.bytes}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Message":
+        return cls(src=d["src"], dst=d["dst"], start=d["start"], stop=d["stop"], bytes=d["bytes"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Transfer:
-    """An activation crossing a wave boundary: ``src`` slice's output feeds ``dst`` slice.
+    """An edge between slices: ``src`` slice's output feeds ``dst`` slice, which runs in a later wave.
 
     ``input_index`` is the position among the destination MetaOp's inputs (0 when the same MetaOp
-    continues). Bytes are bf16 forward bytes; backward moves the same amount of gradient in reverse.
+    continues). ``forward`` are the messages that move the activation before ``dst``'s wave, ``backward``
+    those that return its gradient after that wave's backward pass, both computed once by
+    :mod:`.dataflow`; the simulator times them and the executor posts them, in this order.
     """
 
     src: str
     dst: str
     input_index: int
-    bytes: float
-    local_bytes: float
-    """Part that stays on its device (a local copy)."""
+    forward: tuple[Message, ...]
+    backward: tuple[Message, ...]
     cross_island_bytes: float
-    """Part that leaves its island."""
+    """Forward bytes that leave their island."""
+
+    @property
+    def wave(self) -> int:
+        """The consumer's wave: the boundary before it carries this edge."""
+        return SliceRef.from_str(self.dst).wave
+
+    @property
+    def bytes(self) -> float:
+        """Forward bytes, local copies included (backward moves as many bytes of gradient)."""
+        return sum(m.bytes for m in self.forward)
+
+    @property
+    def local_bytes(self) -> float:
+        """Forward bytes that stay on their device (local copies)."""
+        return sum(m.bytes for m in self.forward if m.local)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"src": self.src, "dst": self.dst, "input_index": self.input_index,
+                "cross_island_bytes": self.cross_island_bytes,
+                "forward": [m.to_json() for m in self.forward], "backward": [m.to_json() for m in self.backward]}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "Transfer":
-        return cls(**d)
+        return cls(src=d["src"], dst=d["dst"], input_index=d["input_index"],
+                   cross_island_bytes=d["cross_island_bytes"],
+                   forward=tuple(Message.from_json(m) for m in d["forward"]),
+                   backward=tuple(Message.from_json(m) for m in d["backward"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +254,7 @@ class Plan:
     levels: tuple[LevelInfo, ...]
     waves: tuple[WavePlan, ...]
     transfers: tuple[Transfer, ...]
+    """Every slice-to-slice edge with its messages, by consumer wave (see :mod:`.dataflow`)."""
     param_groups: tuple[ParamGroup, ...]
     device_memory_bytes: tuple[float, ...]
     """Estimated peak memory of each device (parameters, gradients, optimizer state, activations)."""
@@ -265,8 +317,8 @@ class Plan:
         if not isinstance(d, Mapping) or d.get("kind") != PLAN_KIND:
             raise ValueError("not a Spindle plan (missing \"kind\": \"spindle-plan\")")
         if d.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not supported "
-                             f"(this version reads {SCHEMA_VERSION}); re-run `spindle plan`")
+            raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not supported (this version "
+                             f"reads {SCHEMA_VERSION}): re-plan with `spindle plan ... --out PLAN.json`")
         try:
             return cls(
                 schema_version=d["schema_version"], system=d["system"], model=d["model"],

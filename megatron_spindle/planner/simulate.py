@@ -9,17 +9,17 @@ wave forbids overlapping a MetaOp's compute with the next wave's communication):
    scaling curve: forward + backward of one layer). A wave lasts as long as its longest slice. Of that,
    :data:`FORWARD_SHARE` is forward (backward costs twice the forward FLOPs); the split only places the
    boundaries on the timeline, the totals do not depend on it.
-2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves its
-   messages (:func:`.layout.messages`: copy, shard, concat, send/recv). A message that stays on its device
-   is free. Inside an island a message uses the sender's and the receiver's NVLink (full duplex); across
-   islands it uses the sending node's and the receiving node's NICs (shared by the node's devices). All
-   messages of a boundary go at once (batched point-to-point), so::
+2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
+   messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
+   them again). A message that stays on its device is free. Inside an island a message uses the sender's and
+   the receiver's NVLink (full duplex); across islands it uses the sending node's and the receiving node's
+   NICs (shared by the node's devices). All messages of a boundary go at once (batched point-to-point), so::
 
        t_boundary = max( max_d max(out_d, in_d) / B_intra + λ_intra,  max_node max(out, in) / B_inter + λ_inter )
 
-   (each latency ``λ`` counted once, only when that kind of link is used). Backward mirrors forward: after
-   wave ``w``'s backward the same bytes of gradient go back the other way; ``out`` and ``in`` swap, so the
-   time is the same.
+   (each latency ``λ`` counted once, only when that kind of link is used). Backward: after wave ``w``'s
+   backward pass the plan's backward messages of the same transfers return the gradients (as many bytes,
+   each piece from one holder), timed the same way.
 3. **Parameter sync.** Parameter groups (:class:`.plan.ParamGroup`) with the same ranks are bucketed into one
    ring all-reduce (Megatron's DDP buckets a process group's gradients) of fp32 gradients,
    :data:`GRAD_BYTES_PER_PARAM` bytes per parameter. A ring over ``n`` devices sends and receives
@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from .cluster import Cluster
-from .layout import messages
 from .plan import Plan, Slice
 
 #: Share of a layer's forward + backward time spent in the forward pass (backward ≈ 2 × forward FLOPs).
@@ -60,8 +59,6 @@ FORWARD_SHARE = 1.0 / 3.0
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
 #: all-reduce to be done in fp32").
 GRAD_BYTES_PER_PARAM = 4
-#: Bytes per element of an activation crossing a wave boundary (bf16).
-ACTIVATION_BYTES = 2
 
 
 class SimulationError(ValueError):
@@ -246,21 +243,16 @@ def _slice_time(s: Slice, curves: Mapping) -> float:
     return s.num_layers * curves[s.metaop].time(len(s.ranks))
 
 
-def transfer_flows(plan: Plan, cluster: Cluster) -> dict[int, list[tuple[int, int, float]]]:
-    """Forward ``(src, dst, bytes)`` flows per destination wave, from the plan's transfers."""
-    from .build import slice_layout
-    by_name = {m.name: m for m in plan.metaops}
-    slices = {s.name: s for s in plan.slices()}
+def transfer_flows(plan: Plan, cluster: Cluster, *,
+                   backward: bool = False) -> dict[int, list[tuple[int, int, float]]]:
+    """``(src, dst, bytes)`` of the plan's stored messages per consumer wave, forward or backward."""
+    names = {s.name for s in plan.slices()}
     out: dict[int, list[tuple[int, int, float]]] = defaultdict(list)
     for t in plan.transfers:
-        try:
-            src, dst = slices[t.src], slices[t.dst]
-        except KeyError as e:
-            raise SimulationError(f"plan ({plan.system}) has a transfer naming unknown slice {e.args[0]!r}") from None
-        p, m = by_name[src.metaop], by_name[dst.metaop]
-        per_sample = ACTIVATION_BYTES * p.out_elems_per_sample
-        for msg in messages(slice_layout(p, src.ranks), slice_layout(m, dst.ranks), island_of=cluster.island):
-            out[dst.wave].append((msg.src, msg.dst, (msg.stop - msg.start) * per_sample))
+        for name in (t.src, t.dst):
+            if name not in names:
+                raise SimulationError(f"plan ({plan.system}) has a transfer naming unknown slice {name!r}")
+        out[t.wave].extend((m.src, m.dst, m.bytes) for m in (t.backward if backward else t.forward))
     return out
 
 
@@ -278,6 +270,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> Step
     N = plan.world_size
     curves = dict(plan.curves)
     flows = transfer_flows(plan, cluster)
+    back = transfer_flows(plan, cluster, backward=True)
     waves = []
     for w in plan.waves:
         times = [_slice_time(s, curves) for s in w.slices]
@@ -285,7 +278,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> Step
         busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
         f = flows.get(w.index, [])
         fwd = boundary_time_ms(f, cluster)
-        bwd = boundary_time_ms(((b, a, x) for a, b, x in f), cluster)
+        bwd = boundary_time_ms(back.get(w.index, []), cluster)
         waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f

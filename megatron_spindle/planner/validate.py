@@ -13,7 +13,9 @@ Rules:
 6. waves are in time order (each starts when the previous one ends) and levels never go back;
 7. every device's memory estimate is within the limit;
 8. parameter device groups are exactly the devices that hold each weight shard;
-9. the plan is for the graph it is used with (fingerprint and world size), when those are given.
+9. the plan is for the graph it is used with (fingerprint and world size), when those are given;
+10. the stored data flow (transfers and their messages) is what :mod:`.dataflow` derives from the slices, so
+    the simulator and the executor, which read only the stored messages, agree with the slices.
 
 :func:`check_plan` raises :class:`PlanError` listing every violation, with the wave × device grid and the
 offending cell marked (``>…<``).
@@ -23,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .dataflow import param_groups, plan_transfers
 from .plan import Plan
+from .render import grid
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,30 @@ def violations(plan: Plan) -> list[Violation]:
     if len(plan.device_memory_bytes) != N:
         out.append(Violation(7, f"{len(plan.device_memory_bytes)} memory entries for {N} devices"))
     # 8
-    from .build import compute_param_groups
-    expect = {(g.param_key, g.tp_rank): g.ranks for g in compute_param_groups(by_name, list(plan.slices()))}
+    expect = {(g.param_key, g.tp_rank): g.ranks for g in param_groups(plan.metaops, list(plan.slices()))}
     got = {(g.param_key, g.tp_rank): g.ranks for g in plan.param_groups}
     for key in sorted(set(expect) | set(got)):
         if expect.get(key) != got.get(key):
             out.append(Violation(8, f"parameter group of {key[0]} shard {key[1]} is {got.get(key)}, the slices "
                                     f"put it on {expect.get(key)}"))
+    # 10
+    derived_list = plan_transfers(plan)
+    before = len(out)
+    derived = {(t.dst, t.input_index): t for t in derived_list}
+    stored = {(t.dst, t.input_index): t for t in plan.transfers}
+    for key in sorted(set(derived) | set(stored)):
+        want, got = derived.get(key), stored.get(key)
+        if want != got:
+            what = "is missing" if got is None else "is not an edge of the slices" if want is None else \
+                f"differs from its derivation (from {want.src}: {len(want.forward)} forward, " \
+                f"{len(want.backward)} backward messages)"
+            out.append(Violation(10, f"transfer into {key[0]} input {key[1]} {what}: re-plan",
+                                 (got or want).wave))
+    if len(stored) != len(plan.transfers):
+        out.append(Violation(10, f"{len(plan.transfers) - len(stored)} transfers are listed twice"))
+    if len(out) == before and list(plan.transfers) != derived_list:
+        out.append(Violation(10, "transfers are not in plan order (consumer wave, slice, input index): the "
+                                 "message tags would not match between ranks"))
     return out
 
 
@@ -158,6 +179,5 @@ def check_plan(plan: Plan, *, graph_fingerprint: str | None = None, world_size: 
     if world_size is not None and world_size != plan.world_size:
         vs.append(Violation(9, f"plan is for {plan.world_size} devices but the job has {world_size}"))
     if vs:
-        from .render import grid
         marks = {(v.wave, v.device) for v in vs if v.wave is not None and v.device is not None}
         raise PlanError(vs, grid(plan, mark=marks) if plan.world_size <= 64 else "")

@@ -2,13 +2,14 @@
 
 A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :meth:`finalize_grads`):
 
-1. **forward**, for each wave ``w`` in order: exchange the activations of every edge whose consumer runs in
-   ``w`` (:mod:`.flow`; local copies need no communication; all of this rank's sends and receives of the
-   boundary go into one ``batch_isend_irecv``), then run this rank's slices of ``w``. A slice's received
+1. **forward**, for each wave ``w`` in order: post this rank's forward messages of the plan's transfers into
+   ``w`` (``plan.transfers``, computed by :mod:`..planner.dataflow`; the executor derives none of its own:
+   local copies need no communication, all sends and receives of the boundary go into one
+   ``batch_isend_irecv`` through :func:`post_p2p`), then run this rank's slices of ``w``. A slice's received
    inputs are leaves that require grad, so each slice has its own autograd graph;
 2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
-   gradient 1, any other slice with the accumulated gradient of its output), then send every input's
-   gradient back to its producer (one holder per sample, :func:`planner.layout.messages` mirrored);
+   gradient 1, any other slice with the accumulated gradient of its output), then post the plan's backward
+   messages of the same transfers: every input's gradient goes back to its producer, one holder per sample;
 3. **gradient sync**: every parameter shard is all-reduced (summed) over its parameter device group
    (``plan.param_groups``), one flat buffer per distinct rank set, in the same order on every rank. Losses are
    already normalised by the global batch, so summing is exact data parallelism;
@@ -24,16 +25,16 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..planner.dataflow import boundaries, rank_messages, slice_layout
 from ..planner.graph import DATA_PREFIX, TaskGraph
-from ..planner.plan import Plan, Slice
+from ..planner.plan import Message, Plan, Slice, Transfer
 from ..planner.validate import check_plan
-from .flow import Edge, boundaries, slice_layout
 from .groups import ProcessGroupRegistry
 from .rank_sets import param_group_name, plan_rank_sets, tp_group_name
 from .trace import StepTrace
@@ -45,6 +46,25 @@ class SpindleTimeout(RuntimeError):
 
 def _module_key(metaop: str, layer: int) -> str:
     return f"{metaop}#{layer}".replace(".", "/")
+
+
+def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]], device: torch.device) -> list:
+    """Post ``("send" | "recv", tensor, peer, tag)`` operations in one ``torch.distributed.batch_isend_irecv``.
+
+    The executor's only point-to-point call. Sends are moved to ``device``, the communication device (the CPU
+    under gloo, the GPU under NCCL); a receive buffer must already be there, since the data lands in it.
+    Returns the work handles in ``ops`` order.
+    """
+    p2p = []
+    for kind, t, peer, tag in ops:
+        if kind == "send":
+            p2p.append(dist.P2POp(dist.isend, t.to(device).contiguous(), peer, tag=tag))
+        elif t.device != torch.device(device):
+            raise ValueError(f"receive buffer from rank {peer} is on {t.device}, not the communication "
+                             f"device {device}")
+        else:
+            p2p.append(dist.P2POp(dist.irecv, t, peer, tag=tag))
+    return dist.batch_isend_irecv(p2p)
 
 
 @dataclass
@@ -90,7 +110,11 @@ class SpindleModel(nn.Module):
         self.dtype = dtype
         self.metaops = {m.name: m for m in plan.metaops}
         self.registry = ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
-        self.edges = boundaries(plan)
+        self.slice_of = {s.name: s for s in plan.slices()}
+        # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
+        self.messages = [(rank_messages(b, self.rank, backward=False), rank_messages(b, self.rank, backward=True))
+                         for b in boundaries(plan)]
+        self.comm_device = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
@@ -148,46 +172,41 @@ class SpindleModel(nn.Module):
             if ok is False:
                 raise SpindleTimeout(f"rank {self.rank}: {desc} timed out after {self.timeout_s:g} s")
 
-    def _exchange(self, wave: int, edges: list[Edge], send_of, recv_into, backward: bool, phase: str) -> None:
-        """Post every message of one boundary that involves this rank, in one batch, and wait for all."""
+    def _exchange(self, wave: int, backward: bool, send_of, recv_into) -> None:
+        """Post this rank's messages of the boundary before ``wave``, as the plan lists them, in one batch."""
+        phase = "backward" if backward else "forward"
         ops, what, post = [], [], []
-        tag = 0
-        for e in edges:
-            for msg in (e.backward if backward else e.forward):
-                tag += 1
-                if self.rank not in (msg.src, msg.dst):
-                    continue
-                if msg.src == msg.dst:
-                    recv_into(e, msg, send_of(e, msg))
-                    continue
-                if msg.src == self.rank:
-                    ops.append(dist.P2POp(dist.isend, send_of(e, msg).contiguous(), msg.dst, tag=tag))
-                    what.append(f"wave {wave} {phase}: send of {e.src.name} -> {e.dst.name} samples "
-                                f"[{msg.start}, {msg.stop}) to rank {msg.dst}")
-                else:
-                    buf = torch.empty(self._msg_shape(e, msg), dtype=self.dtype, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buf, msg.src, tag=tag))
-                    what.append(f"wave {wave} {phase}: receive for {e.dst.name} from {e.src.name} samples "
-                                f"[{msg.start}, {msg.stop}) from rank {msg.src}")
-                    post.append((e, msg, buf))
+        for tag, e, msg in self.messages[wave][backward]:
+            if msg.local:
+                recv_into(e, msg, send_of(e, msg))
+            elif msg.src == self.rank:
+                ops.append(("send", send_of(e, msg), msg.dst, tag))
+                what.append(f"wave {wave} {phase}: send of {e.src} -> {e.dst} samples "
+                            f"[{msg.start}, {msg.stop}) to rank {msg.dst}")
+            else:
+                buf = torch.empty(self._msg_shape(e, msg), dtype=self.dtype, device=self.comm_device)
+                ops.append(("recv", buf, msg.src, tag))
+                what.append(f"wave {wave} {phase}: receive for {e.dst} from {e.src} samples "
+                            f"[{msg.start}, {msg.stop}) from rank {msg.src}")
+                post.append((e, msg, buf))
         if ops:
-            self._wait(dist.batch_isend_irecv(ops), what)
+            self._wait(post_p2p(ops, self.comm_device), what)
         for e, msg, buf in post:
-            recv_into(e, msg, buf)
+            recv_into(e, msg, buf.to(self.device))
 
-    def _sample_shape(self, e: Edge) -> tuple[int, ...]:
+    def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
         from ..models.layers import output_shape
-        pm = self.metaops[e.src.metaop]
-        return output_shape(self.graph[pm.operators[e.src.layer_stop - 1]])
+        src = self.slice_of[e.src]
+        return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
 
-    def _msg_shape(self, e: Edge, msg) -> tuple[int, ...]:
+    def _msg_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
         return (msg.stop - msg.start, *self._sample_shape(e))
 
     def _local_range(self, s: Slice) -> tuple[int, int]:
         """This rank's samples of a slice (computed once per slice, not per message and step)."""
         got = self._ranges.get(s.name)
         if got is None:
-            got = self._ranges[s.name] = slice_layout(self.metaops[s.metaop], s).rank_samples(self.rank)
+            got = self._ranges[s.name] = slice_layout(self.metaops[s.metaop], s.ranks).rank_samples(self.rank)
         return got
 
     # -- forward ----------------------------------------------------------------------------------------
@@ -196,16 +215,16 @@ class SpindleModel(nn.Module):
         st = StepState()
         pieces: dict[tuple[str, int], list[tuple[int, Tensor]]] = {}
 
-        def send_of(e: Edge, msg) -> Tensor:
-            a, _ = self._local_range(e.src)
-            return st.outputs[e.src.name][msg.start - a:msg.stop - a].detach()
+        def send_of(e: Transfer, msg: Message) -> Tensor:
+            a, _ = self._local_range(self.slice_of[e.src])
+            return st.outputs[e.src][msg.start - a:msg.stop - a].detach()
 
-        def recv_into(e: Edge, msg, t: Tensor) -> None:
-            pieces.setdefault((e.dst.name, e.input_index), []).append((msg.start, t))
+        def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
+            pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
 
         for w, wave in enumerate(self.plan.waves):
             t0 = time.perf_counter()
-            self._exchange(w, self.edges[w], send_of, recv_into, False, "forward")
+            self._exchange(w, False, send_of, recv_into)
             self.trace.span("transfer", f"w{w} fwd transfer", t0)
             for s in self.my_slices[w]:
                 t1 = time.perf_counter()
@@ -255,16 +274,16 @@ class SpindleModel(nn.Module):
         gradient is that of the mean over the accumulated passes, as in Megatron).
         """
 
-        def send_of(e: Edge, msg) -> Tensor:
-            a, _ = self._local_range(e.dst)
-            g = st.inputs[(e.dst.name, e.input_index)].grad
+        def send_of(e: Transfer, msg: Message) -> Tensor:
+            a, _ = self._local_range(self.slice_of[e.dst])
+            g = st.inputs[(e.dst, e.input_index)].grad
             return g[msg.start - a:msg.stop - a]
 
-        def recv_into(e: Edge, msg, t: Tensor) -> None:
-            a, b = self._local_range(e.src)
-            if e.src.name not in st.grads:
-                st.grads[e.src.name] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            st.grads[e.src.name][msg.start - a:msg.stop - a] += t
+        def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
+            a, b = self._local_range(self.slice_of[e.src])
+            if e.src not in st.grads:
+                st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            st.grads[e.src][msg.start - a:msg.stop - a] += t
 
         for w in range(len(self.plan.waves) - 1, -1, -1):
             for s in reversed(self.my_slices[w]):
@@ -283,7 +302,7 @@ class SpindleModel(nn.Module):
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
             t0 = time.perf_counter()
-            self._exchange(w, self.edges[w], send_of, recv_into, True, "backward")
+            self._exchange(w, True, send_of, recv_into)
             self.trace.span("transfer", f"w{w} bwd transfer", t0)
         st.outputs.clear()
         st.inputs.clear()
