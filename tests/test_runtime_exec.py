@@ -98,8 +98,8 @@ def _run_case(plan, g):
 
 
 def _all_cases(rank, world, cases, g):
+    from megatron_spindle.compat.cpu import apply_cpu_patches
     from megatron_spindle.runtime import executor
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
     apply_cpu_patches()
     posted, real = [], executor.post_p2p
 
@@ -120,7 +120,7 @@ def _reference(g):
     import torch
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.models.reference import ReferenceModel
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
 
     apply_cpu_patches()
     ref = ReferenceModel(g, seed=0)
@@ -271,7 +271,7 @@ HANG_S = 120.0  # the hung rank would come back after this; the others must have
 
 
 def _hang_or_die(rank, world, plan, g, mode, fault_file):
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
     apply_cpu_patches()
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
