@@ -313,3 +313,12 @@ def test_plan_for_another_world_or_model_is_refused():
     other = build_graph("multitask-clip", tasks=4, size="tiny", batch=16)
     with pytest.raises(PlanError, match="not for this model"):
         check_plan(plan, graph_fingerprint=other.fingerprint(), world_size=4)
+
+
+def test_post_p2p_refuses_a_receive_buffer_off_the_communication_device():
+    import torch
+    from megatron_spindle.runtime.executor import post_p2p
+    with pytest.raises(ValueError, match="receive buffer from rank 1 is on meta, not the communication device cpu"):
+        post_p2p([("recv", torch.empty(2, device="meta"), 1, 1)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="'bcast' is neither"):
+        post_p2p([("bcast", torch.empty(2), 1, 1)], torch.device("cpu"))

@@ -55,11 +55,14 @@ def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]], device: torch.device) 
     under gloo, the GPU under NCCL); a receive buffer must already be there, since the data lands in it.
     Returns the work handles in ``ops`` order.
     """
+    device = torch.device(device)
     p2p = []
     for kind, t, peer, tag in ops:
         if kind == "send":
             p2p.append(dist.P2POp(dist.isend, t.to(device).contiguous(), peer, tag=tag))
-        elif t.device != torch.device(device):
+        elif kind != "recv":
+            raise ValueError(f"point-to-point operation {kind!r} is neither 'send' nor 'recv'")
+        elif t.device.type != device.type or device.index not in (None, t.device.index):
             raise ValueError(f"receive buffer from rank {peer} is on {t.device}, not the communication "
                              f"device {device}")
         else:
