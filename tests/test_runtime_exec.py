@@ -271,11 +271,13 @@ HANG_S = 120.0  # the hung rank would come back after this; the others must have
 
 
 def _hang_or_die(rank, world, plan, g, mode, fault_file):
+    import torch.distributed as dist
     from megatron_spindle.compat.cpu import apply_cpu_patches
     apply_cpu_patches()
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 
+    dist.barrier()  # start together: on a loaded machine process starts differ by more than the 3 s timeout
     model = SpindleModel(plan, g, seed=0, timeout_s=3)
     if rank == world - 1:
         with open(fault_file, "w") as f:  # the moment of the fault, for the test to measure from
@@ -295,8 +297,9 @@ def test_a_hung_peer_fails_the_others_with_wave_slice_and_peer(tmp_path):
     fault_file = tmp_path / "fault"
     with pytest.raises(RanksFailed) as e:  # process start is not timed: it is slow on a loaded machine
         run_ranks(_hang_or_die, WORLD, plan, g, "hang", str(fault_file), timeout_s=HANG_S + 60)
-    failed_after_s = time.time() - float(fault_file.read_text())
     msg = str(e.value)
+    assert fault_file.exists(), f"the ranks failed before the fault: {msg[-3000:]}"
+    failed_after_s = time.time() - float(fault_file.read_text())
     assert failed_after_s < HANG_S / 2, failed_after_s
     # e.g. "SpindleTimeout: rank 0: wave 24 forward: receive for w24:vision-text.loss[0-0]x1 from
     #       w16:vision-text.vision.head[0-0]x4 samples [6, 8) from rank 3 failed: ... Timed out waiting 3000ms"
