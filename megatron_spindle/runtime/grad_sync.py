@@ -59,7 +59,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ..models.blocks import self_group
+from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
 from .rank_sets import param_group_name
 
 
@@ -113,7 +113,7 @@ def ddp_config_for(*, overlap: bool, bucket_size: int | None) -> DistributedData
 def _sum_config() -> TransformerConfig:
     """The model config DDP reads: only ``calculate_per_token_loss`` matters (sum, no 1/dp scaling)."""
     return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True,
-                             use_cpu_initialization=True)
+                             use_cpu_initialization=True, **_NO_CUDA_GRAPH_SCOPE)
 
 
 class GradSync:
@@ -196,6 +196,7 @@ class GradSync:
             if old is not None and old is not self:
                 old.release()
             p._spindle_grad_sync = self
+        self._no_sync = 0
         self.synced = False
         """True from :meth:`finish` until :meth:`zero_grad_buffer`: the gradients are the reduced ones."""
 
@@ -253,12 +254,19 @@ class GradSync:
         with contextlib.ExitStack() as stack:
             for inst in self.instances:
                 stack.enter_context(inst.ddp.no_sync())
-            yield
+            self._no_sync += 1
+            try:
+                yield
+            finally:
+                self._no_sync -= 1
 
     def zero_grad_buffer(self) -> None:
         """Zero every gradient buffer and forget the last step's posts (start of a step)."""
         for inst in self.instances:
-            inst.ddp.zero_grad_buffer()
+            inst.ddp.zero_grad_buffer()  # also marks every bucket "last microbatch" again
+            if self._no_sync:  # zeroed inside no_sync (the first forward of a step): keep buckets quiet
+                for bg in inst.ddp.bucket_groups:
+                    bg.is_last_microbatch = False
             inst.ready.clear()
             inst.posted = 0
             inst.times.clear()

@@ -1,0 +1,146 @@
+"""megatron.core DDP gradient sync (``runtime/grad_sync.py``) against a single process, with accumulation.
+
+Every case runs ``spindle_forward_backward`` (K passes of the plan, the first K-1 under ``no_sync``, one sync)
+and an SGD step, twice, on 4 gloo ranks with ``overlap_grad_reduce`` on and small buckets (several per rank
+set, so buckets fire during backward from the second step on); the reference is the whole model in one
+process, the K passes' losses scaled by 1/K. Tolerances as in ``test_runtime_exec.py`` (1e-5 relative);
+K = 1 with overlap on is ``test_runtime_exec.py``'s equivalence test.
+
+Plan ``g-local-copies`` gives rank 0 two copies of one text-encoder shard (tensor-parallel groups (0, 1)
+and (0, 2)): the copies' gradients must be summed into one bucket before it fires.
+
+The overlap test reads span times of the executor's trace: a bucket's reduce is posted before the last
+backward span of the step ends (no wall-clock limit).
+All cases run in one group of 4 processes.
+"""
+import numpy as np
+import pytest
+
+from mp_harness import run_ranks
+from test_runtime_exec import LR, MOMENTUM, TOL, WORLD, _sequential, graph, plans
+
+STEPS = 2
+BUCKET = 20_000  # parameters per bucket: the tiny model's rank sets split into several buckets
+
+
+def all_plans():
+    g = graph()
+    t, at = "vision-text.text.layers", "audio-text.text.layers"
+    out = dict(plans())
+    out["g-local-copies"] = _sequential(g, WORLD, {at: [[(at, 0, 4, (0, 2, 1, 3))]]}, tp={t: 2, at: 2})
+    return out
+
+
+CASES = [(name, 2) for name in all_plans()] + [("d-tensor-parallel", 4), ("f-planner", 4), ("g-local-copies", 4)]
+
+
+def _run(plan, g, k):
+    import torch
+    from megatron_spindle.megatron.schedule import forward_step, reduce_reports, spindle_forward_backward
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.runtime.executor import SpindleModel
+
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET)
+    opt = torch.optim.SGD(model.unique_parameters(), lr=LR, momentum=MOMENTUM)
+    data = SyntheticData(g, seed=0)
+    losses, buckets = [], []
+    for step in range(STEPS):
+        model.trace.step = step
+        reports = spindle_forward_backward(forward_step_func=forward_step, model=[model], num_microbatches=k,
+                                           data_iterator=iter([data.batch(step * k + i) for i in range(k)]))
+        buckets.append(len(model.grad_sync.bucket_times()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(reduce_reports(reports))
+    shards = {(key, s, n): p.detach().numpy().copy() for key, s, mod in model.local_cores()
+              for n, p in mod.core.named_parameters()}
+    copies = sum(len(mods) - 1 for mods in model._copies.values())
+    spans = [(s.cat, s.name, s.start_s, s.dur_s, s.step) for s in model.trace.spans]
+    model.destroy()
+    return {"losses": losses, "shards": shards, "spans": spans, "copies": copies, "buckets": buckets}
+
+
+def _all(rank, world, cases, g):
+    return {(name, k): _run(plan, g, k) for (name, k), plan in cases.items()}
+
+
+def _reference(g, k):
+    import torch
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.models.reference import ReferenceModel
+
+    ref = ReferenceModel(g, seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    data = SyntheticData(g, seed=0)
+    losses = []
+    for step in range(STEPS):
+        mean = {}
+        for i in range(k):
+            out = ref(data.batch(step * k + i))
+            (sum(out.values()) / k).backward()
+            for t, v in out.items():
+                mean[t] = mean.get(t, 0.0) + float(v.detach()) / k
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean)
+    return losses, {(key, n): p.detach() for key, n, p in ref.keyed_parameters()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    g = graph()
+    every = all_plans()
+    cases = {(name, k): every[name] for name, k in CASES}
+    out = run_ranks(_all, WORLD, cases, g, timeout_s=600)
+    refs = {k: _reference(g, k) for k in sorted({k for _, k in CASES})}
+    return cases, out, refs
+
+
+@pytest.mark.parametrize("name,k", CASES)
+def test_accumulated_steps_match_single_process(results, name, k):
+    from megatron_spindle.models.layer_state import shard_tensor
+
+    cases, out, refs = results
+    plan = cases[(name, k)]
+    ref_losses, ref_params = refs[k]
+    for step in range(STEPS):
+        for task, want in ref_losses[step].items():
+            assert out[0][(name, k)]["losses"][step][task] == pytest.approx(want, rel=TOL), (name, k, step, task)
+    tp_of = {key: m.tp for m in plan.metaops for key in m.param_keys if key}
+    checked, errs = set(), []
+    for r in range(WORLD):
+        for (key, shard, pname), value in out[r][(name, k)]["shards"].items():
+            full = ref_params[(key, pname)]
+            if tp_of[key] > 1 and value.shape != tuple(full.shape):
+                dim = [i for i, (a, b) in enumerate(zip(value.shape, full.shape)) if a != b][0]
+                expect = shard_tensor(full, dim=dim, stride=1, rank=shard, size=tp_of[key]).numpy()
+            else:
+                expect = full.numpy()
+            err = float(np.abs(value - expect).max()) / (float(np.abs(expect).max()) + 1e-12)
+            errs.append((err, r, key, pname))
+            checked.add((key, pname))
+    errs.sort(reverse=True)
+    assert errs[0][0] < TOL, (name, k, errs[:5])
+    assert checked == set(ref_params)
+    # small buckets: every rank reduces several buckets per step
+    assert all(min(out[r][(name, k)]["buckets"]) > 1 for r in range(WORLD))
+
+
+def test_local_copies_are_exercised(results):
+    _, out, _ = results
+    assert out[0][("g-local-copies", 2)]["copies"] > 0
+    assert all(out[r][("a-sequential", 2)]["copies"] == 0 for r in range(WORLD))
+
+
+@pytest.mark.parametrize("name", ["a-sequential", "f-planner"])
+def test_early_bucket_reduce_starts_before_backward_ends(results, name):
+    """From the second step on (megatron learns each bucket's uses in the first), some bucket's reduce is
+    posted while backward waves are still to run on that rank."""
+    _, out, _ = results
+    for r in range(WORLD):
+        spans = [s for s in out[r][(name, 2)]["spans"] if s[4] == 1]
+        bwd_end = max(start + dur for cat, _, start, dur, _ in spans if cat == "backward")
+        bwd_last_start = max(start for cat, _, start, _, _ in spans if cat == "backward")
+        posts = sorted(start for cat, label, start, _, _ in spans if cat == "sync" and label.startswith("reduce "))
+        assert posts, (name, r, "no bucket reduce spans")
+        assert posts[0] < bwd_last_start < bwd_end, (name, r, posts[0], bwd_last_start)
