@@ -3,7 +3,9 @@
 Every case runs ``spindle_forward_backward`` (K passes of the plan, the first K-1 under ``no_sync``, one sync)
 and an SGD step, twice, on 4 gloo ranks with ``overlap_grad_reduce`` on and small buckets (several per rank
 set, so buckets fire during backward from the second step on); the reference is the whole model in one
-process, the K passes' losses scaled by 1/K. Tolerances as in ``test_runtime_exec.py`` (1e-5 relative);
+process, the K passes' losses scaled by 1/K. Each case also runs with the distributed optimizer (ZeRO-1:
+reduce-scatter, SGD on this rank's block of each bucket, parameter all-gather), and checks the global
+gradient norm against the reference's. Tolerances as in ``test_runtime_exec.py`` (1e-5 relative);
 K = 1 with overlap on is ``test_runtime_exec.py``'s equivalence test.
 
 Plan ``g-local-copies`` gives rank 0 two copies of one text-encoder shard (tensor-parallel groups (0, 1)
@@ -31,37 +33,42 @@ def all_plans():
     return out
 
 
-CASES = [(name, 2) for name in all_plans()] + [("d-tensor-parallel", 4), ("f-planner", 4), ("g-local-copies", 4)]
+#: (plan, passes K, distributed optimizer)
+CASES = ([(name, 2, False) for name in all_plans()] + [(name, 2, True) for name in all_plans()]
+         + [(name, 4, False) for name in ("d-tensor-parallel", "f-planner", "g-local-copies")])
 
 
-def _run(plan, g, k):
+def _run(plan, g, k, zero):
     import torch
     from megatron_spindle.megatron.schedule import forward_step, reduce_reports, spindle_forward_backward
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 
-    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET)
-    opt = torch.optim.SGD(model.unique_parameters(), lr=LR, momentum=MOMENTUM)
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, distributed_optimizer=zero)
+    opt = torch.optim.SGD(model.optimizer_parameters(), lr=LR, momentum=MOMENTUM)
     data = SyntheticData(g, seed=0)
-    losses, buckets = [], []
+    losses, buckets, norms = [], [], []
     for step in range(STEPS):
         model.trace.step = step
         reports = spindle_forward_backward(forward_step_func=forward_step, model=[model], num_microbatches=k,
                                            data_iterator=iter([data.batch(step * k + i) for i in range(k)]))
         buckets.append(len(model.grad_sync.bucket_times()))
+        norms.append(model.grad_norm())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(reduce_reports(reports))
+    model.grad_sync.gather_params()  # with the distributed optimizer: every rank's updated blocks
     shards = {(key, s, n): p.detach().numpy().copy() for key, s, mod in model.local_cores()
               for n, p in mod.core.named_parameters()}
     copies = sum(len(mods) - 1 for mods in model._copies.values())
     spans = [(s.cat, s.name, s.start_s, s.dur_s, s.step) for s in model.trace.spans]
     model.destroy()
-    return {"losses": losses, "shards": shards, "spans": spans, "copies": copies, "buckets": buckets}
+    return {"losses": losses, "shards": shards, "spans": spans, "copies": copies, "buckets": buckets,
+            "norms": norms, "optimizer_numel": sum(p.numel() for p in model.optimizer_parameters())}
 
 
 def _all(rank, world, cases, g):
-    return {(name, k): _run(plan, g, k) for (name, k), plan in cases.items()}
+    return {case: _run(plan, g, case[1], case[2]) for case, plan in cases.items()}
 
 
 def _reference(g, k):
@@ -72,7 +79,7 @@ def _reference(g, k):
     ref = ReferenceModel(g, seed=0)
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
     data = SyntheticData(g, seed=0)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         mean = {}
         for i in range(k):
@@ -80,36 +87,40 @@ def _reference(g, k):
             (sum(out.values()) / k).backward()
             for t, v in out.items():
                 mean[t] = mean.get(t, 0.0) + float(v.detach()) / k
+        norms.append(float(sum(p.grad.double().pow(2).sum() for p in ref.parameters() if p.grad is not None)) ** 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean)
-    return losses, {(key, n): p.detach() for key, n, p in ref.keyed_parameters()}
+    return losses, norms, {(key, n): p.detach() for key, n, p in ref.keyed_parameters()}
 
 
 @pytest.fixture(scope="module")
 def results():
     g = graph()
     every = all_plans()
-    cases = {(name, k): every[name] for name, k in CASES}
+    cases = {case: every[case[0]] for case in CASES}
     out = run_ranks(_all, WORLD, cases, g, timeout_s=600)
-    refs = {k: _reference(g, k) for k in sorted({k for _, k in CASES})}
+    refs = {k: _reference(g, k) for k in sorted({case[1] for case in CASES})}
     return cases, out, refs
 
 
-@pytest.mark.parametrize("name,k", CASES)
-def test_accumulated_steps_match_single_process(results, name, k):
+@pytest.mark.parametrize("name,k,zero", CASES)
+def test_accumulated_steps_match_single_process(results, name, k, zero):
     from megatron_spindle.models.layer_state import shard_tensor
 
     cases, out, refs = results
-    plan = cases[(name, k)]
-    ref_losses, ref_params = refs[k]
+    case = (name, k, zero)
+    plan = cases[case]
+    ref_losses, ref_norms, ref_params = refs[k]
     for step in range(STEPS):
         for task, want in ref_losses[step].items():
-            assert out[0][(name, k)]["losses"][step][task] == pytest.approx(want, rel=TOL), (name, k, step, task)
+            assert out[0][case]["losses"][step][task] == pytest.approx(want, rel=TOL), (case, step, task)
+        for r in range(WORLD):  # the global norm: every shard counted once
+            assert out[r][case]["norms"][step] == pytest.approx(ref_norms[step], rel=TOL), (case, r, step)
     tp_of = {key: m.tp for m in plan.metaops for key in m.param_keys if key}
     checked, errs = set(), []
     for r in range(WORLD):
-        for (key, shard, pname), value in out[r][(name, k)]["shards"].items():
+        for (key, shard, pname), value in out[r][case]["shards"].items():
             full = ref_params[(key, pname)]
             if tp_of[key] > 1 and value.shape != tuple(full.shape):
                 dim = [i for i, (a, b) in enumerate(zip(value.shape, full.shape)) if a != b][0]
@@ -120,16 +131,26 @@ def test_accumulated_steps_match_single_process(results, name, k):
             errs.append((err, r, key, pname))
             checked.add((key, pname))
     errs.sort(reverse=True)
-    assert errs[0][0] < TOL, (name, k, errs[:5])
+    assert errs[0][0] < TOL, (case, errs[:5])
     assert checked == set(ref_params)
     # small buckets: every rank reduces several buckets per step
-    assert all(min(out[r][(name, k)]["buckets"]) > 1 for r in range(WORLD))
+    assert all(min(out[r][case]["buckets"]) > 1 for r in range(WORLD))
+
+
+def test_distributed_optimizer_steps_a_shard(results):
+    """ZeRO-1: a rank's optimizer holds its block of each bucket, so the optimizer state shrinks where a
+    rank set has several ranks (plan a: almost every weight on all 4 ranks)."""
+    _, out, _ = results
+    for r in range(WORLD):
+        full = sum(v.size for v in out[r][("a-sequential", 2, False)]["shards"].values())
+        assert out[r][("a-sequential", 2, False)]["optimizer_numel"] == full
+        assert out[r][("a-sequential", 2, True)]["optimizer_numel"] < 0.4 * full
 
 
 def test_local_copies_are_exercised(results):
     _, out, _ = results
-    assert out[0][("g-local-copies", 2)]["copies"] > 0
-    assert all(out[r][("a-sequential", 2)]["copies"] == 0 for r in range(WORLD))
+    assert out[0][("g-local-copies", 2, False)]["copies"] > 0
+    assert all(out[r][("a-sequential", 2, False)]["copies"] == 0 for r in range(WORLD))
 
 
 @pytest.mark.parametrize("name", ["a-sequential", "f-planner"])
@@ -138,7 +159,7 @@ def test_early_bucket_reduce_starts_before_backward_ends(results, name):
     posted while backward waves are still to run on that rank."""
     _, out, _ = results
     for r in range(WORLD):
-        spans = [s for s in out[r][(name, 2)]["spans"] if s[4] == 1]
+        spans = [s for s in out[r][(name, 2, False)]["spans"] if s[4] == 1]
         bwd_end = max(start + dur for cat, _, start, dur, _ in spans if cat == "backward")
         bwd_last_start = max(start for cat, _, start, _, _ in spans if cat == "backward")
         posts = sorted(start for cat, label, start, _, _ in spans if cat == "sync" and label.startswith("reduce "))

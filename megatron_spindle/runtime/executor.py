@@ -74,12 +74,13 @@ class SpindleModel(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
-                 overlap_grad_reduce: bool = True, bucket_size: int | None = None) -> None:
+                 overlap_grad_reduce: bool = True, bucket_size: int | None = None,
+                 distributed_optimizer: bool = False) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
-        model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce`` and
-        ``bucket_size``: megatron.core DDP's, see :mod:`.grad_sync`."""
+        model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
+        ``bucket_size``, ``distributed_optimizer``: megatron.core DDP's, see :mod:`.grad_sync`."""
         super().__init__()
         from ..models.layers import build_layer  # torch + megatron.core
 
@@ -122,10 +123,10 @@ class SpindleModel(nn.Module):
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
         self._ranges: dict[str, tuple[int, int]] = {}
-        self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size)
-        # the first forward after a sync starts a new step: fresh gradient buffers (see grad_sync)
-        self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.zero_grad_buffer() if mod.grad_sync.synced
-                                       else None)
+        self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
+                                  distributed_optimizer=distributed_optimizer)
+        # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
+        self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
 
     # -- parameters -----------------------------------------------------------------------------------
     def unique_parameters(self) -> list[nn.Parameter]:
@@ -310,22 +311,19 @@ class SpindleModel(nn.Module):
         """Backward passes inside accumulate without reducing (every accumulated pass but the last)."""
         return self.grad_sync.no_sync()
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every local parameter, or with ``distributed_optimizer`` this rank's
+        shards of the gradient buckets (:mod:`.grad_sync`)."""
+        return self.grad_sync.optimizer_parameters() if self.grad_sync.distributed_optimizer \
+            else self.unique_parameters()
+
     @staticmethod
     def _grad(p: nn.Parameter) -> Tensor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
-        from ..models.layer_state import shard_spec
-        sq = torch.zeros((), dtype=torch.float64)
-        for g in self.plan.param_groups:
-            if self.rank != g.ranks[0] or (g.param_key, g.tp_rank) not in self._copies:
-                continue
-            core = self._copies[(g.param_key, g.tp_rank)][0].core
-            for _, p in core.named_parameters():
-                if shard_spec(p) is None and g.tp_rank != 0:
-                    continue  # a replicated parameter of a TP layer: count it on shard 0 only
-                sq += self._grad(p).double().pow(2).sum()
+        sq = self.grad_sync.grad_sq()
         work = dist.all_reduce(sq, async_op=True)
         self._wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))

@@ -60,6 +60,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
+from ..models.layer_state import shard_spec
 from .rank_sets import param_group_name
 
 
@@ -103,11 +104,13 @@ def first_use_waves(plan, rank: int) -> dict[str, int]:
     return out
 
 
-def ddp_config_for(*, overlap: bool, bucket_size: int | None) -> DistributedDataParallelConfig:
-    """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``."""
+def ddp_config_for(*, overlap: bool, bucket_size: int | None,
+                   distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
+    """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``;
+    reduce-scatter and parameter all-gather with ``distributed_optimizer``."""
     return DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
                                          grad_reduce_in_fp32=False, average_in_collective=False,
-                                         use_distributed_optimizer=False)
+                                         use_distributed_optimizer=distributed_optimizer)
 
 
 def _sum_config() -> TransformerConfig:
@@ -126,10 +129,12 @@ class GradSync:
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
     """
 
-    def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None) -> None:
+    def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
+                 distributed_optimizer: bool = False) -> None:
         self.model = model
         self.rank = model.rank
         self.overlap = overlap
+        self.distributed_optimizer = distributed_optimizer
         plan = model.plan
         waves_of = {r: first_use_waves(plan, r) for r in range(plan.world_size)}
         by_ranks: dict[tuple[int, ...], list] = {}
@@ -145,7 +150,8 @@ class GradSync:
             for name, p in sorted(mods[0].core.named_parameters()):
                 if p.requires_grad:
                     by_ranks.setdefault(tuple(g.ranks), []).append((ready, g.param_key, g.tp_rank, name, p))
-        self._key_of: dict[int, str] = {}
+        self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
+        self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
         one = self_group()
         config = _sum_config()
@@ -155,7 +161,8 @@ class GradSync:
             pgc = ProcessGroupCollection(dp=group, dp_cp=group, intra_dp_cp=group, expt_dp=group,
                                          intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
             params = [r[4] for r in rows]
-            ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size),
+            ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size,
+                                                                  distributed_optimizer=distributed_optimizer),
                                           _Params(params), pg_collection=pgc)
             ready_of = {id(r[4]): r[0] for r in rows}
             inst = _Instance(ranks=ranks, ddp=ddp)
@@ -169,7 +176,9 @@ class GradSync:
             inst.order = [bg for _, _, bg in sorted(keyed, key=lambda k: k[:2])]
             self.instances.append(inst)
             for r in rows:
-                self._key_of[id(r[4])] = f"{r[1]} shard {r[2]} {r[3]}"
+                # the norm counts a replicated parameter of a tensor-parallel layer on shard 0 only
+                self._skip[id(r[4])] = shard_spec(r[4]) is None and r[2] != 0
+                self._owner[id(r[4])] = ranks[0] == self.rank
                 if r[4].main_grad.device != r[4].device:
                     raise RuntimeError(f"rank {self.rank}: megatron put the gradient buffer of {r[1]} on "
                                        f"{r[4].main_grad.device}, the parameter is on {r[4].device}")
@@ -184,9 +193,24 @@ class GradSync:
             for mod in mods[1:]:
                 for name, c in mod.core.named_parameters():
                     m = main[name]
+                    if distributed_optimizer:  # the optimizer steps the shards of m only: c is a view of m
+                        c.data = m.data
                     self._copy_of.append((c, m))
                     self._copy_hooks.append(c.register_post_accumulate_grad_hook(
                         self._copy_hook(m, ddp_of[id(m)])))
+        self._shards: list[tuple[nn.Parameter, torch.Tensor, list, int, int]] = []
+        if distributed_optimizer:
+            for inst in self.instances:
+                size, rank = inst.ddp.intra_dp_cp_group.size(), inst.ddp.intra_dp_cp_group.rank()
+                for buf in inst.ddp.buffers:
+                    for bucket in buf.buckets:
+                        n = bucket.grad_data.numel() // size
+                        lo, hi = rank * n, (rank + 1) * n  # megatron's shard_buffer: this rank's block
+                        # where each parameter lies in the bucket (megatron pads parameter starts here)
+                        where = [(p, buf.param_index_map[p][0] - bucket.offset, buf.param_index_map[p][1]
+                                  - bucket.offset) for p in bucket.params_list]
+                        self._shards.append((nn.Parameter(bucket.param_data[lo:hi]), bucket.grad_data[lo:hi],
+                                             where, lo, hi))
         covered = {id(p) for p in self._main_params} | {id(c) for c, _ in self._copy_of}
         missing = [p for p in model.unique_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
@@ -293,11 +317,52 @@ class GradSync:
             for label, (start, end) in inst.times.items():
                 trace.span("sync", label, start, end if end is not None and end <= t1 else t1)
         trace.span("sync", "gradient sync wait", t0, t1)
-        for p in self._main_params:
-            p.grad = p.main_grad
-        for c, m in self._copy_of:
-            c.grad = m.main_grad
+        if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
+            for sp, grad, *_ in self._shards:
+                sp.grad = grad
+        else:
+            for p in self._main_params:
+                p.grad = p.main_grad
+            for c, m in self._copy_of:
+                c.grad = m.main_grad
         self.synced = True
+
+    def next_step(self) -> None:
+        """Start the next step: gather the updated parameters (distributed optimizer), zero the buffers."""
+        self.gather_params()
+        self.zero_grad_buffer()
+
+    def gather_params(self) -> None:
+        """Distributed optimizer: all-gather every bucket's parameter blocks after the optimizer stepped
+        this rank's (megatron DDP's ``start_param_sync``); nothing to do otherwise."""
+        if not self.distributed_optimizer:
+            return
+        t0 = time.perf_counter()
+        for inst in self.instances:
+            inst.ddp.start_param_sync(force_sync=True)
+        self.model.trace.span("sync", "parameter all-gather", t0)
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """Distributed optimizer: this rank's block of every bucket (views of megatron's parameter buffer,
+        flat; their ``.grad`` is the reduce-scattered gradient block after :meth:`finish`)."""
+        return [sp for sp, *_ in self._shards]
+
+    def grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (float64): the parameter groups it counts
+        (the first rank of each rank set; with the distributed optimizer, its block of every bucket), a
+        replicated parameter of a tensor-parallel layer on shard 0 only. Summed over all ranks: the norm²."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.model.device)
+        if not self.distributed_optimizer:
+            for p in self._main_params:
+                if self._owner[id(p)] and not self._skip[id(p)]:
+                    sq += p.main_grad.double().pow(2).sum()
+            return sq
+        for _, grad, where, lo, hi in self._shards:
+            for p, a, b in where:
+                a, b = max(a, lo), min(b, hi)
+                if a < b and not self._skip[id(p)]:
+                    sq += grad[a - lo:b - lo].double().pow(2).sum()
+        return sq
 
     def bucket_times(self) -> dict[str, tuple[float, float | None]]:
         """``{bucket label: (post time, completion time)}`` of the last step (``perf_counter`` seconds)."""
