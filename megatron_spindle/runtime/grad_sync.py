@@ -42,6 +42,17 @@ zeroed by :meth:`zero_grad_buffer` (Megatron's ``train_step`` calls it on the mo
 calls it before the first forward after a sync, so a caller that only runs forward, backward, sync and an
 optimizer step gets fresh gradients every step, as with plain ``.grad``).
 
+**Distributed optimizer** (``distributed_optimizer=True``, ZeRO-1 over each rank set): DDP runs in megatron's
+distributed-optimizer mode: parameters live in a contiguous buffer, each bucket's gradient is reduce-scattered
+so each member of the rank set owns one block, and :meth:`optimizer_parameters` are those blocks (flat views of
+the parameter buffer) for a torch optimizer; element-wise optimizers (SGD, Adam, AdamW) then do exactly what
+they do on whole parameters, with 1/n of the state per rank. Before the next forward (or
+:meth:`gather_params`) the updated blocks are all-gathered. megatron.core's own ``DistributedOptimizer`` is not
+used: it is built for one data-parallel group over all model chunks (here: one group per rank set), keeps
+fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. The built-in trainer
+does not turn it on yet: its checkpoints and task-mix changes keep optimizer state per parameter, not per
+bucket block.
+
 Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
 (a callback on the work; the wait in :meth:`finish` when the backend offers no future), and
 ``gradient sync wait`` is the time :meth:`finish` blocks.
