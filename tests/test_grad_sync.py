@@ -11,6 +11,8 @@ K = 1 with overlap on is ``test_runtime_exec.py``'s equivalence test.
 Plan ``g-local-copies`` gives rank 0 two copies of one text-encoder shard (tensor-parallel groups (0, 1)
 and (0, 2)): the copies' gradients must be summed into one bucket before it fires.
 
+A bf16 model keeps and reduces its gradients in bf16.
+
 The overlap test reads span times of the executor's trace: a bucket's reduce is posted before the last
 backward span of the step ends (no wall-clock limit).
 All cases run in one group of 4 processes.
@@ -67,8 +69,28 @@ def _run(plan, g, k, zero):
             "norms": norms, "optimizer_numel": sum(p.numel() for p in model.optimizer_parameters())}
 
 
+def _dtypes_and_norm(plan, g, dtype):
+    """One pass and sync in ``dtype``: the gradient buffers' dtypes and the global norm."""
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.runtime.executor import SpindleModel
+
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, dtype=dtype)
+    batch = {t: {k: v.to(dtype) if v.is_floating_point() else v for k, v in streams.items()}
+             for t, streams in SyntheticData(g, seed=0).batch(0).items()}  # the data in the model's dtype
+    model.backward(model(batch))
+    model.finalize_grads()
+    out = {"buffers": sorted({str(p.main_grad.dtype) for p in model.grad_sync._main_params}),
+           "grads": sorted({str(p.grad.dtype) for p in model.unique_parameters()}), "norm": model.grad_norm()}
+    model.destroy()
+    return out
+
+
 def _all(rank, world, cases, g):
-    return {case: _run(plan, g, case[1], case[2]) for case, plan in cases.items()}
+    import torch
+    out = {case: _run(plan, g, case[1], case[2]) for case, plan in cases.items()}
+    plan = cases[("f-planner", 2, False)]
+    out["dtype"] = {str(d): _dtypes_and_norm(plan, g, d) for d in (torch.float32, torch.bfloat16)}
+    return out
 
 
 def _reference(g, k):
@@ -145,6 +167,16 @@ def test_distributed_optimizer_steps_a_shard(results):
         full = sum(v.size for v in out[r][("a-sequential", 2, False)]["shards"].values())
         assert out[r][("a-sequential", 2, False)]["optimizer_numel"] == full
         assert out[r][("a-sequential", 2, True)]["optimizer_numel"] < 0.4 * full
+
+
+def test_gradients_are_reduced_in_the_parameters_dtype(results):
+    """bf16 parameters: bf16 buffers and all-reduce (grad_reduce_in_fp32=False), norm near the fp32 run's."""
+    _, out, _ = results
+    for r in range(WORLD):
+        got = out[r]["dtype"]
+        assert got["torch.float32"]["buffers"] == got["torch.float32"]["grads"] == ["torch.float32"]
+        assert got["torch.bfloat16"]["buffers"] == got["torch.bfloat16"]["grads"] == ["torch.bfloat16"]
+        assert got["torch.bfloat16"]["norm"] == pytest.approx(got["torch.float32"]["norm"], rel=0.05)
 
 
 def test_local_copies_are_exercised(results):
