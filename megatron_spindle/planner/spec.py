@@ -43,7 +43,7 @@ class SpecError(ValueError):
     """A bad model spec: one line naming the file, the key and the value."""
 
     def __init__(self, file: str, key: str, value: Any, problem: str) -> None:
-        self.file, self.key, self.value = file, key, value
+        self.file, self.key, self.value, self.problem = file, key, value, problem
         shown = f" = {value!r}" if value is not _NO_VALUE else ""
         super().__init__(f"{file}: {key}{shown}: {problem}")
 
@@ -171,7 +171,15 @@ class ModelSpec:
 
     def _task_operators(self, task: str, table: dict, batch: int, modules: dict[str, dict],
                         size: str) -> list[Operator]:
-        where = f"tasks.{task}" + (f" (size {size})" if size != SIZE_FULL else "")
+        try:
+            return self._task_ops(task, table, batch, modules)
+        except SpecError as e:
+            if size == SIZE_FULL:
+                raise
+            raise SpecError(e.file, e.key, e.value, f"at size {size!r}: {e.problem}") from None
+
+    def _task_ops(self, task: str, table: dict, batch: int, modules: dict[str, dict]) -> list[Operator]:
+        where = f"tasks.{task}"
         tokens = table.get("tokens", {})
         outs: dict[str, _Out] = {}
         last_op: dict[str, str] = {}
