@@ -27,6 +27,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="number of tasks (multitask-clip 4/7/10, ofasys 4/7, qwen-val 3); default the most")
     g.add_argument("--spindle-size", default="full",
                    help="model size: full (the spec itself) or one of the spec's [sizes] (tiny: CPU runs, tests)")
+    g.add_argument("--spindle-data", default=None, metavar="DIR",
+                   help="train on real data: DIR/<task> is one megatron-energon dataset per task (energon "
+                        "prepare); each rank reads only the samples of its slices (default: synthetic data)")
     g.add_argument("--spindle-gpus-per-node", type=int, default=None,
                    help="devices per NVLink island for placement (default: ranks per node, at most 8)")
     g.add_argument("--spindle-memory-gib", type=float, default=None,

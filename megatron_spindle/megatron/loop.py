@@ -190,7 +190,14 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         log0(f"resumed from {args.load} at iteration {start}"
              + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
     sched.step(start) if start else None
-    data = _Batches(graph, args.seed, plan.tasks, position=start * accum)
+    if args.spindle_data:  # real data: per-task energon datasets, each rank reads its slices' samples
+        if args.spindle_check_equivalence or len(schedule) > 1:
+            raise ValueError("--spindle-data cannot be combined with --spindle-check-equivalence or "
+                             "--spindle-task-schedule yet (both need every task's full batch on one rank)")
+        from ..data.energon import EnergonData
+        data = EnergonData(args.spindle_data, graph, plan, rank, seed=args.seed, position=start * accum)
+    else:
+        data = _Batches(graph, args.seed, plan.tasks, position=start * accum)
     if args.spindle_check_equivalence:
         from .equivalence import check_first_step
         diff = check_first_step(model, graph, data.data.batch(data.position), args.seed)
