@@ -153,8 +153,8 @@ def _train(rank, world, root):
     from contextlib import redirect_stdout
 
     from megatron_spindle.data import energon
-    from megatron_spindle.megatron.args import build_parser
-    from megatron_spindle.megatron.loop import pretrain
+    from megatron_spindle.megatron.flags import build_parser
+    from megatron_spindle.megatron.trainer import pretrain
 
     made = []
     real_init = energon.EnergonData.__init__
@@ -169,8 +169,8 @@ def _train(rank, world, root):
     with redirect_stdout(io.StringIO()):
         result = pretrain(args)
     (data, plan), = made
-    bad = build_parser().parse_args(["--spindle-size", "tiny", "--spindle-data", root,
-                                     "--spindle-check-equivalence", "--train-iters", "1"])
+    bad = build_parser().parse_args(["--spindle-size", "tiny", "--spindle-data", root, "--train-iters", "1",
+                                     "--spindle-task-schedule", "0:vision-text;1:audio-text"])
     try:
         pretrain(bad)
         refused = ""
@@ -188,4 +188,4 @@ def test_train_three_steps_on_four_ranks_from_energon(dataset):
     res = out[0]["result"]
     assert res["steps"] == STEPS and res["system"] == "spindle" and set(res["task_losses"]) == set(graph.tasks)
     assert all(0 < v < 20 for v in res["task_losses"].values())
-    assert "cannot be combined with --spindle-check-equivalence" in out[0]["refused"]
+    assert "--spindle-data cannot be combined with --spindle-task-schedule" in out[0]["refused"]

@@ -56,7 +56,7 @@ class LocalRows:
         return self.tensor[a - self.start:b - self.start]
 
 
-def _task_encoder():
+def _task_encoder():  # megatron.energon is imported where used: an optional dependency (the "data" extra)
     from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
     from megatron.energon.edataclass import edataclass
 
@@ -114,7 +114,7 @@ class EnergonData:
         self.tasks = tuple(plan.tasks)
         self.specs = stream_specs(graph)
         self.reads: dict[str, RankReads] = rank_reads(plan, graph, rank)
-        self.position = 0
+        self._position = 0
         self.read_log: list[tuple[int, str, int, tuple[str, ...]]] = []
         missing = [t for t in self.tasks if not os.path.isdir(os.path.join(root, t, ".nv-meta"))]
         if missing:
@@ -124,8 +124,24 @@ class EnergonData:
         for task, r in self.reads.items():
             for lane in r.lanes:
                 self._loaders[(task, lane)] = self._open(task, lane, r, seed)
-        for _ in range(position):
+        self.position = position
+
+    @property
+    def position(self) -> int:
+        """Index of the next pass."""
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        """Skip forward to pass ``value`` (a resumed run): the skipped passes are read and dropped."""
+        if value < self._position:
+            raise ValueError(f"energon data is at pass {self._position}; it cannot go back to {value}")
+        while self._position < value:
             next(self)
+
+    def peek(self) -> None:
+        """No full batch here (each rank holds only its own samples): the equivalence check uses synthetic data."""
+        return None
 
     def _open(self, task: str, lane: int, r: RankReads, seed: int):
         from megatron.energon import WorkerConfig, get_loader, get_train_dataset
@@ -154,14 +170,14 @@ class EnergonData:
                     samples = next(self._loaders[(task, lane)])
                 if len(samples) != per:
                     raise ValueError(f"{self.root}/{task}: lane {lane} gave {len(samples)} samples, wanted {per}")
-                self.read_log.append((self.position, task, lane, tuple(s.__key__ for s in samples)))
+                self.read_log.append((self._position, task, lane, tuple(s.__key__ for s in samples)))
                 for i, s in enumerate(samples):
                     rows[lane * per + i] = self._sample(task, s, r)
             out[task] = {}
             for stream, (a, b) in r.streams.items():
                 t = torch.stack([rows[j][stream] for j in range(a, b)])
                 out[task][stream] = LocalRows(a, t, batch=r.batch, what=f"task {task!r} stream {stream!r}")
-        self.position += 1
+        self._position += 1
         return out
 
     def _sample(self, task: str, s, r: RankReads) -> dict[str, Tensor]:

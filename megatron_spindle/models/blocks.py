@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.models.T5 import t5_spec as t5_specs
+from megatron.core.models.gpt import gpt_layer_specs as gpt_specs
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -75,7 +77,7 @@ def use_te_backend(backend: str) -> bool:
     if backend == "local":
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  # optional: TransformerEngine
         available = torch.cuda.is_available()
     except ImportError:
         available = False
@@ -124,12 +126,10 @@ def _with_tp_group(spec, tp_group):
 def layer_spec(op: Operator, tp_group, use_te: bool):
     """The layer spec: megatron's GPT layer (transformer_layer) or T5 decoder layer (decoder_layer)."""
     if op.op_type == "transformer_layer":
-        from megatron.core.models.gpt import gpt_layer_specs as g
-        spec = g.get_gpt_layer_with_transformer_engine_spec() if use_te else g.get_gpt_layer_local_spec()
+        spec = gpt_specs.get_gpt_layer_with_transformer_engine_spec() if use_te else gpt_specs.get_gpt_layer_local_spec()
     else:
-        from megatron.core.models.T5 import t5_spec as t
-        spec = (t.decoder_model_with_transformer_engine_default_spec() if use_te
-                else t.decoder_model_with_local_spec())
+        spec = (t5_specs.decoder_model_with_transformer_engine_default_spec() if use_te
+                else t5_specs.decoder_model_with_local_spec())
     spec = copy.deepcopy(spec)
     sub = spec.submodules
     sub.self_attention.params = dict(sub.self_attention.params or {},

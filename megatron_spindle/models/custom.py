@@ -2,13 +2,11 @@
 
 A custom type's build function returns a module whose ``forward(x)`` maps the concatenation of the
 operator's inputs, ``[b, input_seq_len, input_dim]`` (batch first), to ``[b, seq_len, hidden]``.
-:class:`CustomOpLayer` checks both shapes around it; everything else (seeded initialisation per
-``param_key``, weight sharing, tensor-parallel shards through megatron's parameter attributes, gradient
+``layers.CustomOpLayer`` (through :func:`custom_forward`) checks both shapes around it; everything else
+(seeded initialisation per ``param_key``, weight sharing, tensor-parallel shards through megatron's parameter attributes, gradient
 sync over the parameter device group) is what every built-in layer gets from ``layers.build_layer``.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor, nn
@@ -41,21 +39,13 @@ def custom_input_shape(op: Operator) -> tuple[int, int]:
     return (c.input_seq_len or c.seq_len, c.input_dim or c.hidden)
 
 
-@functools.lru_cache(maxsize=None)
-def custom_layer_class():
-    from .layers import OperatorLayer
-
-    class CustomOpLayer(OperatorLayer):
-        """A registered layer type on ``[b, input_seq_len, input_dim]`` -> ``[b, seq_len, hidden]``."""
-
-        def forward(self, inputs: list[Tensor]) -> Tensor:
-            x, _ = self._split(inputs)
-            self._check(x, custom_input_shape(self.op), "input")
-            y = self.core(x)
-            c = self.op.layer
-            if tuple(y.shape) != (x.shape[0], c.seq_len, c.hidden):
-                raise ValueError(f"operator {self.op.name!r} ({self.op.op_type}): the registered layer returned "
-                                 f"{list(y.shape)}, expected [{x.shape[0]}, {c.seq_len}, {c.hidden}]")
-            return y
-
-    return CustomOpLayer
+def custom_forward(layer, inputs: list[Tensor]) -> Tensor:
+    """Forward of a custom-type operator layer: check the input, run the registered module, check the output."""
+    x, _ = layer._split(inputs)
+    layer._check(x, custom_input_shape(layer.op), "input")
+    y = layer.core(x)
+    c = layer.op.layer
+    if tuple(y.shape) != (x.shape[0], c.seq_len, c.hidden):
+        raise ValueError(f"operator {layer.op.name!r} ({layer.op.op_type}): the registered layer returned "
+                         f"{list(y.shape)}, expected [{x.shape[0]}, {c.seq_len}, {c.hidden}]")
+    return y

@@ -52,11 +52,12 @@ from torch import Tensor, nn
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
-from ..runtime.cpu_compat import ensure_megatron_globals
-from .custom import build_custom_core, custom_input_shape, custom_layer_class, custom_supports_tp
+from .megatron_state import ensure_megatron_globals
+from .custom import build_custom_core, custom_forward, custom_input_shape, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
                      LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
                      pg_collection, self_group, transformer_config, use_te_backend)
+from .data import stream_spec_for
 from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
                           shard_tensor, unshard_tensors)
 
@@ -227,6 +228,13 @@ class LMHeadLayer(OperatorLayer):
         return loss.sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
 
 
+class CustomOpLayer(OperatorLayer):
+    """A registered layer type (:mod:`.custom`): ``[b, input_seq_len, input_dim] -> [b, seq_len, hidden]``."""
+
+    def forward(self, inputs: list[Tensor]) -> Tensor:
+        return custom_forward(self, inputs)
+
+
 _LAYER_CLASSES = {
     "patch_embed": PatchEmbedLayer, "token_embed": TokenEmbedLayer,
     "transformer_layer": TransformerOpLayer, "decoder_layer": DecoderOpLayer,
@@ -315,7 +323,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         share_with: an existing layer with the same ``param_key`` and tp layout whose core to reuse.
         backend: ``auto`` (TransformerEngine specs when TE imports and CUDA is available), ``local``, ``te``.
     """
-    layer_class = _LAYER_CLASSES.get(op.op_type) or custom_layer_class()
+    layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)
     _check_tp(op, tp_group, tp_rank, tp_size)
     use_te = use_te_backend(backend)
     ensure_megatron_globals(seed=seed, tp_rank=tp_rank)
@@ -361,8 +369,6 @@ def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tup
     Operator inputs take their producer's :func:`output_shape` (``graph`` needed when there are several);
     a lone operator input is the shape the layer expects; data streams follow ``models.data``.
     """
-    from .data import stream_spec_for
-
     c = op.layer
     acts = [n for n in op.inputs if not n.startswith(DATA_PREFIX)]
     own = {"transformer_layer": (c.seq_len, c.hidden),
