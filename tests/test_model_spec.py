@@ -208,6 +208,16 @@ def test_unknown_model_name_or_missing_file(model, match):
         build_graph(model)
 
 
+def test_plugin_that_fails_to_import_is_one_line(tmp_path):
+    (tmp_path / "broken_layers.py").write_text("import torch_that_does_not_exist\n")
+    path = tmp_path / "m.toml"
+    path.write_text(SMALL.replace('name = "small"', 'name = "small"\nlayer_plugins = ["broken_layers.py"]'))
+    with pytest.raises(SpecError) as e:
+        load_spec(str(path))
+    assert str(e.value) == (f"{path}: model.layer_plugins[0] = 'broken_layers.py': cannot import: "
+                            f"ModuleNotFoundError: No module named 'torch_that_does_not_exist'")
+
+
 def test_bad_size_override_names_the_key(tmp_path):
     path = tmp_path / "m.toml"
     path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layers = { num_attention_heads = 0 }\n")

@@ -118,6 +118,10 @@ def load_plugin(ref: str, base_dir: str = "") -> None:
         spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
     else:
         importlib.import_module(ref)

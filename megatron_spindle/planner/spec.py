@@ -480,8 +480,9 @@ def parse_spec(text: str, file: str) -> ModelSpec:
             load_plugin(ref, os.path.dirname(os.path.abspath(file)))
         except FileNotFoundError as e:
             raise SpecError(file, f"model.layer_plugins[{i}]", ref, f"no such file {e}") from None
-        except ImportError as e:
-            raise SpecError(file, f"model.layer_plugins[{i}]", ref, f"cannot import: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a user's plugin: any failure becomes the spec's one-line error
+            raise SpecError(file, f"model.layer_plugins[{i}]", ref,
+                            f"cannot import: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
     modules = _flatten_modules(file, doc.get("modules", {}))
     if not modules:
