@@ -170,6 +170,9 @@ def check_megatron_args(args) -> list[str]:
     if get("spindle_task_schedule", None):
         bad.append("--spindle-task-schedule: replanning mid-run needs the built-in trainer "
                    "(examples/pretrain_multitask_clip.py on a machine without megatron.training or CUDA)")
+    if get("spindle_data", None):
+        bad.append("--spindle-data: energon data is wired into the built-in trainer only so far "
+                   "(Megatron's pretrain would train on synthetic data)")
     if get("micro_batch_size", None) is None:
         bad.append("--micro-batch-size is required (samples of every task per rank per pass)")
     return bad
