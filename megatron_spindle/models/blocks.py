@@ -6,6 +6,7 @@ Everything here is wiring; :mod:`megatron_spindle.models.layers` documents the c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -89,6 +90,12 @@ def use_te_backend(backend: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 # megatron configs and specs
 # --------------------------------------------------------------------------------------------------
+#: megatron.core 0.16's default ``cuda_graph_scope="full"`` warns on every config that "full" is deprecated in
+#: favour of the empty list, which means the same; pass the empty list where the field exists.
+_NO_CUDA_GRAPH_SCOPE = ({"cuda_graph_scope": []}
+                        if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)} else {})
+
+
 def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
     """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation.
 
@@ -106,7 +113,7 @@ def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> Transf
         add_bias_linear=not c.swiglu, add_qkv_bias=c.swiglu, normalization="LayerNorm",
         init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, **_NO_CUDA_GRAPH_SCOPE)
 
 
 def parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
