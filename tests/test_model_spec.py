@@ -131,6 +131,31 @@ def test_small_spec_builds_with_task_batch_and_shared_weights():
     assert g["pair.img.1"].param_key == "img.layers.1" and g["pair.img.1"].inputs == ("pair.img.0",)
 
 
+def test_weights_are_shared_across_tasks_unless_shared_is_false():
+    text = SMALL.replace("[modules.loss]", "[modules.img.head2]\nshare = \"img.head\"\n[modules.loss]")
+    text += """
+[tasks.again]
+weight = 0.5
+tokens = { text = 3 }
+flow = ["data:image -> img.embed -> img.layers -> img.head2",
+        "data:text -> txt.embed -> txt.layers -> txt.head",
+        "img.head2 + txt.head -> loss"]
+"""
+    g = parse_spec(text, "small.toml").build_graph()
+    assert g.tasks == ("pair", "again") and g.task_weights == (1.0, 0.5)
+    assert g["again.img.1"].param_key == g["pair.img.1"].param_key == "img.layers.1"
+    assert g["again.img.head2"].param_key == "img.head" and g["again.txt.embed"].layer.seq_len == 3
+    assert g["again.img.0"].batch == 8 and g["pair.img.0"].batch == 16
+    own = parse_spec(text.replace('[modules.txt.layers]\ntype = "transformer_layer"',
+                                  '[modules.txt.layers]\nshared = false\ntype = "transformer_layer"'), "s.toml")
+    g2 = own.build_graph(batch={"again": 4})
+    assert (g2["pair.txt.0"].param_key, g2["again.txt.0"].param_key) == ("pair.txt.layers.0", "again.txt.layers.0")
+    assert g2["again.txt.0"].batch == 4 and g2["pair.txt.0"].batch == 16
+    assert g2.total_params() > g.total_params()
+    with pytest.raises(ValueError, match=r"batch given for unknown tasks \['nope'\]"):
+        own.build_graph(batch={"nope": 4})
+
+
 def test_custom_layer_type_is_costed_by_its_registered_function():
     register_layer_type("test_squeeze", cost=lambda c: LayerCost(
         params=c.input_dim * c.hidden, fwd_flops_per_sample=2.0 * c.seq_len * c.input_dim * c.hidden,
