@@ -116,8 +116,9 @@ def main(argv=None) -> int:
         shutil.rmtree(path, ignore_errors=True)
         write_task(path, specs, args.samples, args.seed * 1000 + i, args.shard_size)
         energon_prepare(path)
-        print(f"{path}: {args.samples} samples, parts "
-              f"{', '.join(sorted(s + ('.png' if v.dtype.is_floating_point and v.shape[1] % 3 == 0 else '.npy') for s, v in specs.items()))}")
+        parts = sorted(s + (".png" if v.dtype.is_floating_point and v.shape[1] % 3 == 0 else ".npy")
+                       for s, v in specs.items())
+        print(f"{path}: {args.samples} samples, parts {', '.join(parts)}")
     return 0
 
 

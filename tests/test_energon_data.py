@@ -67,7 +67,8 @@ def check_reads(plan, graph, logs: dict[int, list], steps: int) -> int:
                 held = set()
                 for a, b in mine[r].streams.values():
                     held.update(range(a, b))
-                assert set(at[r]) == held, f"rank {r} task {task} step {step}: read {sorted(at[r])}, holds {sorted(held)}"
+                assert set(at[r]) == held, \
+                    f"rank {r} task {task} step {step}: read {sorted(at[r])}, holds {sorted(held)}"
             sample_at: dict[int, str] = {}
             for read in (x for x in reads if x.task == task):
                 replicas: dict[tuple[int, int], list[int]] = {}

@@ -249,7 +249,8 @@ def test_bad_size_override_names_the_key(tmp_path):
     with pytest.raises(SpecError, match=r"sizes\.tiny\.modules\.img\.layers\.num_attention_heads = 0"):
         load_spec(str(path))
     path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layer = { hidden_size = 16 }\n")
-    with pytest.raises(SpecError, match=r"sizes\.tiny\.modules\.img\.layer\.hidden_size = 16: 'img\.layer' is not a module"):
+    with pytest.raises(SpecError, match=r"sizes\.tiny\.modules\.img\.layer\.hidden_size = 16: "
+                                        r"'img\.layer' is not a module"):
         load_spec(str(path))
     path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layers = { hidden_size = 16 }\n")
     with pytest.raises(SpecError, match=r"tasks\.pair\.flow\[0\] = .*: at size 'tiny': module 'img\.layers' "

@@ -3,8 +3,9 @@
 A custom type's build function returns a module whose ``forward(x)`` maps the concatenation of the
 operator's inputs, ``[b, input_seq_len, input_dim]`` (batch first), to ``[b, seq_len, hidden]``.
 ``layers.CustomOpLayer`` (through :func:`custom_forward`) checks both shapes around it; everything else
-(seeded initialisation per ``param_key``, weight sharing, tensor-parallel shards through megatron's parameter attributes, gradient
-sync over the parameter device group) is what every built-in layer gets from ``layers.build_layer``.
+(seeded initialisation per ``param_key``, weight sharing, tensor-parallel shards through megatron's
+parameter attributes, gradient sync over the parameter device group) is what every built-in layer gets from
+``layers.build_layer``.
 """
 from __future__ import annotations
 
