@@ -68,9 +68,14 @@ class _Out:
         return self.seq + self.carried
 
 
+def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, last_op: dict, tokens: dict,
+                     batch: int, key: str, line: str) -> tuple[list[Operator], _Out]:
+    """The operators of module ``name`` (its keys ``mod``) applied in ``task``, and what they hand on.
 
-def module_operators(file, task, name, mod, srcs, last_op, tokens, batch, key, line):
-    """The operators of one module applied in one task, and what they hand on."""
+    ``srcs`` are its inputs in order, ``(name, _Out)`` for a module output and ``(data:<stream>, None)`` for
+    a data stream; ``last_op`` maps a module that ran to its last operator; ``tokens`` the task's stream
+    lengths; ``key``/``line`` the flow line, named in errors.
+    """
     t = mod["type"]
     custom = custom_layer_type(t)
     data = [s[len(DATA_PREFIX):] for s, o in srcs if o is None]
