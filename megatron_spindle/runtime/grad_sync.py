@@ -315,9 +315,10 @@ class GradSync:
         """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
         trace = self.model.trace
         t0 = time.perf_counter()
-        for inst in self.instances:
+        for inst in self.instances:  # what is still unposted (all of it in the first step), in order
             for bg in inst.order[inst.posted:]:
-                bg.start_grad_sync()  # the poster: posts in order
+                bg.start_grad_sync()  # the poster
+        for inst in self.instances:  # every rank waits in the same order of rank sets: no wait cycle
             try:
                 inst.ddp.finish_grad_sync()
             except RuntimeError as e:
