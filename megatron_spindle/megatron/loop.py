@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 def log0(*args) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -79,13 +81,17 @@ def plan_for(args, graph, world: int):
             box[0] = p.to_json()
         except ValueError as e:
             box[0] = {"error": str(e)}
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     if "error" in box[0]:
         raise ValueError(box[0]["error"])
     return Plan.from_json(box[0])
 
 
 def make_optimizer(model, args):
+    """AdamW over the model's parameters; for a bf16 model, over fp32 master copies of them."""
+    if model.dtype != torch.float32:
+        from ..runtime.mixed_precision import MasterWeightsOptimizer
+        return MasterWeightsOptimizer(model.unique_parameters(), lambda ps: make_optimizer_params(ps, args))
     return make_optimizer_params(model.unique_parameters(), args)
 
 
@@ -179,6 +185,9 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         gantt(plan, args.spindle_gantt)
         log0(f"Gantt chart written to {args.spindle_gantt}")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.bf16 and (args.save or args.load or len(schedule) > 1):
+        raise ValueError("--bf16 with --save/--load/--spindle-task-schedule needs Megatron-LM's loop "
+                         "(its optimizer checkpoints the fp32 master weights); the built-in loop does not")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     model = SpindleModel(plan, sub, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
                          layer_graph=graph)
@@ -255,8 +264,7 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
             log0(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
             break
     if args.spindle_trace:
-        events = [None] * world
-        dist.all_gather_object(events, model.trace.chrome_events())
+        events = comm.all_gather_object(model.trace.chrome_events())
         if rank == 0:
             path = os.path.join(args.spindle_trace, "trace.json")
             write_chrome_trace(path, [e for ev in events for e in ev])
