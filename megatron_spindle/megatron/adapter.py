@@ -51,6 +51,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 from .args import add_spindle_args
 
 #: ``args_defaults`` for ``pretrain``: Megatron requires a GPT geometry and a tokenizer even though a Spindle
@@ -618,7 +620,7 @@ def fallback_args(argv=None, extra_args_provider: Callable | None = None):
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,
-                     argv=None):
+                     argv=None, backend: str | None = None):
     """Train a Spindle multi-task model with Megatron-LM's ``pretrain``, or the built-in loop where it can't run.
 
     For users who write their own script: ``extra_args_provider`` adds their flags (chained after the
@@ -626,7 +628,11 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     ``sys.argv``; ``argv`` is used only by the fallback, which prints one notice line and runs
     :func:`.loop.pretrain` (returning its summary dict).
     """
-    backend, why = choose_backend()
+    why = ""
+    if backend is None:
+        backend, why = choose_backend()
+    if backend not in ("megatron", "loop"):
+        raise ValueError(f"backend {backend!r}: must be 'megatron' or 'loop'")
     if backend == "loop":
         args, ignored = fallback_args(argv, extra_args_provider)
         if os.environ.get("RANK", "0") == "0":
@@ -640,12 +646,17 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
                 dist.destroy_process_group()
 
     from megatron.core.enums import ModelType
-    from megatron.training import get_args, pretrain
+    from megatron.training import get_args
 
+    from ..compat.mcore import run_pretrain
+    from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
+
+    apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
     install(always=True)
-    pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=chain_args(extra_args_provider),
-             args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
+    with cuda_on_cpu():
+        run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
+                     forward_step, extra_args_provider=chain_args(extra_args_provider),
+                     args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
     args = get_args()
     if args.spindle_trace and _BUILT:
         write_trace(_BUILT[0], args.spindle_trace)
@@ -656,8 +667,7 @@ def write_trace(chunk: MegatronModelChunk, directory: str) -> str | None:
     """Gather every rank's wave spans and write ``<directory>/trace.json`` on rank 0 (collective)."""
     from ..runtime.trace import write_chrome_trace
 
-    events = [None] * dist.get_world_size()
-    dist.all_gather_object(events, chunk.module.trace.chrome_events())
+    events = comm.all_gather_object(chunk.module.trace.chrome_events())
     if dist.get_rank() != 0:
         return None
     path = os.path.join(directory, "trace.json")
