@@ -33,20 +33,26 @@ def test_bf16_layer_takes_fp32_inputs_and_returns_fp32_loss():
 
 
 def _bf16_rank(rank: int, world: int) -> dict:
-    from megatron_spindle.megatron import adapter, schedule
-    from megatron_spindle.megatron.loop import pretrain
+    from megatron_spindle.megatron.flags import fallback_args
+    from megatron_spindle.megatron.trainer import Trainer, pretrain
 
     out = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
-        got, original = [], schedule.reduce_reports
-        schedule.reduce_reports = lambda reports, _o=original, _g=got: _g.append(_o(reports)) or _g[-1]
+        got, original = [], Trainer.train_step
+
+        def train_step(self, it, _o=original, _g=got):
+            result = _o(self, it)
+            _g.append(result[0])
+            return result
+
+        Trainer.train_step = train_step
         try:
-            args, _ = adapter.fallback_args(["--spindle", "--spindle-size", "tiny", "--spindle-tasks", "4",
+            args, _ = fallback_args(["--spindle", "--spindle-size", "tiny", "--spindle-tasks", "4",
                                              "--micro-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
                                              "--log-interval", "10", *extra])
             pretrain(args)
         finally:
-            schedule.reduce_reports = original
+            Trainer.train_step = original
         out[name] = got
     return out
 

@@ -48,12 +48,12 @@ def _megatron_run(argv: list[str]) -> dict:
     """One ``pretrain_spindle(backend="megatron")``: losses per training step and call counts."""
     import megatron.training.training as mt
 
-    from megatron_spindle.megatron import adapter
+    from megatron_spindle.megatron import hooks
     from megatron_spindle.runtime.executor import SpindleModel
 
     counts = {"train_step": 0, "spindle_forward_backward": 0, "finalize_grads": 0, "evaluate": 0}
     losses: list[dict] = []
-    originals = (mt.train_step, mt.evaluate, adapter.megatron_forward_backward, SpindleModel.finalize_grads)
+    originals = (mt.train_step, mt.evaluate, hooks.megatron_forward_backward, SpindleModel.finalize_grads)
 
     def train_step(*a, **kw):
         counts["train_step"] += 1
@@ -74,41 +74,41 @@ def _megatron_run(argv: list[str]) -> dict:
         counts["finalize_grads"] += 1
         return originals[3](self)
 
-    mt.train_step, mt.evaluate, adapter.megatron_forward_backward = train_step, evaluate, forward_backward
+    mt.train_step, mt.evaluate, hooks.megatron_forward_backward = train_step, evaluate, forward_backward
     SpindleModel.finalize_grads = finalize_grads
     sys.argv = ["pretrain_spindle.py", *argv]
     try:
-        adapter.pretrain_spindle(backend="megatron")
-        chunk = adapter._BUILT[0]
+        hooks.pretrain_spindle(backend="megatron")
+        chunk = hooks._BUILT[0]
         tasks = list(chunk.plan.tasks)
         chunk.module.destroy()
     finally:
-        mt.train_step, mt.evaluate, adapter.megatron_forward_backward, SpindleModel.finalize_grads = originals
-        adapter.uninstall()
-        adapter._BUILT.clear()
+        mt.train_step, mt.evaluate, hooks.megatron_forward_backward, SpindleModel.finalize_grads = originals
+        hooks.uninstall()
+        hooks._BUILT.clear()
         mt.destroy_global_state()
     return {"losses": losses, "counts": counts, "tasks": tasks}
 
 
 def _loop_run(argv: list[str]) -> list[dict]:
-    """The built-in loop on the same flags: the losses of every step."""
-    from megatron_spindle.megatron import adapter, schedule
+    """The built-in trainer on the same flags: the losses of every step."""
+    from megatron_spindle.megatron.flags import fallback_args
+    from megatron_spindle.megatron.trainer import Trainer, pretrain
 
     got = []
-    original = schedule.reduce_reports
+    original = Trainer.train_step
 
-    def reduce_reports(reports):
-        out = original(reports)
-        got.append(out)
+    def train_step(self, it):
+        out = original(self, it)
+        got.append(out[0])
         return out
 
-    schedule.reduce_reports = reduce_reports
+    Trainer.train_step = train_step
     try:
-        args, _ = adapter.fallback_args(argv)
-        from megatron_spindle.megatron.loop import pretrain
+        args, _ = fallback_args(argv)
         pretrain(args)
     finally:
-        schedule.reduce_reports = original
+        Trainer.train_step = original
     return got
 
 

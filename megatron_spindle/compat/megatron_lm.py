@@ -30,7 +30,7 @@ Megatron-LM tag ``core_v0.16.1``, where the list was first seen):
    ``TorchFunctionMode`` around the ``pretrain`` call, turns a CUDA device into the CPU. It cannot reach code
    inside autograd Functions, which is why megatron.core's own allocations keep their patches below.
 
-Also needed, and applied with them: :func:`megatron_spindle.runtime.cpu_compat.apply_cpu_patches` (megatron.core's
+Also needed, and applied with them: :func:`megatron_spindle.compat.cpu.apply_cpu_patches` (megatron.core's
 own CUDA allocations: RNG tracker, causal mask, ``torch.cuda.current_device``, ``torch.cuda.synchronize``).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def apply_cpu_standins() -> bool:
         return False
     if _APPLIED:
         return True
-    from ..runtime.cpu_compat import apply_cpu_patches
+    from .cpu import apply_cpu_patches
 
     apply_cpu_patches()
     import megatron.training.initialize as init

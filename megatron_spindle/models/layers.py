@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
-from ..runtime.cpu_compat import ensure_megatron_globals
+from .megatron_state import ensure_megatron_globals
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
                      LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
                      pg_collection, self_group, transformer_config, use_te_backend)

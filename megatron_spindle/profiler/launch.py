@@ -13,6 +13,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from ..log import setup_logging
+
 
 def backend() -> str:
     import torch
@@ -35,6 +37,7 @@ def _child(fn: Callable, rank: int, nproc: int, port: int, args: tuple, results)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)})
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    setup_logging(announce=False)  # a worker is an entry point: rank-0 progress lines, quiet optional packages
     try:
         import torch
         import torch.distributed as dist

@@ -25,9 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..log import get_logger
 from . import launch
 from .fit import curves_document, summary_table
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +103,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     from ..planner.cluster import Cluster
     from ..planner.build import make_metaops
     from ..planner.workloads import build_graph
-    from ..runtime.cpu_compat import apply_cpu_patches
+    from ..compat.cpu import apply_cpu_patches
     from .link import cluster_fields, fit_link, measure_link
     from .timing import time_layer
 
@@ -108,7 +111,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.nproc:
         raise ValueError(f"the profile was asked for --nproc {cfg.nproc} but runs on {world} processes")
-    say = (log or (lambda s: print(s, flush=True))) if rank == 0 and cfg.verbose else (lambda s: None)
+    say = (log or _log.info) if rank == 0 and cfg.verbose else (lambda s: None)
     backend = dist.get_backend()
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
