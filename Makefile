@@ -46,7 +46,7 @@ $(MLM_VENV)/.installed: requirements-mlm.txt setup.py
 # Megatron-LM's pretrain through our hooks on gloo CPU ranks (megatron-core 0.19.2, Python 3.12), plus the
 # tests that involve megatron.core directly, so the newest megatron-core line runs them too.
 test-megatron-lm: $(MLM_VENV)/.installed
-	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_megatron_adapter.py tests/test_layers.py \
+	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_megatron_hooks.py tests/test_layers.py \
 		tests/test_comm_discipline.py tests/test_bf16.py
 
 clean:

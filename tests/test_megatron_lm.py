@@ -127,16 +127,17 @@ def _restart_at(src: str, dst: str, iteration: int) -> None:
 
 def _clip_rank(rank: int, world: int, tmp: str) -> dict:
     full = os.path.join(tmp, "full")
-    flags = dict(model="multitask-clip", tasks=4, micro=4, glob=16)
+    flags = dict(model="multitask-clip", tasks=7, micro=2, glob=8)
     out = {"megatron": _megatron_run(_flags(**flags, iters=4, extra=("--eval-interval", "2", "--eval-iters", "1",
                                                                   "--save", full, "--save-interval", "2")))}
     resume = os.path.join(tmp, "resume")
     _restart_at(full, resume, 2)
-    out["resumed"] = _megatron_run(_flags(**flags, iters=4, extra=("--load", resume, "--eval-iters", "0")))
+    out["resumed"] = _megatron_run(_flags(**flags, iters=4, extra=("--load", resume, "--eval-iters", "0", "--eval-interval", "1000")))
     mix = os.path.join(tmp, "mix")
     _restart_at(full, mix, 2)
-    out["mix"] = _megatron_run(_flags(**{**flags, "tasks": 7}, iters=3,
-                                      extra=("--load", mix, "--eval-iters", "0", "--no-load-optim")))
+    out["mix"] = _megatron_run(_flags(**{**flags, "tasks": 4}, iters=3,
+                                      extra=("--load", mix, "--eval-iters", "0", "--eval-interval", "1000",
+                                             "--no-load-optim")))
     out["loop"] = _loop_run(_flags(**flags, iters=4))
     out["saved"] = sorted(os.listdir(full)) if rank == 0 else None
     return out
@@ -174,8 +175,8 @@ def test_megatron_pretrain_multitask_clip(tmp_path):
     assert resumed["losses"] == run["losses"][2:], "resuming at iteration 2 changed the losses"
     mix = r0["mix"]
     _check_hooks_ran(mix, steps=1)
-    assert len(mix["tasks"]) == 7 and set(run["tasks"]) < set(mix["tasks"])
-    for task in run["tasks"]:  # the loaded tasks continue where training left off, not from scratch
+    assert len(mix["tasks"]) == 4 and set(mix["tasks"]) < set(run["tasks"])
+    for task in mix["tasks"]:  # the kept tasks continue where training left off, not from scratch
         assert mix["losses"][0][task] < run["losses"][0][task], (task, mix["losses"][0], run["losses"][0])
     assert all(r["megatron"]["losses"] == run["losses"] for r in results), "ranks logged different losses"
 
