@@ -281,8 +281,8 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     """Train a Spindle multi-task model with Megatron-LM's ``pretrain``, or the built-in loop where it can't run.
 
     For users who write their own script: ``extra_args_provider`` adds their flags (chained after the
-    ``--spindle*`` ones); ``args_defaults`` override :data:`MEGATRON_DEFAULTS`. Megatron parses
-    ``sys.argv``; ``argv`` is used only by the fallback, which prints one notice line and runs
+    ``--spindle*`` ones); ``args_defaults`` override :data:`MEGATRON_DEFAULTS`. ``argv`` (default
+    ``sys.argv[1:]``) is what Megatron parses, or the fallback, which prints one notice line and runs
     :func:`.trainer.pretrain` (returning its summary dict). ``backend``: ``"megatron"`` or ``"loop"`` instead
     of :func:`choose_backend`'s choice; ``"megatron"`` without CUDA runs Megatron-LM's loop on gloo CPU ranks
     through :mod:`megatron_spindle.compat.megatron_lm`'s stand-ins (what ``make test-megatron-lm`` does).
@@ -308,6 +308,8 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
 
     apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
+    if argv is not None:  # Megatron parses sys.argv
+        sys.argv = [sys.argv[0], *argv]
     install(always=True)
     with cuda_on_cpu():
         run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
@@ -321,11 +323,11 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     return None
 
 
-def main(argv=None) -> int:
+def main(argv=None, backend: str | None = None) -> int:
     """``pretrain_spindle.py``: :func:`pretrain_spindle`; a configuration error prints one line, exit code 2."""
     setup_logging()
     try:
-        pretrain_spindle(argv=argv)
+        pretrain_spindle(argv=argv, backend=backend)
     except ValueError as e:
         lines = str(e).splitlines() or [type(e).__name__]
         print(f"error: {lines[0]}", file=sys.stderr)
