@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..models.layer_state import shard_spec, shard_tensor
+from ..models.reference import ReferenceModel
+from ..runtime.executor import fp32_grad
 
 
 def check_first_step(model, graph, batch, seed: int) -> float:
-    from ..models.layer_state import shard_spec, shard_tensor
-    from ..runtime.executor import fp32_grad
-
     batch = {t: batch[t] for t in model.plan.tasks}
     state = model(batch)
     model.backward(state)
@@ -37,7 +37,6 @@ def check_first_step(model, graph, batch, seed: int) -> float:
         p.grad = None
     worst = torch.zeros((), dtype=torch.float64, device=model.device)
     if dist.get_rank() == 0:
-        from ..models.reference import ReferenceModel
         # fp32 reference on the run's device: a bf16 run is measured against full precision
         ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device)
         out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})

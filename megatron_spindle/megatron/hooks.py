@@ -100,7 +100,7 @@ def install(args=None, *, always: bool = False, target=None) -> bool:
     if args is not None and not (always or _spindle_run(args)):
         return False
     if target is None:
-        import megatron.training.training as target  # noqa: PLW0621 - the real loop
+        import megatron.training.training as target  # noqa: PLW0621  # optional: megatron.training (the real loop)
     _ALWAYS = _ALWAYS or always
     if getattr(target, "_spindle_originals", None) is not None:
         return True
@@ -172,7 +172,7 @@ def uninstall(target=None) -> None:
     """Restore the globals :func:`install` replaced."""
     global _ALWAYS
     if target is None:
-        import megatron.training.training as target  # noqa: PLW0621
+        import megatron.training.training as target  # noqa: PLW0621  # optional: megatron.training
     orig = getattr(target, "_spindle_originals", None)
     if orig:
         for name, fn in orig.items():
@@ -209,13 +209,13 @@ def spindle_model_provider(pre_process: bool = True, post_process: bool = True, 
 
     ``pre_process``/``post_process`` are ignored: the plan decides which layers a rank holds.
     """
-    from megatron.training import get_args
+    from megatron.training import get_args  # optional: megatron.training
 
     if vp_stage is not None:
         raise ValueError("Spindle runs one model chunk per rank; drop the virtual-pipeline flags")
     args = get_args()
     if config is None:
-        from megatron.training.arguments import core_transformer_config_from_args
+        from megatron.training.arguments import core_transformer_config_from_args  # optional: megatron.training
         config = core_transformer_config_from_args(args)
     chunk = build_chunk(args, config=config, pg_collection=pg_collection)
     _BUILT[:] = [chunk]
@@ -224,7 +224,7 @@ def spindle_model_provider(pre_process: bool = True, post_process: bool = True, 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's dataset provider for ``--dataloader-type external``: see :func:`data_iterators`."""
-    from megatron.training import get_args
+    from megatron.training import get_args  # optional: megatron.training
 
     args = get_args()
     graph = graph_for(args, dist.get_world_size())
@@ -245,7 +245,7 @@ def reject_spindle(model_provider: Callable, script: str = "pretrain_gpt.py") ->
 
     @functools.wraps(model_provider)
     def provider(*a, **kw):
-        from megatron.training import get_args
+        from megatron.training import get_args  # optional: megatron.training
         if getattr(get_args(), "spindle", False):
             raise SystemExit("error: " + SINGLE_TASK_MESSAGE.format(script=script))
         return model_provider(*a, **kw)
@@ -261,7 +261,7 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
     """
     if has_training is None:
         try:
-            import megatron.training.training  # noqa: F401
+            import megatron.training.training  # noqa: F401  # optional: probing for megatron.training
             has_training, why = True, ""
         except Exception as e:  # noqa: BLE001 - any import failure means: no Megatron-LM loop here
             has_training, why = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -302,7 +302,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    from megatron.training import get_args
+    from megatron.training import get_args  # optional: megatron.training
 
     from ..compat.mcore import run_pretrain
     from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
