@@ -58,7 +58,7 @@ from .model import build_model, graph_for, log_plan, plan_for
 from .schedule import forward_step
 
 __all__ = ["install", "uninstall", "pretrain_spindle", "spindle_model_provider", "forward_step",
-           "train_valid_test_datasets_provider", "reject_spindle", "choose_backend", "chain_args", "main"]
+           "train_valid_test_datasets_provider", "reject_spindle", "reject_spindle_args", "choose_backend", "chain_args", "main"]
 
 log = get_logger(__name__)
 
@@ -251,6 +251,14 @@ def reject_spindle(model_provider: Callable, script: str = "pretrain_gpt.py") ->
         return model_provider(*a, **kw)
 
     return provider
+
+
+def reject_spindle_args(args, script: str = "pretrain_gpt.py") -> None:
+    """The same check as :func:`reject_spindle` for scripts that parse the flags themselves and pass no model
+    provider (``pretrain_gpt.py`` at Megatron-LM ``core_v0.19.0``: ``parse_and_validate_args``, then a config
+    container): with ``--spindle`` it stops with the same message."""
+    if getattr(args, "spindle", False):
+        raise SystemExit("error: " + SINGLE_TASK_MESSAGE.format(script=script))
 
 
 def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = None) -> tuple[str, str]:
