@@ -6,7 +6,6 @@ included). ``SPINDLE_BACKEND=megatron`` runs Megatron-LM's loop even without a G
 stood in for by megatron_spindle.compat.megatron_lm); ``=loop`` forces the built-in trainer. Bad input prints
 one line and exits with status 2.
 """
-import os
 import sys
 
 
@@ -18,4 +17,4 @@ def launch(model: str) -> int:
 
     setup_logging()  # before megatron.core is imported: its optional-package warnings become one line
     from megatron_spindle.megatron.hooks import main
-    return main(argv, backend=os.environ.get("SPINDLE_BACKEND") or None)  # megatron | loop; default: chosen
+    return main(argv)

@@ -41,6 +41,7 @@ A run (``pretrain_spindle.py`` from ``patches/``, or :func:`pretrain_spindle` fr
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -280,7 +281,7 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
     if has_cuda is None:
         has_cuda = torch.cuda.is_available()
     if not has_cuda:
-        return "loop", "no CUDA device (Megatron-LM's loop requires one)"
+        return "loop", "no CUDA device (SPINDLE_BACKEND=megatron runs Megatron-LM's loop on CPU ranks anyway)"
     return "megatron", ""
 
 
@@ -291,11 +292,12 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     For users who write their own script: ``extra_args_provider`` adds their flags (chained after the
     ``--spindle*`` ones); ``args_defaults`` override :data:`MEGATRON_DEFAULTS`. ``argv`` (default
     ``sys.argv[1:]``) is what Megatron parses, or the fallback, which prints one notice line and runs
-    :func:`.trainer.pretrain` (returning its summary dict). ``backend``: ``"megatron"`` or ``"loop"`` instead
-    of :func:`choose_backend`'s choice; ``"megatron"`` without CUDA runs Megatron-LM's loop on gloo CPU ranks
+    :func:`.trainer.pretrain` (returning its summary dict). ``backend`` (default: the ``SPINDLE_BACKEND``
+    environment variable): ``"megatron"`` or ``"loop"`` instead of :func:`choose_backend`'s choice; ``"megatron"`` without CUDA runs Megatron-LM's loop on gloo CPU ranks
     through :mod:`megatron_spindle.compat.megatron_lm`'s stand-ins (what ``make test-megatron-lm`` does).
     """
     why = "asked for"
+    backend = backend or os.environ.get("SPINDLE_BACKEND") or None
     if backend is None:
         backend, why = choose_backend()
     if backend not in ("megatron", "loop"):
