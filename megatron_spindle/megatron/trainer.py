@@ -33,7 +33,7 @@ from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Batches
+from .data import train_batches
 from .flags import build_parser, parse_task_schedule
 from .model import build_model, graph_for, log_plan, plan_for, run_device
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
@@ -121,7 +121,7 @@ class Trainer:
         self.accum = glob // self.micro
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         self.start = 0
-        self.data = Batches(self.graph, args.seed, self.plan.tasks)
+        self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
         self.optimizer = make_optimizer(self.model.unique_parameters(), args)
