@@ -11,7 +11,7 @@ K = 1 with overlap on is ``test_runtime_exec.py``'s equivalence test.
 Plan ``g-local-copies`` gives rank 0 two copies of one text-encoder shard (tensor-parallel groups (0, 1)
 and (0, 2)): the copies' gradients must be summed into one bucket before it fires.
 
-A bf16 model keeps and reduces its gradients in bf16.
+A bf16 model keeps and reduces its gradients in bf16 (fp32 when asked, as Megatron-LM's ``--bf16`` does).
 
 The overlap test reads span times of the executor's trace: a bucket's reduce is posted before the last
 backward span of the step ends (no wall-clock limit).
@@ -69,12 +69,13 @@ def _run(plan, g, k, zero):
             "norms": norms, "optimizer_numel": sum(p.numel() for p in model.optimizer_parameters())}
 
 
-def _dtypes_and_norm(plan, g, dtype):
+def _dtypes_and_norm(plan, g, dtype, fp32_reduce=False):
     """One pass and sync in ``dtype``: the gradient buffers' dtypes and the global norm."""
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 
-    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, dtype=dtype)
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, dtype=dtype,
+                         grad_reduce_in_fp32=fp32_reduce)
     batch = {t: {k: v.to(dtype) if v.is_floating_point() else v for k, v in streams.items()}
              for t, streams in SyntheticData(g, seed=0).batch(0).items()}  # the data in the model's dtype
     model.backward(model(batch))
@@ -90,6 +91,7 @@ def _all(rank, world, cases, g):
     out = {case: _run(plan, g, case[1], case[2]) for case, plan in cases.items()}
     plan = cases[("f-planner", 2, False)]
     out["dtype"] = {str(d): _dtypes_and_norm(plan, g, d) for d in (torch.float32, torch.bfloat16)}
+    out["dtype"]["bf16, fp32 reduce"] = _dtypes_and_norm(plan, g, torch.bfloat16, fp32_reduce=True)
     return out
 
 
@@ -177,6 +179,10 @@ def test_gradients_are_reduced_in_the_parameters_dtype(results):
         assert got["torch.float32"]["buffers"] == got["torch.float32"]["grads"] == ["torch.float32"]
         assert got["torch.bfloat16"]["buffers"] == got["torch.bfloat16"]["grads"] == ["torch.bfloat16"]
         assert got["torch.bfloat16"]["norm"] == pytest.approx(got["torch.float32"]["norm"], rel=0.05)
+        # Megatron-LM's --bf16 default (--accumulate-allreduce-grads-in-fp32): fp32 buffers, bf16 .grad
+        assert got["bf16, fp32 reduce"]["buffers"] == ["torch.float32"]
+        assert got["bf16, fp32 reduce"]["grads"] == ["torch.bfloat16"]
+        assert got["bf16, fp32 reduce"]["norm"] == pytest.approx(got["torch.float32"]["norm"], rel=0.05)
 
 
 def test_local_copies_are_exercised(results):

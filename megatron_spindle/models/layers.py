@@ -90,6 +90,15 @@ class OperatorLayer(nn.Module):
         self.tp_size = tp_size
         self.task_weight = float(task_weight)
         self.use_te = use_te
+        self.register_forward_pre_hook(_cast_inputs_to_layer_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype of the layer's floating parameters (None for a layer without any)."""
+        for p in self.core.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return None
 
     @property
     def param_key(self) -> str:
@@ -112,6 +121,20 @@ class OperatorLayer(nn.Module):
         if tuple(x.shape[1:]) != dims:
             raise ValueError(f"operator {self.op.name!r}: {what} must be [b, {', '.join(map(str, dims))}], "
                              f"got {list(x.shape)}")
+
+
+def _cast_inputs_to_layer_dtype(layer: "OperatorLayer", args: tuple):
+    """Float16Module's rule at every layer: floating inputs (data and received activations) are cast to the
+    layer's parameter dtype, so a bf16 layer takes fp32 patches; integer inputs (tokens, labels) pass.
+    Losses stay fp32: the loss layers compute their cross-entropy in fp32 (``.float()``)."""
+    dtype = layer.compute_dtype
+    if dtype is None or not args:
+        return None
+    inputs = args[0]
+    if not any(torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype for x in inputs):
+        return None
+    cast = [x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
+    return (cast, *args[1:])
 
 
 class PatchEmbedLayer(OperatorLayer):
@@ -225,7 +248,7 @@ class LMHeadLayer(OperatorLayer):
         logits, _ = self.core.output(self.core.norm(h))
         loss = GroupVocabParallelCrossEntropy.apply(logits, labels, self.tp_group, self.tp_rank,
                                                      self.tp_size)
-        return loss.sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
+        return loss.float().sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
 
 
 class CustomOpLayer(OperatorLayer):

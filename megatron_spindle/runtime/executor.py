@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import comm
 from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Plan, Slice
 from ..planner.validate import check_plan
@@ -75,12 +76,13 @@ class SpindleModel(nn.Module):
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
-                 distributed_optimizer: bool = False) -> None:
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
         model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
-        ``bucket_size``, ``distributed_optimizer``: megatron.core DDP's, see :mod:`.grad_sync`."""
+        ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
+        :mod:`.grad_sync`."""
         super().__init__()
         from ..models.layers import build_layer  # torch + megatron.core
 
@@ -124,6 +126,7 @@ class SpindleModel(nn.Module):
         self.trace = StepTrace(self.rank)
         self._ranges: dict[str, tuple[int, int]] = {}
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
+                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
                                   distributed_optimizer=distributed_optimizer)
         # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
         self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
@@ -317,14 +320,9 @@ class SpindleModel(nn.Module):
         return self.grad_sync.optimizer_parameters() if self.grad_sync.distributed_optimizer \
             else self.unique_parameters()
 
-    @staticmethod
-    def _grad(p: nn.Parameter) -> Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
-
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
-        sq = self.grad_sync.grad_sq()
-        work = dist.all_reduce(sq, async_op=True)
+        sq, work = comm.all_reduce_async(self.grad_sync.grad_sq())
         self._wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))
 
@@ -337,7 +335,7 @@ class SpindleModel(nn.Module):
     def reduce_losses(self, st: StepState) -> dict[str, float]:
         """Each task's loss summed over its data-parallel replicas (same on every rank)."""
         vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
-        work = dist.all_reduce(vec, async_op=True)
+        vec, work = comm.all_reduce_async(vec)
         self._wait([work], ["loss all-reduce over all ranks"])
         return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
 
@@ -345,3 +343,9 @@ class SpindleModel(nn.Module):
         self.grad_sync.release()
         self.registry.destroy()
 
+
+def fp32_grad(p: nn.Parameter) -> Tensor:
+    """The reduced gradient of ``p`` in fp32 (for fp32 master weights): its ``main_grad`` (megatron DDP's
+    buffer, bf16 or fp32, see :mod:`.grad_sync`) when one is kept, else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main.float() if main is not None else p.grad.float()

@@ -16,8 +16,11 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
   buckets (filled from the end of the list) follow the backward order;
 * **sum, not mean**: the losses are already normalised by the global batch, so the DDP config sets
   ``calculate_per_token_loss`` (no ``1/dp`` pre-scaling) and ``average_in_collective=False``;
-* **reduction dtype**: ``grad_reduce_in_fp32=False``: gradients are kept and reduced in the parameters' dtype
-  (bf16 under ``--bf16``, fp32 otherwise);
+* **reduction dtype**: by default (``grad_reduce_in_fp32=False``, megatron.core's default) gradients are kept
+  and reduced in the parameters' dtype: bf16 for a bf16 model, half the bytes of fp32. With
+  ``grad_reduce_in_fp32=True`` (what Megatron-LM's ``--bf16`` turns on through
+  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32 and ``p.grad`` gets a copy in the
+  parameter's dtype; fp32 master weights (:mod:`.mixed_precision`) step from ``main_grad`` either way;
 * **accumulation**: ``main_grad`` accumulates over passes; :meth:`no_sync` (Megatron's) keeps buckets from
   firing during the first K-1 passes, so K passes cost one sync.
 
@@ -37,7 +40,7 @@ bucket fires only after every copy has contributed, and overlap stays on. After 
 ``.grad`` is the first copy's ``main_grad``, so the optimizer moves the copies identically.
 
 **What the optimizer sees.** After :meth:`finish`, ``p.grad`` is ``p.main_grad`` (a view of the reduced
-buffer, no copy) for every local parameter, so the trainer's torch AdamW reads it as before. The buffers are
+buffer, no copy; a copy when the buffer is fp32 and the parameter bf16) for every local parameter, so the trainer's torch AdamW reads it as before. The buffers are
 zeroed by :meth:`zero_grad_buffer` (Megatron's ``train_step`` calls it on the model chunk; the executor also
 calls it before the first forward after a sync, so a caller that only runs forward, backward, sync and an
 optimizer step gets fresh gradients every step, as with plain ``.grad``).
@@ -115,12 +118,12 @@ def first_use_waves(plan, rank: int) -> dict[str, int]:
     return out
 
 
-def ddp_config_for(*, overlap: bool, bucket_size: int | None,
+def ddp_config_for(*, overlap: bool, bucket_size: int | None, grad_reduce_in_fp32: bool = False,
                    distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
     """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``;
     reduce-scatter and parameter all-gather with ``distributed_optimizer``."""
     return DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
-                                         grad_reduce_in_fp32=False, average_in_collective=False,
+                                         grad_reduce_in_fp32=grad_reduce_in_fp32, average_in_collective=False,
                                          use_distributed_optimizer=distributed_optimizer)
 
 
@@ -138,10 +141,12 @@ class GradSync:
             ``_copies``, trace and timeout are read; built on every rank, in ``__init__`` order).
         overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
+        grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
+        distributed_optimizer: ZeRO-1 over each rank set (see the module docstring).
     """
 
     def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
-                 distributed_optimizer: bool = False) -> None:
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
         self.model = model
         self.rank = model.rank
         self.overlap = overlap
@@ -173,6 +178,7 @@ class GradSync:
                                          intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
             params = [r[4] for r in rows]
             ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size,
+                                                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                                   distributed_optimizer=distributed_optimizer),
                                           _Params(params), pg_collection=pgc)
             ready_of = {id(r[4]): r[0] for r in rows}
@@ -232,6 +238,7 @@ class GradSync:
                 old.release()
             p._spindle_grad_sync = self
         self._no_sync = 0
+        self._grad_copies: list[torch.Tensor] = []
         self.synced = False
         """True from :meth:`finish` until :meth:`zero_grad_buffer`: the gradients are the reduced ones."""
 
@@ -329,15 +336,23 @@ class GradSync:
             for label, (start, end) in inst.times.items():
                 trace.span("sync", label, start, end if end is not None and end <= t1 else t1)
         trace.span("sync", "gradient sync wait", t0, t1)
+        self._grad_copies = []  # .grad tensors that are copies in another dtype, not buffer views
         if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
             for sp, grad, *_ in self._shards:
-                sp.grad = grad
+                sp.grad = self._expose(grad, sp.dtype)
         else:
             for p in self._main_params:
-                p.grad = p.main_grad
+                p.grad = self._expose(p.main_grad, p.dtype)
             for c, m in self._copy_of:
-                c.grad = m.main_grad
+                c.grad = m.grad
         self.synced = True
+
+    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if grad.dtype == dtype:
+            return grad
+        copy = grad.to(dtype)
+        self._grad_copies.append(copy)
+        return copy
 
     def next_step(self) -> None:
         """Start the next step: gather the updated parameters (distributed optimizer), zero the buffers."""
@@ -384,6 +399,8 @@ class GradSync:
         """Multiply every reduced gradient by ``factor`` (each buffer once: copies share it)."""
         for inst in self.instances:
             inst.ddp.scale_gradients(factor)
+        for g in self._grad_copies:
+            g.mul_(factor)
 
     def release(self) -> None:
         """Stop acting on these parameters (a replanned model takes them over): the DDP hooks megatron
