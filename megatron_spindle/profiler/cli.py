@@ -9,21 +9,22 @@ torchrun's own parser would take for ``--nproc-per-node``).
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..argtypes import non_negative_int, positive_int
+from .points import default_cache_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``spindle profile`` on the ``spindle`` command's subparsers."""
-    from .points import default_cache_path
-
     p = subparsers.add_parser(
         "profile", help="measure every MetaOp on this machine's backend and write its scaling curves",
         description="Time forward+backward of one layer of every MetaOp at several device counts (data "
                     "parallel: one process at local batch B/n; tensor parallel: tp processes), fit the "
                     "piecewise curves and write them for `spindle plan/compare --curves`. Points already "
                     "in the cache (same backend, device type, dtype, threads) are not measured again.")
-    p.add_argument("--model", required=True, help="built-in model: multitask-clip, qwen-val or ofasys")
+    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
+                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
     p.add_argument("--batch", type=positive_int, default=None, help="global batch per task (default: the model's)")
@@ -54,9 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args) -> int:
-    import os
-
-    from .run import ProfileConfig, profile
+    from .run import ProfileConfig, profile  # optional: torch (only this subcommand needs it; plan/compare don't)
 
     nproc = args.nproc
     if nproc is None:

@@ -20,6 +20,7 @@ island (intra = inter), for ``spindle compare --cluster FILE`` and the CPU bench
 from __future__ import annotations
 
 import math
+import time
 from typing import Mapping, Sequence
 
 #: Message sizes of the link measurement (bytes): latency-bound to bandwidth-bound.
@@ -114,10 +115,10 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
     Returns ``[{"kind", "ranks", "bytes", "ms" (mean), "median_ms", "busy_ms"}, ...]`` on every process (rank 0's
     clock). Needs at least two processes.
     """
-    import time
+    import torch  # optional: torch (fitting a link needs only numpy; measuring one needs torch)
+    import torch.distributed as dist  # optional: torch, as above
 
-    import torch
-    import torch.distributed as dist
+    from .. import comm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
@@ -144,18 +145,17 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
             times = []
             for i in range(warmup + repeats):
                 sync()
-                dist.barrier()
+                comm.barrier()
                 busy()
                 t0 = time.perf_counter()
                 if kind == "exchange":
                     if rank < 2:
                         peer = 1 - rank
-                        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
-                                                        dist.P2POp(dist.irecv, recv, peer)])
+                        works = comm.batch_isend_irecv([comm.send_op(send, peer), comm.recv_op(recv, peer)])
                         for w in works:
                             w.wait()
                 else:
-                    dist.all_reduce(send)
+                    comm.all_reduce(send)
                 sync()
                 if i >= warmup:
                     times.append((time.perf_counter() - t0) * 1e3)

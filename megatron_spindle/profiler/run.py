@@ -20,15 +20,26 @@ CPU processes run ``OMP_NUM_THREADS`` threads (default: cores / processes, as ``
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..compat.cpu import apply_cpu_patches
 from ..log import get_logger
+from ..planner.build import make_metaops
+from ..planner.cluster import Cluster
+from ..planner.workloads import build_graph
 from . import launch
 from .fit import curves_document, summary_table
+from .link import cluster_fields, fit_link, measure_link
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
+from .timing import time_layer
 
 _log = get_logger(__name__)
 
@@ -96,16 +107,6 @@ def _fmt_s(s: float) -> str:
 
 def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None) -> dict | None:
     """Run the profile on this process of an initialised world; the curves document on process 0, else None."""
-    import torch
-    import torch.distributed as dist
-
-    from ..planner.cluster import Cluster
-    from ..planner.build import make_metaops
-    from ..planner.workloads import build_graph
-    from ..compat.cpu import apply_cpu_patches
-    from .link import cluster_fields, fit_link, measure_link
-    from .timing import time_layer
-
     t_start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.nproc:
@@ -139,7 +140,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     else:
         pending = None
     box = [pending]
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     pending = box[0]
     rounds = schedule_rounds(pending, world)  # raises on every rank alike when tp > nproc
 
@@ -168,8 +169,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                                  seed=cfg.seed, dtype=dtype, device=device)
             if rank == ranks[0]:
                 result = (p, samples)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
+        gathered = comm.all_gather_object(result)
         if rank != 0:
             continue
         for item in gathered:
@@ -197,7 +197,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
             say(f"link ({backend}): latency {link['latency_us']:.0f} us (exchange), bandwidth "
                 f"{link['bandwidth_gbps']:.2f} GB/s (all-reduce); {kinds}")
     if rank != 0:
-        dist.barrier()
+        comm.barrier()
         return None
 
     entries: dict[int, list] = {}
@@ -229,12 +229,11 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     say(f"profiled in {_fmt_s(time.perf_counter() - t_start)} (measuring {_fmt_s(time.perf_counter() - t_measure)})"
         + (f"; curves written to {cfg.out}" if cfg.out else "")
         + (f"; cluster written to {cfg.cluster_out}" if cfg.cluster_out and cl is not None else ""))
-    dist.barrier()
+    comm.barrier()
     return doc
 
 
 def _write_json(path: str, obj) -> None:
-    import json
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as fh:
@@ -250,12 +249,7 @@ def profile(cfg: ProfileConfig) -> dict:
 
     Returns the curves document (on process 0; ``{}`` on the others).
     """
-    from ..planner.workloads import build_graph
     build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)  # bad input: fail before starting
-
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return profile_rank(cfg) or {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

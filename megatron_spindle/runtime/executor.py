@@ -10,9 +10,10 @@ A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :m
 2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
    gradient 1, any other slice with the accumulated gradient of its output), then post the plan's backward
    messages of the same transfers: every input's gradient goes back to its producer, one holder per sample;
-3. **gradient sync**: every parameter shard is all-reduced (summed) over its parameter device group
-   (``plan.param_groups``), one flat buffer per distinct rank set, in the same order on every rank. Losses are
-   already normalised by the global batch, so summing is exact data parallelism;
+3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
+   device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
+   bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
+   are already normalised by the global batch, so summing is exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
 Every rank builds only the layers of its slices (the core of a ``param_key`` once per tensor-parallel layout).
@@ -31,12 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import comm
 from ..planner.dataflow import boundaries, rank_messages, slice_layout
 from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Message, Plan, Slice, Transfer
 from ..planner.validate import check_plan
+from .grad_sync import GradSync
 from .groups import ProcessGroupRegistry
-from .rank_sets import param_group_name, plan_rank_sets, tp_group_name
+from .rank_sets import plan_rank_sets, tp_group_name
 from .trace import StepTrace
 
 
@@ -48,26 +51,20 @@ def _module_key(metaop: str, layer: int) -> str:
     return f"{metaop}#{layer}".replace(".", "/")
 
 
-def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]], device: torch.device) -> list:
-    """Post ``("send" | "recv", tensor, peer, tag)`` operations in one ``torch.distributed.batch_isend_irecv``.
-
-    The executor's only point-to-point call. Sends are moved to ``device``, the communication device (the CPU
-    under gloo, the GPU under NCCL); a receive buffer must already be there, since the data lands in it.
-    Returns the work handles in ``ops`` order.
-    """
-    device = torch.device(device)
+def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]]) -> list:
+    """Post ``("send" | "recv", tensor, peer, tag)`` operations in one ``batch_isend_irecv`` (through
+    :mod:`megatron_spindle.comm`, which moves a send to the communication device; a receive buffer must be
+    there already, :func:`megatron_spindle.comm.empty`). The executor's only point-to-point call; returns the
+    works in ``ops`` order."""
     p2p = []
     for kind, t, peer, tag in ops:
         if kind == "send":
-            p2p.append(dist.P2POp(dist.isend, t.to(device).contiguous(), peer, tag=tag))
-        elif kind != "recv":
-            raise ValueError(f"point-to-point operation {kind!r} is neither 'send' nor 'recv'")
-        elif t.device.type != device.type or device.index not in (None, t.device.index):
-            raise ValueError(f"receive buffer from rank {peer} is on {t.device}, not the communication "
-                             f"device {device}")
+            p2p.append(comm.send_op(t, peer, tag=tag))
+        elif kind == "recv":
+            p2p.append(comm.recv_op(t, peer, tag=tag))
         else:
-            p2p.append(dist.P2POp(dist.irecv, t, peer, tag=tag))
-    return dist.batch_isend_irecv(p2p)
+            raise ValueError(f"point-to-point operation {kind!r} is neither 'send' nor 'recv'")
+    return comm.batch_isend_irecv(p2p)
 
 
 @dataclass
@@ -94,11 +91,15 @@ class SpindleModel(nn.Module):
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
-                 reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None) -> None:
+                 reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
+                 overlap_grad_reduce: bool = True, bucket_size: int | None = None,
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
-        model takes over instead of building new ones (see :mod:`.replan`)."""
+        model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
+        ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
+        :mod:`.grad_sync`."""
         super().__init__()
         from ..models.layers import build_layer  # torch + megatron.core
 
@@ -117,7 +118,6 @@ class SpindleModel(nn.Module):
         # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
         self.messages = [(rank_messages(b, self.rank, backward=False), rank_messages(b, self.rank, backward=True))
                          for b in boundaries(plan)]
-        self.comm_device = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
@@ -145,6 +145,11 @@ class SpindleModel(nn.Module):
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
         self._ranges: dict[str, tuple[int, int]] = {}
+        self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
+                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                  distributed_optimizer=distributed_optimizer)
+        # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
+        self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
 
     # -- parameters -----------------------------------------------------------------------------------
     def unique_parameters(self) -> list[nn.Parameter]:
@@ -187,13 +192,13 @@ class SpindleModel(nn.Module):
                 what.append(f"wave {wave} {phase}: send of {e.src} -> {e.dst} samples "
                             f"[{msg.start}, {msg.stop}) to rank {msg.dst}")
             else:
-                buf = torch.empty(self._msg_shape(e, msg), dtype=self.dtype, device=self.comm_device)
+                buf = comm.empty(self._msg_shape(e, msg), dtype=self.dtype)
                 ops.append(("recv", buf, msg.src, tag))
                 what.append(f"wave {wave} {phase}: receive for {e.dst} from {e.src} samples "
                             f"[{msg.start}, {msg.stop}) from rank {msg.src}")
                 post.append((e, msg, buf))
         if ops:
-            self._wait(post_p2p(ops, self.comm_device), what)
+            self._wait(post_p2p(ops), what)
         for e, msg, buf in post:
             recv_into(e, msg, buf.to(self.device))
 
@@ -311,93 +316,51 @@ class SpindleModel(nn.Module):
         st.inputs.clear()
 
     # -- gradient sync, norm, losses ----------------------------------------------------------------------
-    def _grad_buckets(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
-        """Per distinct rank set (sorted): this rank's parameters whose groups use it, in a fixed order."""
-        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for g in self.plan.param_groups:
-            if self.rank not in g.ranks or len(g.ranks) < 2:
-                continue
-            mods = self._copies.get((g.param_key, g.tp_rank), [])
-            if not mods:
-                raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
-                                   f"but holds no copy of it")
-            buckets.setdefault(tuple(g.ranks), []).extend(p for _, p in sorted(mods[0].core.named_parameters()))
-        return sorted(buckets.items(), key=lambda kv: (len(kv[0]), kv[0]))
-
     def finalize_grads(self) -> None:
-        """Sum local copies, then all-reduce every parameter shard over its parameter device group."""
-        t0 = time.perf_counter()
-        for (key, shard), mods in self._copies.items():  # several local copies (different TP groups)
-            if len(mods) > 1:
-                params = [dict(m.core.named_parameters()) for m in mods]
-                for name in params[0]:
-                    total = sum(self._grad(p[name]) for p in params)
-                    for p in params:
-                        p[name].grad = total.clone()
-        for ranks, params in self._grad_buckets():
-            group = self.registry.get(param_group_name_for(self.plan, ranks))
-            flat = torch.cat([self._grad(p).reshape(-1) for p in params])
-            work = dist.all_reduce(flat, group=group, async_op=True)
-            self._wait([work], [f"gradient all-reduce over ranks {list(ranks)}"])
-            off = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[off:off + n].view_as(p).clone()
-                off += n
-        self._sync_copies_after_reduce()
-        self.trace.span("sync", "gradient sync", t0)
+        """Wait for every parameter device group's reduce (posted bucket by bucket during backward by
+        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.grad`` is the summed gradient."""
+        self.grad_sync.finish()
 
-    def _sync_copies_after_reduce(self) -> None:
-        for mods in self._copies.values():
-            if len(mods) > 1:
-                src = dict(mods[0].core.named_parameters())
-                for m in mods[1:]:
-                    for name, p in m.core.named_parameters():
-                        p.grad = src[name].grad.clone()
+    def zero_grad_buffer(self) -> None:
+        """Fresh gradient buffers (Megatron's ``train_step`` calls it; the next forward after a sync does too)."""
+        self.grad_sync.zero_grad_buffer()
 
-    @staticmethod
-    def _grad(p: nn.Parameter) -> Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+    def no_sync(self):
+        """Backward passes inside accumulate without reducing (every accumulated pass but the last)."""
+        return self.grad_sync.no_sync()
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every local parameter, or with ``distributed_optimizer`` this rank's
+        shards of the gradient buckets (:mod:`.grad_sync`)."""
+        return self.grad_sync.optimizer_parameters() if self.grad_sync.distributed_optimizer \
+            else self.unique_parameters()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
-        from ..models.layer_state import shard_spec
-        sq = torch.zeros((), dtype=torch.float64)
-        for g in self.plan.param_groups:
-            if self.rank != g.ranks[0] or (g.param_key, g.tp_rank) not in self._copies:
-                continue
-            core = self._copies[(g.param_key, g.tp_rank)][0].core
-            for _, p in core.named_parameters():
-                if shard_spec(p) is None and g.tp_rank != 0:
-                    continue  # a replicated parameter of a TP layer: count it on shard 0 only
-                sq += self._grad(p).double().pow(2).sum()
-        work = dist.all_reduce(sq, async_op=True)
+        sq, work = comm.all_reduce_async(self.grad_sync.grad_sq())
         self._wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))
 
     def clip_grads(self, max_norm: float) -> float:
         norm = self.grad_norm()
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.unique_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            self.grad_sync.scale(max_norm / (norm + 1e-6))  # each buffer once: local copies share one
         return norm
 
     def reduce_losses(self, st: StepState) -> dict[str, float]:
         """Each task's loss summed over its data-parallel replicas (same on every rank)."""
         vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
-        work = dist.all_reduce(vec, async_op=True)
+        vec, work = comm.all_reduce_async(vec)
         self._wait([work], ["loss all-reduce over all ranks"])
         return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
 
     def destroy(self) -> None:
+        self.grad_sync.release()
         self.registry.destroy()
 
 
-def param_group_name_for(plan: Plan, ranks: tuple[int, ...]) -> str:
-    """A registry name whose ranks are ``ranks`` (the registry caches groups by rank set)."""
-    for g in plan.param_groups:
-        if tuple(g.ranks) == ranks:
-            return param_group_name(g.param_key, g.tp_rank)
-    raise KeyError(f"no parameter group with ranks {ranks}")
+def fp32_grad(p: nn.Parameter) -> Tensor:
+    """The reduced gradient of ``p`` in fp32 (for fp32 master weights): its ``main_grad`` (megatron DDP's
+    buffer, bf16 or fp32, see :mod:`.grad_sync`) when one is kept, else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main.float() if main is not None else p.grad.float()

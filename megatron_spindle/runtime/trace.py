@@ -11,6 +11,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
+from .. import comm
+
 CATEGORIES = ("forward", "backward", "transfer", "sync", "optimizer", "step")
 
 
@@ -78,10 +82,7 @@ def gather_chrome_trace(trace: StepTrace, directory: str) -> str | None:
 
     Returns the path on rank 0, None elsewhere.
     """
-    import torch.distributed as dist  # the runtime's torch; this module's recording side stays torch-free
-
-    events: list = [None] * dist.get_world_size()
-    dist.all_gather_object(events, trace.chrome_events())
+    events = comm.all_gather_object(trace.chrome_events())
     if dist.get_rank() != 0:
         return None
     path = os.path.join(directory, "trace.json")
