@@ -14,6 +14,7 @@ from .cluster import Cluster
 from .curves import ScalingCurve
 from .graph import TaskGraph
 from .layout import Layout, messages
+from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
 from .placement import place, sequential_placement
@@ -28,6 +29,7 @@ def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
 
 
 def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
+    check_inputs(sorted({(op.task, op.batch) for op in graph.operators}), cluster.num_devices)
     return contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=cluster.gpus_per_node)
 
 

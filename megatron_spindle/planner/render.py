@@ -108,6 +108,34 @@ def summary(plan: Plan, planning_s: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def idle_devices(plan: Plan) -> list[int]:
+    """Devices that run no slice in any wave of ``plan``."""
+    used = {r for w in plan.waves for s in w.slices for r in s.ranks}
+    return [d for d in range(plan.world_size) if d not in used]
+
+
+def idle_warning(plan: Plan) -> str | None:
+    """One line saying how many devices the plan leaves unused and why, or ``None`` when it uses them all.
+
+    A level can use at most ``Σ_m max valid count of m`` devices (one slice per MetaOp per wave); when that
+    is below the cluster size in every level, the rest of the devices cannot be used by any wave schedule.
+    """
+    idle = idle_devices(plan)
+    if not idle:
+        return None
+    by_level: dict[int, int] = {}
+    for m in plan.metaops:
+        counts = m.valid_counts(plan.world_size)
+        by_level[m.level] = by_level.get(m.level, 0) + (counts[-1] if counts else 0)
+    usable = max(by_level.values(), default=0)
+    batches = sorted({m.batch for m in plan.metaops})
+    why = (f"no level can use more than {usable} devices (a MetaOp runs on its TP degree times a divisor of "
+           f"its global batch, {'/'.join(map(str, batches[:4]))}{'...' if len(batches) > 4 else ''}); "
+           f"a larger --batch or fewer --gpus would use them") if usable < plan.world_size else \
+        "the schedule found no use for them"
+    return f"warning: {len(idle)} of {plan.world_size} devices stay idle in every wave: {why}"
+
+
 def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
     """Draw the waves per device as a PNG (one bar per slice and device, colour per MetaOp)."""
     try:
