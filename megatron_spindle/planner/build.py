@@ -63,16 +63,17 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
         raise ValueError(f"unknown placement {placement!r}; choose 'spindle' or 'sequential'")
     level_info = [LevelInfo(index=ls.level, c_star_ms=ls.allocation.c_star_ms,
                             n_star=tuple((m, float(n)) for m, n in ls.allocation.n_star.items()),
-                            variant=ls.variant) for ls in sched]
+                            variant=ls.variant, bound_ms=ls.bound_ms, bound_kind=ls.bound_kind) for ls in sched]
     plan = assemble_plan(graph, cluster, metaops, curves, level_info, waves, ranks,
                          system="spindle" if placement == "spindle" else "spindle-naive-placement")
     if placement == "spindle":
-        # The island-aware search is greedy; keep the naive layout when it fits memory and moves less.
+        # The island-aware search is greedy; the naive layout and the baselines' schedules are candidates
+        # too, and the shortest simulated step wins (see :mod:`.choose`).
         naive = assemble_plan(graph, cluster, metaops, curves, level_info, waves, sequential_placement(waves),
                               system="spindle")
-        if (max(naive.device_memory_bytes) <= cluster.memory_limit_bytes
-                and transfer_cost_ms(naive, cluster) < transfer_cost_ms(plan, cluster)):
-            plan = naive
+        from .choose import choose_whole_step
+        plan = choose_whole_step([("spindle", plan), ("spindle, naive placement", naive)], graph, cluster,
+                                 metaops, curves, baselines=search)
     if validate:
         from .validate import check_plan
         check_plan(plan)

@@ -105,6 +105,7 @@ class ScalingCurve:
             object.__setattr__(self, "n_max", float(self.counts[-1]))
             object.__setattr__(self, "_hull", _concave_envelope(
                 [(0.0, 0.0)] + [(float(c), 1.0 / self.f(self.batch / c)) for c in self.counts]))
+            object.__setattr__(self, "_hull_x", tuple(h[0] for h in self._hull))
         if not (0 < self.n_min <= self.n_max):
             raise ValueError(f"need 0 < n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
 
@@ -127,7 +128,7 @@ class ScalingCurve:
             hull = self._hull
             if n >= hull[-1][0]:
                 return 1.0 / hull[-1][1]
-            i = bisect.bisect_right([h[0] for h in hull], n)
+            i = bisect.bisect_right(self._hull_x, n)
             (n0, r0), (n1, r1) = hull[i - 1], hull[i]
             return 1.0 / (r0 + (r1 - r0) * (n - n0) / (n1 - n0))
         if n < self.n_min:
@@ -136,12 +137,24 @@ class ScalingCurve:
 
     def count_time(self, n: int) -> float:
         """Time of one layer on a valid integer count: the fitted curve itself, no relaxation."""
-        return self.f(self.batch / n)
+        cache = self.__dict__.setdefault("_count_times", {})
+        t = cache.get(n)
+        if t is None:
+            t = cache[n] = self.f(self.batch / n)
+        return t
 
     def inverse(self, t_ms: float, *, n_cap: float = 1e9) -> float:
         """Smallest real ``n`` with ``time(n) ≤ t_ms`` (``inf`` when even ``n_cap`` devices are too slow)."""
         if self.time(n_cap) > t_ms:
             return math.inf
+        if self.counts and t_ms > 0:  # the relaxed rate is piecewise linear in n: solve on its segment
+            rate = 1.0 / t_ms
+            hull = self._hull
+            for (n0, r0), (n1, r1) in zip(hull, hull[1:]):
+                if r1 >= rate * (1 - 1e-15):
+                    n = n0 + (rate - r0) * (n1 - n0) / (r1 - r0) if r1 > r0 else n0
+                    return min(max(n, n0), n1)
+            return hull[-1][0]
         lo, hi = 0.0, max(self.n_min, 1.0)
         while self.time(hi) > t_ms:
             lo, hi = hi, hi * 2

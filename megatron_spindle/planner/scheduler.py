@@ -17,16 +17,22 @@ Candidates:
 * **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
   leaves the least idle device-time per unit of work).
 
-Then a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
+Finally :func:`.solver.solve_level` (HiGHS, at most :data:`SOLVER_BUDGET_S` per level) certifies an
+integer-aware lower bound of the level and, where the heuristic is far enough above it, searches for a
+better wave schedule (warm-started from the heuristic's, so never worse).
+
+Before that, a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
 reproducible) changes one MetaOp's tuples at a time (a single valid count, or a random layer split between
 two neighbouring counts) and keeps changes that shorten the level.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from . import solver
 from .allocate import AllocTuple, LevelAllocation, allocate_level, bipoint
 from .curves import ScalingCurve
 from .metaops import MetaOp
@@ -36,6 +42,8 @@ SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
+#: Seconds of HiGHS time per level (bound, then improvement where the gap is worth it); see :mod:`.solver`.
+SOLVER_BUDGET_S = 0.08
 
 
 @dataclass
@@ -45,7 +53,10 @@ class LevelSchedule:
     tuples: Mapping[str, list[AllocTuple]]
     waves: list[Wave]
     variant: str
-    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher``."""
+    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher`` (``+milp``: improved by :mod:`.solver`)."""
+    bound_ms: float = 0.0
+    """Certified lower bound of the level (:func:`.solver.solve_level`; 0 when the solver did not run)."""
+    bound_kind: str = "C*"
 
     @property
     def span_ms(self) -> float:
@@ -69,8 +80,9 @@ def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 
 def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               start_ms: float = 0.0, *, search: bool = True) -> LevelSchedule:
-    """Schedule one level. ``search=False`` runs only the paper's pipeline."""
+               start_ms: float = 0.0, *, search: bool = True,
+               solver_budget_s: float = SOLVER_BUDGET_S) -> LevelSchedule:
+    """Schedule one level. ``search=False`` runs only the paper's pipeline (no solver either)."""
     N = num_devices
     if sum(1 for m in metaops if m.valid_counts(N)) != len(metaops):
         bad = next(m for m in metaops if not m.valid_counts(N))
@@ -95,7 +107,20 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
                                      variant=f"{tag}/{propose}/{align}")
                 if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
                     best = cand
-    return _local_search(metaops, curves, N, start_ms, best) if search else best
+    if not search:
+        return best
+    best = _local_search(metaops, curves, N, start_ms, best)
+    return _solve(metaops, curves, N, start_ms, best, solver_budget_s) if solver_budget_s > 0 else best
+
+
+def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
+           best: LevelSchedule, budget_s: float) -> LevelSchedule:
+    """Certified bound of the level and, where the gap is worth it, the solver's better schedule."""
+    r = solver.solve_level(best.level, metaops, curves, N, best.allocation.c_star_ms, best.waves,
+                           start_ms=start_ms, time_limit_s=budget_s)
+    if r.waves:
+        best = dataclasses.replace(best, waves=r.waves, variant=best.variant + "+milp")
+    return dataclasses.replace(best, bound_ms=r.bound_ms, bound_kind=r.bound_kind)
 
 
 def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,

@@ -68,7 +68,8 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     valid = {m.name: m.valid_counts(N) for m in metaops}
     queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
     next_layer = {m.name: 0 for m in metaops}
-    T = {name: (lambda n, c=curves[name]: c.count_time(n)) for name in by_name}
+    table = {name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
+    T = {name: table[name].__getitem__ for name in by_name}
 
     def remaining_work(name: str) -> float:
         return sum(l * T[name](n) for n, l in queue[name])

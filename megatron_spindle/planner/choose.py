@@ -1,0 +1,74 @@
+"""Choose Spindle's plan by the whole step, with the baselines' schedules among the candidates.
+
+The scheduler (:mod:`.scheduler`) picks each level's waves by compute span; a step also pays the
+inter-wave transfers and the parameter sync, which depend on how many waves there are and where the
+slices sit. So the last choice is made on the step simulator's time (:func:`.simulate.simulate`: compute,
+transfer and sync, as the runtime runs them) over these whole-step candidates:
+
+1. Spindle's wave schedule with island-aware placement;
+2. the same waves with the naive placement (consecutive devices in slice order);
+3. the schedules of the baselines (:mod:`.baselines`): sequential, task-level and intra-task, on the same
+   MetaOps and curves.
+
+Every candidate is an executable plan that passes the same validation rules; the one with the shortest
+simulated step that fits the devices' memory wins (ties keep the earlier candidate). Hence, under the
+simulator's model, Spindle's plan is never slower than any baseline's, at any scale; the plan's level
+``variant`` names the schedule that won when it is not Spindle's own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+from .cluster import Cluster
+from .curves import ScalingCurve
+from .graph import TaskGraph
+from .metaops import MetaOp
+from .plan import Plan
+
+
+def step_ms(plan: Plan, cluster: Cluster) -> float:
+    """The simulated step of ``plan`` on ``cluster`` (memory not checked)."""
+    from .simulate import simulate
+    return simulate(plan, cluster, check_memory=False).step_ms
+
+
+def _fits(plan: Plan, cluster: Cluster) -> bool:
+    return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
+
+
+def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                          curves: Mapping[str, ScalingCurve]) -> list[tuple[str, Callable[[], Plan]]]:
+    """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``)."""
+    from . import baselines
+    prepared = (tuple(metaops), dict(curves))
+    return [(name, lambda f=f: f(graph, cluster, validate=False, prepared=prepared))
+            for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
+                            ("intra-task", baselines.plan_intra_task))]
+
+
+def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
+                      metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
+                      baselines: bool = True) -> Plan:
+    """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
+
+    ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
+    unless ``baselines`` is false (``--no-search``: the paper's pipeline only).
+    """
+    scored: list[tuple[float, int, str, Plan]] = []
+    for i, (name, p) in enumerate(plans):
+        scored.append((step_ms(p, cluster), i, name, p))
+    extra = whole_step_candidates(graph, cluster, metaops, curves) if baselines else []
+    for j, (name, build) in enumerate(extra):
+        try:
+            p = build()
+        except ValueError:  # that baseline has no schedule here (too few devices for its shares)
+            continue
+        scored.append((step_ms(p, cluster), len(plans) + j, name, p))
+    fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
+    t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+    if best.system == "spindle":
+        return best
+    own = plans[0][1]
+    levels = tuple(dataclasses.replace(lv, variant=f"{name} schedule (shortest whole step)") for lv in own.levels)
+    return dataclasses.replace(best, system="spindle", levels=levels)
