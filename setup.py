@@ -9,6 +9,7 @@ setup(
     packages=find_packages(include=["megatron_spindle", "megatron_spindle.*"]),
     install_requires=["numpy"],
     extras_require={
+        "solver": ["highspy==1.15.1"],  # the planner's certified level bounds; without it: C* and heuristics
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
         "plot": ["matplotlib"],
         "test": ["pytest", "hypothesis"],

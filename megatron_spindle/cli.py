@@ -48,7 +48,8 @@ def cmd_plan(args) -> int:
     from .planner.analytic import CurvesFile
     from .planner.build import make_plan
     from .planner.cluster import load_cluster
-    from .planner.render import gantt, grid, idle_devices, idle_warning, metaop_table, summary
+    from .planner.render import (certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table,
+                                  summary)
     from .planner.workloads import build_graph
 
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
@@ -72,7 +73,8 @@ def cmd_plan(args) -> int:
         print(json.dumps({
             "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
             "makespan_ms": plan.makespan_ms, "lower_bound_ms": plan.lower_bound_ms,
-            "ratio": plan.makespan_ms / plan.lower_bound_ms, "planning_s": planning_s,
+            "ratio": plan.makespan_ms / plan.lower_bound_ms, "certified_bound_ms": certified_bound_ms(plan),
+            "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
             "plan": args.out, "gantt": args.gantt}))
