@@ -11,6 +11,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 CATEGORIES = ("forward", "backward", "transfer", "sync", "optimizer", "step")
 
 
@@ -71,3 +73,17 @@ def write_chrome_trace(path: str, events: list[dict]) -> None:
     with open(tmp, "w") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
     os.replace(tmp, path)
+
+
+def gather_chrome_trace(trace: StepTrace, directory: str) -> str | None:
+    """Gather every rank's spans and write ``<directory>/trace.json`` on rank 0 (collective; every rank calls).
+
+    Returns the path on rank 0, None elsewhere.
+    """
+    events: list = [None] * dist.get_world_size()
+    dist.all_gather_object(events, trace.chrome_events())
+    if dist.get_rank() != 0:
+        return None
+    path = os.path.join(directory, "trace.json")
+    write_chrome_trace(path, [e for ev in events for e in ev])
+    return path
