@@ -4,6 +4,8 @@ For each device count the command plans one step with every system of :data:`.pl
 simulates it on the cluster (:func:`.planner.simulate.simulate`) and prints a table: step time, Spindle's
 speedup over the system, the breakdown (compute, inter-wave transfer, parameter sync, idle; the paper's
 Figure 10), peak memory per device (max and spread), and the lower bound ``Σ C*`` with Spindle's ratio to it.
+Spindle's plan is chosen by this same simulated step among its own waves and the baselines' schedules
+(:mod:`.planner.choose`), so it is never slower than a baseline; the table says when a baseline's schedule won.
 ``--plot`` draws grouped bars of throughput relative to ``sequential`` (the paper's Figure 8); ``--json``
 prints one object instead of tables.
 
@@ -46,6 +48,8 @@ class SystemResult:
     """Baselines: compute time with their concurrent lanes unaligned (see :mod:`.planner.baselines`)."""
     over_memory: str | None = None
     """Set when the plan exceeds the cluster's memory (it is timed all the same)."""
+    schedule: str | None = None
+    """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.choose`), else ``None``."""
 
     @property
     def ok(self) -> bool:
@@ -62,6 +66,8 @@ class SystemResult:
             d["unaligned_makespan_ms"] = self.ideal_makespan_ms
         if self.over_memory:
             d["over_memory"] = self.over_memory
+        if self.schedule:
+            d["schedule"] = self.schedule
         return d
 
 
@@ -128,9 +134,11 @@ def compare(graph: TaskGraph, gpus: Sequence[int], *, cluster: str | None = DEFA
                     if any(v.rule != 7 for v in e.violations):
                         raise
                     note = _memory_note(e)
+                won = plan.levels[0].variant if system == "spindle" and plan.levels else ""
                 cmp.results[system] = SystemResult(system, sim=simulate(plan, cl, check_memory=False),
                                                    ideal_makespan_ms=report.get("ideal_makespan_ms"),
-                                                   over_memory=note)
+                                                   over_memory=note,
+                                                   schedule=won.split(" schedule")[0] if "whole step" in won else None)
             except (ValueError, KeyError) as e:
                 cmp.results[system] = SystemResult(system, error=_first_line(e))
         out.append(cmp)
@@ -172,6 +180,9 @@ def format_table(cmp: Comparison) -> str:
         lines.append(f"Spindle / ΣC*: compute makespan {s.makespan_ms / cmp.lower_bound_ms:.3f} "
                      f"({s.makespan_ms:.1f} ms), whole step {s.step_ms / cmp.lower_bound_ms:.2f} "
                      f"(ΣC* bounds compute of level-by-level schedules only)")
+    if sp is not None and sp.ok and sp.schedule:
+        lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
+                     f"candidates (see planner/choose.py)")
     if notes:
         lines.append("no plan, or over the memory limit (!):")
         lines.extend(notes)
