@@ -7,10 +7,12 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
 
 1. Spindle's wave schedule with island-aware placement;
 2. the same waves with the naive placement (consecutive devices in slice order);
-3. *cross-level* waves: Algorithm 1 over all MetaOps at once with the paper's readiness rule (a MetaOp is
-   proposed once its producers have finished), from each level's winning allocation tuples, so a task's
-   next MetaOp need not wait for the slowest MetaOp of the whole level (placed like 1 and 2, when its
-   compute makespan is shorter than the level-by-level one);
+3. waves across levels, with the paper's readiness rule (a MetaOp may run once its producers have
+   finished) instead of a barrier after every level, so a task's next MetaOp need not wait for the slowest
+   MetaOp of the whole level: the shorter of *backfilled* waves (1's waves with later levels' ready layers
+   moved onto idle devices, :mod:`.backfill`) and *cross-level* waves (Algorithm 1 over all MetaOps at
+   once from each level's winning allocation tuples), placed like 1 and 2 when its compute makespan is
+   shorter than the level-by-level one;
 4. the schedules of the baselines (:mod:`.baselines`): sequential, task-level and intra-task, on the same
    MetaOps and curves.
 
@@ -32,6 +34,7 @@ from .curves import ScalingCurve
 from .graph import TaskGraph
 from .metaops import MetaOp
 from .plan import Plan
+from .waves import Wave, WaveSlice
 
 
 def step_ms(plan: Plan, cluster: Cluster) -> float:
@@ -71,14 +74,21 @@ def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCur
 
 def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                        curves: Mapping[str, ScalingCurve], tuples: Mapping[str, list]) -> list[tuple[str, Plan]]:
+    from .backfill import backfill
     from .build import assemble_plan
     from .placement import place, sequential_placement
-    waves = cross_level_waves(metaops, curves, cluster.num_devices, tuples)
+    own_waves = [Wave(level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
+                      slices=[WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.num_layers,
+                                        devices=len(s.ranks), time_ms=s.time_ms) for s in w.slices])
+                 for w in own.waves]
+    options = [("cross-level", cross_level_waves(metaops, curves, cluster.num_devices, tuples)),
+               ("backfilled", backfill(own_waves, metaops, curves, cluster.num_devices))]
+    kind, waves = min(options, key=lambda o: sum(w.duration_ms for w in o[1]))
     if sum(w.duration_ms for w in waves) >= own.makespan_ms * (1 - 1e-9):
         return []
     out = []
-    for name, placer in (("cross-level", lambda: place(metaops, waves, cluster)),
-                         ("cross-level, naive placement", lambda: sequential_placement(waves))):
+    for name, placer in ((kind, lambda: place(metaops, waves, cluster)),
+                         (f"{kind}, naive placement", lambda: sequential_placement(waves))):
         try:
             ranks = placer()
         except ValueError:  # no placement fits memory
