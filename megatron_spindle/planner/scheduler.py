@@ -17,7 +17,7 @@ Candidates:
 * **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
   leaves the least idle device-time per unit of work).
 
-Finally :func:`.solver.solve_level` (HiGHS, at most :data:`SOLVER_BUDGET_S` per level) certifies an
+Finally :func:`.solver.solve_level` (HiGHS, a fixed number of branch-and-bound nodes per model) certifies an
 integer-aware lower bound of the level and, where the heuristic is far enough above it, searches for a
 better wave schedule (warm-started from the heuristic's, so never worse).
 
@@ -40,10 +40,13 @@ from .waves import Wave, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
+#: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer.
+SMALL_LEVEL = 16
+LOCAL_SEARCH_STEPS_SMALL = 400
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
-#: Seconds of HiGHS time per level (bound, then improvement where the gap is worth it); see :mod:`.solver`.
-SOLVER_BUDGET_S = 0.08
+#: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
+SOLVER_BUDGET_S = 0.5
 
 
 @dataclass
@@ -81,8 +84,11 @@ def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                start_ms: float = 0.0, *, search: bool = True,
-               solver_budget_s: float = SOLVER_BUDGET_S) -> LevelSchedule:
-    """Schedule one level. ``search=False`` runs only the paper's pipeline (no solver either)."""
+               solver_budget_s: float | None = None) -> LevelSchedule:
+    """Schedule one level. ``search=False`` runs only the paper's pipeline (no solver either);
+    ``solver_budget_s`` (default :data:`SOLVER_BUDGET_S`) 0 skips the solver."""
+    if solver_budget_s is None:
+        solver_budget_s = SOLVER_BUDGET_S
     N = num_devices
     if sum(1 for m in metaops if m.valid_counts(N)) != len(metaops):
         bad = next(m for m in metaops if not m.valid_counts(N))
@@ -128,7 +134,7 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     rng = random.Random(1000 + best.level)
     _, propose, align = best.variant.split("/")
     tuples = dict(best.tuples)
-    for _ in range(LOCAL_SEARCH_STEPS):
+    for _ in range(LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL):
         m = rng.choice(list(metaops))
         valid = m.valid_counts(N)
         options = [[AllocTuple(c, m.num_layers, float(m.num_layers))] for c in valid]

@@ -30,6 +30,10 @@ lasts as long as its longest slice. Two mixed-integer models of it:
    heuristic's wave count) it is a search for a better schedule, warm-started from the heuristic's, under a
    time budget; its bound then holds only for schedules of at most ``K`` waves and is not reported.
 
+Work is limited by branch-and-bound nodes (:data:`MAX_NODES`), so a plan does not depend on the machine's
+load; a wall-clock limit per model is only a safety net (if it strikes on a very slow machine every bound
+stays valid, but the schedule may differ; training plans on rank 0 and broadcasts the plan, so ranks agree).
+
 ``highspy`` is optional: without it :func:`available` is false, :func:`level_bound` returns ``C*`` and the
 planner keeps its heuristic schedules.
 """
@@ -50,9 +54,11 @@ except ImportError:  # pragma: no cover - exercised by the no-solver test
     highspy = None
 
 #: Largest wave model (waves × (MetaOp, count) pairs) solved with ``K = Σ L`` for an exact bound.
-EXACT_MAX_CELLS = 400
+EXACT_MAX_CELLS = 150
 #: Largest wave model solved with ``K`` = the heuristic's waves to improve its schedule.
-IMPROVE_MAX_CELLS = 700
+IMPROVE_MAX_CELLS = 120
+#: Branch-and-bound nodes per model: a deterministic work limit (the time limit is only a safety net).
+MAX_NODES = 10
 
 
 def available() -> bool:
@@ -91,7 +97,8 @@ class _Model:
         items = list(terms.items()) if isinstance(terms, Mapping) else list(terms)
         self.rows.append((lo, hi, [i for i, _ in items], [v for _, v in items]))
 
-    def solve(self, time_limit_s: float, start: Sequence[float] | None = None) -> Solution:
+    def solve(self, time_limit_s: float, start: Sequence[float] | None = None,
+              max_nodes: int | None = None) -> Solution:
         inf = highspy.kHighsInf
         lp = highspy.HighsLp()
         lp.num_col_ = len(self.cost)
@@ -117,6 +124,8 @@ class _Model:
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", max(1e-3, float(time_limit_s)))
         h.setOptionValue("mip_rel_gap", 1e-6)
+        if max_nodes is not None:
+            h.setOptionValue("mip_max_nodes", int(max_nodes))
         h.passModel(lp)
         if start is not None:
             sol = highspy.HighsSolution()
@@ -143,7 +152,7 @@ def _counts(metaops: Sequence[MetaOp], N: int) -> dict[str, tuple[int, ...]]:
 
 
 def area_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               *, time_limit_s: float = 0.2) -> float:
+               *, time_limit_s: float = 0.2, max_nodes: int | None = None) -> float:
     """Model 1 of the module docstring: a lower bound of any wave schedule of the level (ms)."""
     if highspy is None:
         return 0.0
@@ -161,7 +170,7 @@ def area_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
         for c, x in xs.items():
             area[x] = c * curves[m.name].count_time(c)
     mdl.row(-math.inf, 0.0, area)
-    sol = mdl.solve(time_limit_s)
+    sol = mdl.solve(time_limit_s, max_nodes=max_nodes)
     return max(0.0, sol.bound)
 
 
@@ -179,7 +188,7 @@ class WaveModelResult:
 
 def wave_model(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                *, max_waves: int | None = None, start: Sequence[Wave] = (), start_ms: float = 0.0,
-               time_limit_s: float = 0.2) -> WaveModelResult | None:
+               time_limit_s: float = 0.2, max_nodes: int | None = None) -> WaveModelResult | None:
     """Model 2 of the module docstring with ``K = max_waves`` (default ``Σ L``: exact); ``None`` without HiGHS."""
     if highspy is None:
         return None
@@ -216,7 +225,7 @@ def wave_model(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scali
     for m in metaops:
         mdl.row(m.num_layers, m.num_layers, [(lay[w, m.name, c], 1.0) for w in range(K) for c in counts[m.name]])
     warm = _warm_start(mdl, start, K, D, y, lay, T) if start else None
-    sol = mdl.solve(time_limit_s, warm)
+    sol = mdl.solve(time_limit_s, warm, max_nodes=max_nodes)
     waves: list[Wave] = []
     if sol.columns:
         col = sol.columns
@@ -280,8 +289,11 @@ class LevelSolve:
 
 def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                 c_star_ms: float, heuristic: Sequence[Wave], *, start_ms: float = 0.0,
-                time_limit_s: float = 0.1, gap_worth: float = 0.005) -> LevelSolve:
-    """Bound one level and try to beat the heuristic's schedule, within ``time_limit_s`` seconds overall.
+                time_limit_s: float = 0.1, gap_worth: float = 0.02, max_nodes: int | None = MAX_NODES) -> LevelSolve:
+    """Bound one level and try to beat the heuristic's schedule.
+
+    Each model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on any
+    machine) or ``time_limit_s`` seconds, whichever comes first (a safety net on a slow or busy machine).
 
     1. Model 1 (area) gives a bound; 2. when the exact wave model (``K = Σ L``) is small, it is solved,
     warm-started from the heuristic: its dual bound is certified, and its schedule is optimal when HiGHS
@@ -292,8 +304,7 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
     span = sum(w.duration_ms for w in heuristic) if heuristic else math.inf
     if highspy is None:
         return LevelSolve(best, kind, [])
-    deadline = time.perf_counter() + time_limit_s
-    a = area_bound(metaops, curves, num_devices, time_limit_s=time_limit_s / 3)
+    a = area_bound(metaops, curves, num_devices, time_limit_s=time_limit_s, max_nodes=max_nodes)
     if a > best * (1 + 1e-9):
         best, kind = a, "area"
     better: list[Wave] = []
@@ -302,11 +313,11 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
     total = sum(m.num_layers for m in metaops)
     exact = model_cells(metaops, num_devices, total) <= EXACT_MAX_CELLS
     K = None if exact else len(heuristic) + 1
-    left = deadline - time.perf_counter()
-    if left > 0.005 and (exact or (heuristic and span > best * (1 + gap_worth)
+    left = time_limit_s
+    if (exact or (heuristic and span > best * (1 + gap_worth)
                                    and model_cells(metaops, num_devices, K) <= IMPROVE_MAX_CELLS)):
         r = wave_model(level, metaops, curves, num_devices, max_waves=K, start=heuristic, start_ms=start_ms,
-                       time_limit_s=left)
+                       time_limit_s=left, max_nodes=max_nodes)
         if r is not None:
             if r.waves and r.span_ms < span * (1 - 1e-9):
                 better, span = r.waves, r.span_ms
