@@ -166,10 +166,3 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
             for k in slice_param_keys(m, s.layer_start, s.num_layers):
                 held[r][(k, pos % m.tp)] = layer_state_bytes(m)
     return [act[d] + sum(held[d].values()) for d in range(num_devices)]
-
-
-
-def transfer_cost_ms(plan: Plan, cluster: Cluster) -> float:
-    """Inter-wave transfer time of a plan as the step simulator predicts it (forward + backward)."""
-    from .simulate import simulate
-    return simulate(plan, cluster, check_memory=False).breakdown.transfer_ms
