@@ -55,8 +55,11 @@ def own_makespan(model: str, tasks: int, gpus: int, search: bool) -> float:
 
 
 def schedule_of(plan) -> str:
+    """Which whole-step candidate won (:mod:`megatron_spindle.planner.choose`)."""
     v = plan.levels[0].variant if plan.levels else ""
-    return v.split(" schedule")[0] if "whole step" in v else "spindle"
+    if "whole step" in v:
+        return v.split(" schedule")[0]
+    return "per-level by step" if any("(by step)" in lv.variant for lv in plan.levels) else "spindle"
 
 
 def main(argv=None) -> int:
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
                 continue
             b = certified_bound_ms(plan)
             own = own_makespan(model, k, n, search) if schedule_of(plan) != "spindle" else plan.makespan_ms
+            if abs(own - plan.makespan_ms) <= 1e-9 * own:
+                own = plan.makespan_ms
             r_star.append(own / plan.lower_bound_ms)
             r_bound.append(own / b)
             won = schedule_of(plan)

@@ -73,8 +73,7 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
                               system="spindle")
         from .choose import choose_whole_step
         plan = choose_whole_step([("spindle", plan), ("spindle, naive placement", naive)], graph, cluster,
-                                 metaops, curves, baselines=search,
-                                 tuples={m: t for ls in sched for m, t in ls.tuples.items()})
+                                 metaops, curves, baselines=search, level_schedules=sched)
     if validate:
         from .validate import check_plan
         check_plan(plan)

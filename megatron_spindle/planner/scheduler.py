@@ -42,6 +42,8 @@ SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
 #: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer.
 SMALL_LEVEL = 16
+#: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
+ALT_SLACK = 0.03
 LOCAL_SEARCH_STEPS_SMALL = 400
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
@@ -60,6 +62,9 @@ class LevelSchedule:
     bound_ms: float = 0.0
     """Certified lower bound of the level (:func:`.solver.solve_level`; 0 when the solver did not run)."""
     bound_kind: str = "C*"
+    alternatives: tuple["LevelSchedule", ...] = ()
+    """Other candidates worth timing on the whole step (:mod:`.choose`): the paper's pipeline, the best before
+    the local search, and the one with the fewest waves within :data:`ALT_SLACK` of the shortest span."""
 
     @property
     def span_ms(self) -> float:
@@ -105,18 +110,33 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     if search:
         variants.append(("minmax", minmax_tuples(metaops, curves, N)))
     best: LevelSchedule | None = None
+    cands: list[LevelSchedule] = []
     for tag, tuples in variants:
         for propose in (PROPOSE if search else ("paper",)):
             for align in (ALIGN if search else ("shortest",)):
                 waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align)
                 cand = LevelSchedule(level=level, allocation=alloc, tuples=tuples, waves=waves,
                                      variant=f"{tag}/{propose}/{align}")
+                cands.append(cand)
                 if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
                     best = cand
     if not search:
         return best
-    best = _local_search(metaops, curves, N, start_ms, best)
-    return _solve(metaops, curves, N, start_ms, best, solver_budget_s) if solver_budget_s > 0 else best
+    searched = _local_search(metaops, curves, N, start_ms, best)
+    if solver_budget_s > 0:
+        searched = _solve(metaops, curves, N, start_ms, searched, solver_budget_s)
+    fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
+                 key=lambda c: (len(c.waves), c.span_ms), default=None)
+    alts, seen = [], {_signature(searched.waves)}
+    for c in (cands[0], best, fewest):  # cands[0]: the paper's pipeline (bipoint+0/paper/shortest)
+        if c is not None and _signature(c.waves) not in seen:
+            seen.add(_signature(c.waves))
+            alts.append(c)
+    return dataclasses.replace(searched, alternatives=tuple(alts))
+
+
+def _signature(waves) -> tuple:
+    return tuple(tuple((s.metaop, s.layer_start, s.layers, s.devices) for s in w.slices) for w in waves)
 
 
 def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
