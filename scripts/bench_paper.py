@@ -263,7 +263,7 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
                   "makespan / ΣC*", "step / ΣC*", "Spindle mem GiB max / spread", "sequential mem GiB max / spread"],
                  breakdown_rows(main)), "",
            "## Beyond the paper's grid", "",
-           "Spindle's plan is chosen by the simulated step among its own waves (island-aware and naive placement) "
+           "Spindle's plan is chosen by the simulated step among its own level-by-level waves (island-aware and naive placement), "
            "waves across levels (backfilled or cross-level) and the baselines' schedules (`planner/choose.py`); "
            "the step column names the schedule when it is not Spindle's level-by-level waves.", "",
            table(["workload", "GPUs", "Spindle step ms", "over sequential", "over task-level", "over intra-task",
