@@ -23,6 +23,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 from ..models.layer_state import shard_spec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -119,13 +121,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    comm.barrier()
     ensure_adam_state(optimizer)
     sd = sharded_state_dict(model, optimizer)
     sd["common"] = {"iteration": iteration, "model": model.graph.model, "tasks": list(model.plan.tasks),
                     **(extra or {})}
     dc.save(sd, tmp)
-    dist.barrier()
+    comm.barrier()
     if rank == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -136,7 +138,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
-    dist.barrier()
+    comm.barrier()
     return final
 
 
@@ -165,8 +167,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta}
     mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # report the weights no rank found, wherever they live
+    every = comm.all_gather_object(mine)  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*every))
     for k, v in present.items():
         saved = tuple(meta[v.key].global_shape)
