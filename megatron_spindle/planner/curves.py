@@ -239,6 +239,10 @@ def _line(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float, float]:
     return a, b, float(np.sum(wts * (ys - a - b * xs) ** 2))
 
 
+#: Candidate breakpoints considered by :func:`fit_piecewise` (all points when there are no more than this).
+MAX_BREAKPOINTS = 24
+
+
 def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segments: int = 3,
                   n_min: float = 1.0, n_max: float = math.inf, counts: Sequence[int] = (),
                   source: str = "analytic") -> ScalingCurve:
@@ -247,8 +251,9 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
     1. Convert to per-device work ``x = batch / n`` and sort by ``x``.
     2. Repair: isotonic regression makes the times non-decreasing in ``x`` (a measured point that is
        slower with more devices is pooled with its neighbour).
-    3. Choose breakpoints among the points: every split of the sorted points into at most
-       ``max_segments`` contiguous runs (neighbouring runs share their boundary point, so the fit is
+    3. Choose breakpoints among the points (among :data:`MAX_BREAKPOINTS` evenly spaced ones when there
+       are more, e.g. the hundreds of valid counts of a batch with many divisors): every split of the
+       sorted points into at most ``max_segments`` contiguous runs (neighbouring runs share their boundary point, so the fit is
        near-continuous), each run fitted by relative least squares; the split with the smallest
        ``SSE · (1 + 0.05·segments)`` wins (fewer segments unless more clearly help).
     4. Repair: clamp negative slopes to 0 (refit the level), keep ``α_0`` positive, lift a segment that
@@ -272,8 +277,10 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
     ys = np.array(_isotonic_increasing(ys_raw))
     k = len(xs)
     best = None
+    positions = range(1, k - 1) if k - 2 <= MAX_BREAKPOINTS else \
+        sorted({1 + round(i * (k - 3) / (MAX_BREAKPOINTS - 1)) for i in range(MAX_BREAKPOINTS)})
     for nseg in range(1, min(max_segments, max(1, k - 1)) + 1):
-        for cuts in itertools.combinations(range(1, k - 1), nseg - 1):
+        for cuts in itertools.combinations(positions, nseg - 1):
             bounds = (0, *cuts, k - 1)
             segs, sse = [], 0.0
             for i in range(nseg):
