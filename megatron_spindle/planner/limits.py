@@ -4,8 +4,8 @@ Planning time grows with the device count (placement and the simulator walk ever
 and with the number of valid device counts of a MetaOp (the divisors of its global batch). Both are bounded
 here so that any input is planned in bounded time and memory, or refused with one line naming the value:
 
-* :data:`MAX_DEVICES` devices: 1024 nodes of 8, sixteen times the paper's largest cluster. ``spindle plan``
-  takes about 4 s at 4096 devices and about 10 s at the limit on a 2-core machine.
+* :data:`MAX_DEVICES` devices: 1024 nodes of 8, 128 times the paper's largest cluster. ``spindle plan``
+  takes about 5 s of CPU at 4096 devices and 9 s at the limit (13 s with a batch of 720720, 240 divisors).
 * :data:`MAX_BATCH` samples of global batch per task and step. Valid counts are divisors of the batch; a
   number below 2^20 has at most 240 divisors, so the allocator and the scheduler see at most that many counts
   per MetaOp.
