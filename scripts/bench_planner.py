@@ -5,9 +5,9 @@ Prints one row per built-in workload and device count (8, 16, 32, 64): the makes
 level-by-level waves, Σ C* (the relaxed bound), the certified integer-aware bound of level-by-level wave
 schedules (:mod:`megatron_spindle.planner.solver`) and how its levels were bounded, both ratios, which
 schedule the whole-step choice kept (:mod:`megatron_spindle.planner.choose`; with its compute makespan when
-it is not Spindle's level-by-level waves), the number of waves of the chosen plan, and the planning time (process CPU seconds, which other
-programs on the machine do not inflate, and wall seconds). Then the planning time of 10-task
-Multitask-CLIP on 64, 256 and 1024 devices. Targets (issue 14): makespan ≤ 1.07 × Σ C* and within 3% of the
+it is not Spindle's level-by-level waves), the number of waves of the chosen plan, and the planning time
+(process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
+seconds). Then the planning time of 10-task Multitask-CLIP on 64, 256 and 1024 devices. Targets (issue 14): makespan ≤ 1.07 × Σ C* and within 3% of the
 certified bound; planning under 1 s at 64 devices and under 3 s at 1024.
 
 A workload that does not fit the devices' memory prints its placement error instead of numbers.

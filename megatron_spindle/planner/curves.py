@@ -253,9 +253,9 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
        slower with more devices is pooled with its neighbour).
     3. Choose breakpoints among the points (among :data:`MAX_BREAKPOINTS` evenly spaced ones when there
        are more, e.g. the hundreds of valid counts of a batch with many divisors): every split of the
-       sorted points into at most ``max_segments`` contiguous runs (neighbouring runs share their boundary point, so the fit is
-       near-continuous), each run fitted by relative least squares; the split with the smallest
-       ``SSE · (1 + 0.05·segments)`` wins (fewer segments unless more clearly help).
+       sorted points into at most ``max_segments`` contiguous runs (neighbouring runs share their boundary
+       point, so the fit is near-continuous), each run fitted by relative least squares; the split with the
+       smallest ``SSE · (1 + 0.05·segments)`` wins (fewer segments unless more clearly help).
     4. Repair: clamp negative slopes to 0 (refit the level), keep ``α_0`` positive, lift a segment that
        would start below its predecessor's end.
     5. ``fit_error`` is the largest relative error at the original points.

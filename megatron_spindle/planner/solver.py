@@ -14,21 +14,23 @@ lasts as long as its longest slice. Two mixed-integer models of it:
 
    so ``min C`` is a lower bound of the level. Its LP relaxation is ``C*`` (time-sharing two counts is the
    concave envelope of the rates); the integer layers and counts are what make it tighter. HiGHS's dual
-   bound is valid even when the time budget stops it early.
+   bound is valid even when the node or time limit stops it early.
 
 2. **Wave model** (small levels). ``K`` waves; ``y_{w,m,c} ∈ {0,1}`` (MetaOp ``m`` runs on ``c`` devices in
    wave ``w``), ``l_{w,m,c} ∈ ℤ`` its layers, ``D_w`` the wave's duration::
 
-       min Σ_w D_w   s.t.   Σ_c y_{w,m,c} ≤ 1,     Σ_{m,c} c·y_{w,m,c} ≤ N,     y_{w,m,c} ≤ l_{w,m,c} ≤ L_m·y_{w,m,c},
+       min Σ_w D_w   s.t.   Σ_c y_{w,m,c} ≤ 1,     Σ_{m,c} c·y_{w,m,c} ≤ N,
+                            y_{w,m,c} ≤ l_{w,m,c} ≤ L_m·y_{w,m,c},
                             D_w ≥ Σ_c T_m(c)·l_{w,m,c},   N·D_w ≥ Σ_{m,c} c·T_m(c)·l_{w,m,c},
                             Σ_{w,c} l_{w,m,c} = L_m,      D_1 ≥ D_2 ≥ … ≥ D_K   (waves of a level commute)
 
    The MetaOps of a level are independent, so any order of the waves is a valid schedule and every
    solution is one. Every wave runs at least one layer, so no schedule has more than ``Σ_m L_m`` waves:
    with ``K = Σ_m L_m`` the model is exact and its dual bound is a lower bound of *every* wave schedule of
-   the level (used when that model is small, :data:`EXACT_MAX_CELLS`). With a smaller ``K`` (the
-   heuristic's wave count) it is a search for a better schedule, warm-started from the heuristic's, under a
-   time budget; its bound then holds only for schedules of at most ``K`` waves and is not reported.
+   the level (used when that model is small, :data:`EXACT_MAX_CELLS`). With a smaller ``K`` (one more
+   than the heuristic's wave count, where that model is small: :data:`IMPROVE_MAX_CELLS`) it is a search for a
+   better schedule, warm-started from the heuristic's; its bound then holds only for schedules of at most
+   ``K`` waves and is not reported.
 
 Work is limited by branch-and-bound nodes (:data:`MAX_NODES`), so a plan does not depend on the machine's
 load; a wall-clock limit per model is only a safety net (if it strikes on a very slow machine every bound
@@ -40,7 +42,6 @@ planner keeps its heuristic schedules.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
