@@ -70,7 +70,8 @@ def test_solver_is_optimal_and_its_bound_valid_on_small_instances(seed):
     opt = brute_force(metaops, curves, n)
     heuristic = plan_level(metaops, curves, n, solver_budget_s=0)
     c_star = allocate_level({m.name: m.num_layers for m in metaops}, curves, n).c_star_ms
-    r = solver.solve_level(0, metaops, curves, n, c_star, heuristic.waves, time_limit_s=20.0, max_nodes=None)
+    r = solver.solve_level(0, metaops, curves, n, c_star, heuristic.waves, time_limit_s=20.0, max_nodes=None,
+                           exact_max_cells=10_000)
     span = sum(w.duration_ms for w in r.waves) if r.waves else heuristic.span_ms
     assert r.bound_kind == "optimal", (seed, r)
     assert span == pytest.approx(opt, rel=1e-6)                  # the solver's schedule is optimal

@@ -48,7 +48,7 @@ LOCAL_SEARCH_STEPS_SMALL = 400
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
-SOLVER_BUDGET_S = 0.5
+SOLVER_BUDGET_S = 2.0
 
 
 @dataclass

@@ -55,9 +55,9 @@ except ImportError:  # pragma: no cover - exercised by the no-solver test
     highspy = None
 
 #: Largest wave model (waves × (MetaOp, count) pairs) solved with ``K = Σ L`` for an exact bound.
-EXACT_MAX_CELLS = 150
+EXACT_MAX_CELLS = 80
 #: Largest wave model solved with ``K`` = the heuristic's waves to improve its schedule.
-IMPROVE_MAX_CELLS = 120
+IMPROVE_MAX_CELLS = 40
 #: Branch-and-bound nodes per model: a deterministic work limit (the time limit is only a safety net).
 MAX_NODES = 10
 
@@ -290,7 +290,8 @@ class LevelSolve:
 
 def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                 c_star_ms: float, heuristic: Sequence[Wave], *, start_ms: float = 0.0,
-                time_limit_s: float = 0.1, gap_worth: float = 0.02, max_nodes: int | None = MAX_NODES) -> LevelSolve:
+                time_limit_s: float = 0.1, gap_worth: float = 0.02, max_nodes: int | None = MAX_NODES,
+                exact_max_cells: int = EXACT_MAX_CELLS) -> LevelSolve:
     """Bound one level and try to beat the heuristic's schedule.
 
     Each model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on any
@@ -312,7 +313,7 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
     if span <= best * (1 + 1e-9):
         return LevelSolve(best, "optimal", [])
     total = sum(m.num_layers for m in metaops)
-    exact = model_cells(metaops, num_devices, total) <= EXACT_MAX_CELLS
+    exact = model_cells(metaops, num_devices, total) <= exact_max_cells
     K = None if exact else len(heuristic) + 1
     left = time_limit_s
     if (exact or (heuristic and span > best * (1 + gap_worth)
