@@ -56,8 +56,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_profile(args) -> int:
     import os
 
+    from ..atomic import check_output
     from .run import ProfileConfig, profile
 
+    for path, what in ((args.out, "--out"), (args.cluster_out, "--cluster-out"),
+                       (None if args.no_cache else args.cache, "--cache")):
+        if path:
+            check_output(path, what)  # before the measuring, not after it
     nproc = args.nproc
     if nproc is None:
         if "WORLD_SIZE" not in os.environ:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..atomic import write_json
 from . import launch
 from .fit import curves_document, summary_table
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
@@ -131,7 +132,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
 
     cache = None
     if rank == 0:
-        cache = ProfileCache.load(cfg.cache)
+        cache = ProfileCache.load(cfg.cache, fresh=cfg.fresh)
         pending = [p for p in points if cfg.fresh or cache.get(targets[p.target], p.devices, where) is None]
     else:
         pending = None
@@ -217,9 +218,9 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
         measured["link"] = link
     doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
     if cfg.out:
-        _write_json(cfg.out, doc)
+        write_json(cfg.out, doc, "curves file")
     if cfg.cluster_out and cl is not None:
-        _write_json(cfg.cluster_out, cl)
+        write_json(cfg.cluster_out, cl, "cluster file")
     say("")
     say(summary_table(doc))
     say("")
@@ -230,13 +231,6 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     return doc
 
 
-def _write_json(path: str, obj) -> None:
-    import json
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.write("\n")
 
 
 # --------------------------------------------------------------------------------------------------

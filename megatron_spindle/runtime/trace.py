@@ -66,8 +66,5 @@ class StepTrace:
 
 def write_chrome_trace(path: str, events: list[dict]) -> None:
     """Write events (from one or many ranks) atomically as ``{"traceEvents": [...]}``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-    os.replace(tmp, path)
+    from ..atomic import write_json
+    write_json(path, {"traceEvents": events, "displayTimeUnit": "ms"}, "Chrome trace", indent=None)
