@@ -27,10 +27,9 @@ import torch.distributed as dist
 
 from .. import faults
 from ..models.layer_state import shard_spec
-from .ckpt_files import (CheckpointFileError, describe_save_error, in_process_writes,
-                         restrict_metadata_unpickling, verify_checkpoint, write_manifest)
+from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
+                         latest_iteration, restrict_metadata_unpickling, verify_checkpoint, write_manifest)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -41,7 +40,7 @@ except ImportError:  # pragma: no cover
     _READ_ERRORS = (Exception,)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CheckpointFileError):
     """A checkpoint that cannot be used (missing, corrupt, for another model) or cannot be written."""
 
 
@@ -101,21 +100,6 @@ def sharded_state_dict(model, optimizer=None) -> dict:
                 out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1,
                                                      (shard, idx))
     return out
-
-
-def latest_iteration(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint tracker {path} is unreadable: {type(e).__name__}") from None
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"checkpoint tracker {path} is corrupt: {text[:40]!r} is not an iteration") from None
 
 
 def checkpoint_bytes(model, optimizer) -> int:

@@ -35,6 +35,7 @@ import pickle
 import queue
 import shutil
 
+TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 MANIFEST_KIND = "spindle-checkpoint-manifest"
 MANIFEST_VERSION = 1
@@ -42,6 +43,22 @@ MANIFEST_VERSION = 1
 
 class CheckpointFileError(ValueError):
     """A checkpoint file that fails verification, or a save directory that cannot take a checkpoint."""
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration ``root``'s tracker names; ``None`` without a tracker. Pure (no torch)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointFileError(f"checkpoint tracker {path} is unreadable: {type(e).__name__}") from None
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointFileError(f"checkpoint tracker {path} is corrupt: {text[:40]!r} is not an iteration") from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -40,7 +40,11 @@ def init_distributed(timeout_s: float) -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        from .preflight import explain_init_error
+        raise (explain_init_error(e, timeout_s) or e) from None
 
 
 def make_graph(args, world: int = 1):
@@ -153,6 +157,8 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
     from .checkpoint import load_checkpoint, save_checkpoint
     from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
+    from .args import check_args, world_from_env
+    check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
     init_distributed(args.spindle_timeout)
     apply_cpu_patches()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -190,6 +196,11 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         log0(f"resumed from {args.load} at iteration {start}"
              + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
     sched.step(start) if start else None
+    if args.save:
+        from .preflight import check_save_space
+        check_save_space(args.save, model, optimizer)
+    from .guard import NumericGuard
+    guard = NumericGuard(args.spindle_nonfinite_skips)
     data = _Batches(graph, args.seed, plan.tasks, position=start * accum)
     if args.spindle_check_equivalence:
         from .equivalence import check_first_step
@@ -221,12 +232,13 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
                                            num_microbatches=accum, seq_length=None, micro_batch_size=micro)
         norm = model.clip_grads(args.clip_grad)
+        losses = reduce_reports(reports)
         t_opt = time.perf_counter()
-        optimizer.step()
+        if guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sched.step(1)
         model.trace.span("optimizer", "optimizer step", t_opt)
-        losses = reduce_reports(reports)
         dt = time.perf_counter() - t0
         model.trace.span("step", "step", t0)
         step_times.append(dt)

@@ -6,8 +6,6 @@ Chrome trace events (``ph: "X"``, microseconds, ``pid`` = rank, one ``tid`` per 
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
 
