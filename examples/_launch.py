@@ -1,7 +1,7 @@
 """Shared entry of the example pretrain scripts: default the model, then run the Spindle pretraining.
 
-With Megatron-LM installed and a GPU, megatron_spindle.megatron.adapter installs its hooks into Megatron's
-``pretrain``; otherwise the same hooks drive megatron_spindle's own loop on megatron.core (CPU with gloo
+With Megatron-LM installed and a GPU, megatron_spindle.megatron.hooks installs its hooks into Megatron's
+``pretrain``; otherwise the same hooks drive megatron_spindle's own trainer on megatron.core (CPU with gloo
 included). Bad input prints one line and exits with status 2.
 """
 import sys
@@ -11,5 +11,8 @@ def launch(model: str) -> int:
     argv = sys.argv[1:]
     if not any(a.startswith("--spindle-model") for a in argv):
         argv = ["--spindle-model", model] + argv
-    from megatron_spindle.megatron.adapter import main
+    from megatron_spindle.log import setup_logging
+
+    setup_logging()  # before megatron.core is imported: its optional-package warnings become one line
+    from megatron_spindle.megatron.hooks import main
     return main(argv)

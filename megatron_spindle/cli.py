@@ -1,4 +1,4 @@
-"""The ``spindle`` command line: ``spindle plan`` (and, as they land, ``compare`` and ``profile``).
+"""The ``spindle`` command line: ``spindle plan``, ``spindle compare`` and ``spindle profile``.
 
 Every command turns bad input into one line on stderr naming the offending value and exit status 2.
 """
@@ -11,6 +11,7 @@ import time
 
 from .argtypes import positive_int
 from .atomic import check_output
+from .log import setup_logging
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +94,7 @@ def cmd_plan(args) -> int:
 
 
 def main(argv=None) -> int:
+    setup_logging(announce=False)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

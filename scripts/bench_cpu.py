@@ -34,7 +34,7 @@ the prediction error of the Spindle plan, and the measured vs predicted breakdow
 ``predicted / measured - 1`` of the Spindle step).
 
 Megatron on CPU: ``DistributedDataParallel``, ``forward_backward_no_pipelining`` and ``finalize_model_grads``
-run unchanged on gloo, given (a) :func:`~megatron_spindle.runtime.cpu_compat.apply_cpu_patches`
+run unchanged on gloo, given (a) :func:`~megatron_spindle.compat.cpu.apply_cpu_patches`
 (``torch.cuda.current_device`` -> CPU: DDP allocates its grad buffers there) and (b) :class:`CudaToCpu`, a
 ``TorchFunctionMode`` that turns ``device="cuda"`` into CPU for tensors megatron creates in Python (the
 schedule's token counter). Their gradients equal the single-process reference's (``tests/test_bench_cpu.py``).
@@ -126,7 +126,7 @@ class MegatronSequential:
         from megatron_spindle.models.blocks import self_group
         from megatron_spindle.models.data import parse_data_input
         from megatron_spindle.models.reference import ReferenceModel
-        from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+        from megatron_spindle.compat.cpu import apply_cpu_patches
 
         bad = sorted({op.op_type for op in graph.operators if op.op_type in ("lm_head",)})
         if bad:
@@ -259,7 +259,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.planner.workloads import build_graph
     from megatron_spindle.profiler.run import ProfileConfig, profile_rank
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
 
     apply_cpu_patches()
     graph = build_graph(opts["model"], tasks=opts["tasks"], size="tiny", batch=opts["batch"])

@@ -24,13 +24,14 @@ class _Payload:
 
 
 def _model(world):
-    from megatron_spindle.megatron.args import build_parser
-    from megatron_spindle.megatron.loop import make_graph, make_optimizer, plan_for
+    from megatron_spindle.megatron.flags import build_parser
+    from megatron_spindle.megatron.model import graph_for, plan_for
+    from megatron_spindle.megatron.trainer import make_optimizer
     from megatron_spindle.runtime.executor import SpindleModel
     args = build_parser().parse_args(BASE)
-    g = make_graph(args, world)
+    g = graph_for(args, world)
     model = SpindleModel(plan_for(args, g, world), g, seed=7)
-    return model, make_optimizer(model, args)
+    return model, make_optimizer(model.unique_parameters(), args)
 
 
 def _try_load(d, model, opt):

@@ -60,7 +60,7 @@ def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None):
     if fault:
         env["SPINDLE_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "--monitor-interval", "0.2", "-m", "megatron_spindle.megatron.loop", *args]
+           str(free_port()), "--monitor-interval", "0.2", "-m", "megatron_spindle.megatron.trainer", *args]
     with tempfile.TemporaryFile("w+") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         try:

@@ -31,7 +31,7 @@ def _plans(g):
 def _spindle(rank, world, g, plans):
     import torch
     from megatron_spindle.models.data import SyntheticData
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
     from megatron_spindle.runtime.executor import SpindleModel
     from megatron_spindle.runtime.replan import replan
 
@@ -71,7 +71,7 @@ def _reference(g):
     import torch
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.models.reference import ReferenceModel
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
 
     apply_cpu_patches()
     ref = ReferenceModel(g, seed=0)

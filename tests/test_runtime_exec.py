@@ -94,7 +94,7 @@ def _run_case(plan, g):
 
 
 def _all_cases(rank, world, cases, g):
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
     apply_cpu_patches()
     return {name: _run_case(plan, g) for name, plan in cases.items()}
 
@@ -103,7 +103,7 @@ def _reference(g):
     import torch
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.models.reference import ReferenceModel
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
 
     apply_cpu_patches()
     ref = ReferenceModel(g, seed=0)
@@ -203,7 +203,7 @@ def test_trace_records_every_wave_phase(results, tmp_path):
 
 # -- faults ------------------------------------------------------------------------------------------------
 def _hang_or_die(rank, world, plan, g, mode):
-    from megatron_spindle.runtime.cpu_compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
     apply_cpu_patches()
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel

@@ -18,7 +18,7 @@ BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--log-interval", "100
 
 
 def _args(extra):
-    from megatron_spindle.megatron.args import build_parser
+    from megatron_spindle.megatron.flags import build_parser
     return build_parser().parse_args(BASE + extra)
 
 
@@ -26,16 +26,22 @@ def _run(rank, world, ckpt, script):
     micro = ["--micro-batch-size", str(8 // world)]  # 8 samples per task per pass on any world size
     """Run several trainings in one process group; returns each run's summary (task losses of the last step)."""
     import io
-    from contextlib import redirect_stdout
-    from megatron_spindle.megatron.loop import pretrain
+    import logging
+    from megatron_spindle.megatron.trainer import pretrain
     out = []
     for extra in script:
         if extra == "FAIL_SAVE":
             out.append(_failing_save(ckpt))
             continue
         buf = io.StringIO()
-        with redirect_stdout(buf):
+        handler = logging.StreamHandler(buf)  # the trainer logs through `logging` (rank 0 at the entry point)
+        logger = logging.getLogger("megatron_spindle")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
             res = pretrain(_args(micro + [a.replace("CKPT", ckpt) for a in extra]))
+        finally:
+            logger.removeHandler(handler)
         lines = [l for l in buf.getvalue().splitlines() if l.startswith("iteration ")]
         resumed = [l for l in buf.getvalue().splitlines() if l.startswith("resumed ")]
         out.append({"result": res, "lines": lines, "resumed": resumed})
@@ -46,13 +52,14 @@ def _failing_save(ckpt):
     """A save that dies half-way must leave the previous checkpoint and the tracker untouched."""
     import megatron.core.dist_checkpointing as dc
     from megatron_spindle.megatron import checkpoint as C
-    from megatron_spindle.megatron.loop import make_graph, make_optimizer, plan_for
+    from megatron_spindle.megatron.model import graph_for as make_graph, plan_for
+    from megatron_spindle.megatron.trainer import make_optimizer
     from megatron_spindle.runtime.executor import SpindleModel
     import torch.distributed as dist
     args = _args(["--spindle", "--micro-batch-size", str(8 // dist.get_world_size())])
     g = make_graph(args, dist.get_world_size())
     model = SpindleModel(plan_for(args, g, dist.get_world_size()), g, seed=7)
-    opt = make_optimizer(model, args)
+    opt = make_optimizer(model.unique_parameters(), args)
     real = dc.save
 
     def boom(*a, **k):
@@ -127,7 +134,7 @@ def test_a_failed_save_leaves_the_last_checkpoint(runs):
 def _cli(args, env_extra=None, cwd=None):
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port())}
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", *BASE, "--micro-batch-size", "8",
+    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", *BASE, "--micro-batch-size", "8",
                            *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
@@ -139,7 +146,7 @@ def _port():
 
 def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
     d, _, _ = runs
-    r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.loop", "--spindle-model", "gpt5"],
+    r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-model", "gpt5"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice: 'gpt5'" in r.stderr
     # a plan for another model, and for another world size

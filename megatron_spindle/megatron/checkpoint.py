@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
+from ..atomic import write_file
 from ..models.layer_state import shard_spec
 from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
                          latest_iteration, restrict_metadata_unpickling, verify_checkpoint, write_manifest)
@@ -155,7 +156,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
                 shutil.rmtree(final)
             os.replace(tmp, final)
             faults.point("save-renamed", iteration, rank)
-            from ..atomic import write_file
             write_file(os.path.join(root, TRACKER), str(iteration), "checkpoint tracker")
         except (OSError, ValueError) as e:
             error = describe_save_error(root, e)

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..models.layer_state import shard_spec, shard_tensor
+from ..models.reference import ReferenceModel
+
 
 def check_first_step(model, graph, batch, seed: int) -> float:
-    from ..models.layer_state import shard_spec, shard_tensor
-
     batch = {t: batch[t] for t in model.plan.tasks}
     state = model(batch)
     model.backward(state)
@@ -34,7 +35,6 @@ def check_first_step(model, graph, batch, seed: int) -> float:
         p.grad = None
     worst = torch.zeros((), dtype=torch.float64)
     if dist.get_rank() == 0:
-        from ..models.reference import ReferenceModel
         ref = ReferenceModel(graph, seed=seed, dtype=next(model.parameters()).dtype)
         out = ref(batch)
         sum(out.values()).backward()

@@ -23,6 +23,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..log import get_logger
+
+log = get_logger(__name__)
+
 
 class NonFiniteError(ValueError):
     """Training stopped on a non-finite loss or gradient norm; the message names iteration, task and MetaOp."""
@@ -82,9 +86,7 @@ class NumericGuard:
             self.skipped.append(iteration + 1)
             for p in model.unique_parameters():
                 p.grad = None
-            if dist.get_rank() == 0:
-                print(f"{what}; step skipped ({len(self.skipped)} of --spindle-nonfinite-skips "
-                      f"{self.max_skips})", flush=True)
+            log.warning(f"{what}; step skipped ({len(self.skipped)} of --spindle-nonfinite-skips {self.max_skips})")
             return False
         raise NonFiniteError(f"{what}; stopped before the optimizer step, nothing saved (the last checkpoint "
                              f"holds the last finite state; lower --lr, or allow skips with "

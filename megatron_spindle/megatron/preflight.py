@@ -11,6 +11,9 @@ import os
 
 import torch.distributed as dist
 
+from .checkpoint import CheckpointError, checkpoint_bytes
+from .ckpt_files import check_save_dir
+
 
 def explain_init_error(e: BaseException, timeout_s: float) -> ValueError | None:
     """A one-line ``ValueError`` for a failed ``init_process_group`` (busy port, unreachable rank 0), or
@@ -29,9 +32,6 @@ def explain_init_error(e: BaseException, timeout_s: float) -> ValueError | None:
 def check_save_space(root: str, model, optimizer) -> int:
     """Refuse ``--save root`` on every rank alike unless its file system has room for two checkpoints of this
     model (the new one is written beside the last); collective. Returns the checkpoint's size in bytes."""
-    from .checkpoint import CheckpointError, checkpoint_bytes
-    from .ckpt_files import check_save_dir
-
     need = checkpoint_bytes(model, optimizer)
     try:
         check_save_dir(root, need)

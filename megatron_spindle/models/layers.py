@@ -52,10 +52,11 @@ from torch import Tensor, nn
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
-from ..runtime.cpu_compat import ensure_megatron_globals
+from .megatron_state import ensure_megatron_globals
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
                      LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
                      pg_collection, self_group, transformer_config, use_te_backend)
+from .data import stream_spec_for
 from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
                           shard_tensor, unshard_tensors)
 
@@ -359,8 +360,6 @@ def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tup
     Operator inputs take their producer's :func:`output_shape` (``graph`` needed when there are several);
     a lone operator input is the shape the layer expects; data streams follow ``models.data``.
     """
-    from .data import stream_spec_for
-
     c = op.layer
     acts = [n for n in op.inputs if not n.startswith(DATA_PREFIX)]
     own = {"transformer_layer": (c.seq_len, c.hidden),

@@ -9,14 +9,15 @@ torchrun's own parser would take for ``--nproc-per-node``).
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..argtypes import non_negative_int, positive_int
+from ..atomic import check_output
+from .points import default_cache_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``spindle profile`` on the ``spindle`` command's subparsers."""
-    from .points import default_cache_path
-
     p = subparsers.add_parser(
         "profile", help="measure every MetaOp on this machine's backend and write its scaling curves",
         description="Time forward+backward of one layer of every MetaOp at several device counts (data "
@@ -54,10 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args) -> int:
-    import os
-
-    from ..atomic import check_output
-    from .run import ProfileConfig, profile
+    from .run import ProfileConfig, profile  # optional: torch (only this subcommand needs it; plan/compare don't)
 
     for path, what in ((args.out, "--out"), (args.cluster_out, "--cluster-out"),
                        (None if args.no_cache else args.cache, "--cache")):

@@ -8,14 +8,21 @@ input stays one line; anything else as ``RuntimeError`` with the process's trace
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue
+import socket
 import time
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from ..log import setup_logging
+
 
 def backend() -> str:
-    import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -25,7 +32,6 @@ def threads_per_process(nproc: int) -> int:
 
 
 def free_port() -> int:
-    import socket
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,9 +41,8 @@ def _child(fn: Callable, rank: int, nproc: int, port: int, args: tuple, results)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)})
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    setup_logging(announce=False)  # a worker is an entry point: rank-0 progress lines, quiet optional packages
     try:
-        import torch
-        import torch.distributed as dist
         torch.set_num_threads(threads_per_process(nproc))
         dist.init_process_group(backend(), rank=rank, world_size=nproc)
         try:
@@ -51,9 +56,6 @@ def _child(fn: Callable, rank: int, nproc: int, port: int, args: tuple, results)
 
 def spawn(fn: Callable, nproc: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
     """``[fn(0, nproc, *args), …, fn(nproc - 1, nproc, *args)]``, each in its own process (``fn`` importable)."""
-    import multiprocessing as mp
-    import queue
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -20,6 +20,7 @@ island (intra = inter), for ``spindle compare --cluster FILE`` and the CPU bench
 from __future__ import annotations
 
 import math
+import time
 from typing import Mapping, Sequence
 
 #: Message sizes of the link measurement (bytes): latency-bound to bandwidth-bound.
@@ -114,10 +115,8 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
     Returns ``[{"kind", "ranks", "bytes", "ms" (mean), "median_ms", "busy_ms"}, ...]`` on every process (rank 0's
     clock). Needs at least two processes.
     """
-    import time
-
-    import torch
-    import torch.distributed as dist
+    import torch  # optional: torch (fitting a link needs only numpy; measuring one needs torch)
+    import torch.distributed as dist  # optional: torch, as above
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:

@@ -25,10 +25,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+import torch.distributed as dist
+
 from ..atomic import write_json
+from ..compat.cpu import apply_cpu_patches
+from ..log import get_logger
+from ..planner.build import make_metaops
+from ..planner.cluster import Cluster
+from ..planner.workloads import build_graph
 from . import launch
 from .fit import curves_document, summary_table
+from .link import cluster_fields, fit_link, measure_link
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
+from .timing import time_layer
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,21 +106,11 @@ def _fmt_s(s: float) -> str:
 
 def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None) -> dict | None:
     """Run the profile on this process of an initialised world; the curves document on process 0, else None."""
-    import torch
-    import torch.distributed as dist
-
-    from ..planner.cluster import Cluster
-    from ..planner.build import make_metaops
-    from ..planner.workloads import build_graph
-    from ..runtime.cpu_compat import apply_cpu_patches
-    from .link import cluster_fields, fit_link, measure_link
-    from .timing import time_layer
-
     t_start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.nproc:
         raise ValueError(f"the profile was asked for --nproc {cfg.nproc} but runs on {world} processes")
-    say = (log or (lambda s: print(s, flush=True))) if rank == 0 and cfg.verbose else (lambda s: None)
+    say = (log or _log.info) if rank == 0 and cfg.verbose else (lambda s: None)
     backend = dist.get_backend()
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
@@ -241,12 +243,7 @@ def profile(cfg: ProfileConfig) -> dict:
 
     Returns the curves document (on process 0; ``{}`` on the others).
     """
-    from ..planner.workloads import build_graph
     build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)  # bad input: fail before starting
-
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return profile_rank(cfg) or {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..models.layers import build_layer, example_inputs
 from ..planner.graph import TaskGraph
 
 
@@ -29,8 +30,6 @@ def time_layer(graph: TaskGraph, operator: str, local_batch: int, *, warmup: int
     a fast layer is sampled over a longer window, so a short burst of other load does not move its median.
     With ``tp_size > 1`` every rank of the group runs the same number of repeats (rank 0 of the group decides).
     """
-    from ..models.layers import build_layer, example_inputs
-
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     op = graph[operator]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..planner.graph import TaskGraph
 from ..planner.plan import Plan
+from .executor import SpindleModel
 
 
 def _numel(shape) -> int:
@@ -47,8 +48,6 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     Returns ``(new_model, new_optimizer)``; the old model's layers not reused stay parked in
     ``new_model.parked``.
     """
-    from .executor import SpindleModel
-
     rank = dist.get_rank()
     parked: dict = dict(getattr(model, "parked", {}))  # (key, tp ranks) -> (layer, {param name: state})
     live = dict(model.cores_by_group)

@@ -6,8 +6,13 @@ Chrome trace events (``ph: "X"``, microseconds, ``pid`` = rank, one ``tid`` per 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..atomic import write_json
 
 CATEGORIES = ("forward", "backward", "transfer", "sync", "optimizer", "step")
 
@@ -64,5 +69,18 @@ class StepTrace:
 
 def write_chrome_trace(path: str, events: list[dict]) -> None:
     """Write events (from one or many ranks) atomically as ``{"traceEvents": [...]}``."""
-    from ..atomic import write_json
     write_json(path, {"traceEvents": events, "displayTimeUnit": "ms"}, "Chrome trace", indent=None)
+
+
+def gather_chrome_trace(trace: StepTrace, directory: str) -> str | None:
+    """Gather every rank's spans and write ``<directory>/trace.json`` on rank 0 (collective; every rank calls).
+
+    Returns the path on rank 0, None elsewhere.
+    """
+    events: list = [None] * dist.get_world_size()
+    dist.all_gather_object(events, trace.chrome_events())
+    if dist.get_rank() != 0:
+        return None
+    path = os.path.join(directory, "trace.json")
+    write_chrome_trace(path, [e for ev in events for e in ev])
+    return path

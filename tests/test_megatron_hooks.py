@@ -1,4 +1,4 @@
-"""The Megatron-LM adapter on CPU, without ``megatron.training`` (which needs Megatron-LM and a GPU).
+"""The Megatron-LM hooks on CPU, without ``megatron.training`` (which needs Megatron-LM and a GPU).
 
 * flags: registered the way Megatron's ``parse_args`` calls ``extra_args_provider`` (milliseconds);
 * the forward-backward contract ``train_step`` relies on: the keywords it passes, one report dict per
@@ -22,8 +22,9 @@ import sys
 
 import pytest
 
-from megatron_spindle.megatron import adapter
-from megatron_spindle.megatron.args import add_spindle_args
+from megatron_spindle.megatron import flags, hooks, trainer
+from megatron_spindle.megatron.chunk import megatron_forward_backward
+from megatron_spindle.megatron.flags import add_spindle_args
 from megatron_spindle.megatron.schedule import spindle_forward_backward
 from mp_harness import run_ranks
 
@@ -110,20 +111,20 @@ def test_chain_args_adds_spindle_flags_then_runs_theirs():
         return parser
 
     parser = megatron_like_parser()
-    assert adapter.chain_args(None, theirs)(parser) is parser
+    assert flags.chain_args(None, theirs)(parser) is parser
     args = parser.parse_args(["--spindle", "--my-flag", "5"])
     assert args.spindle and args.my_flag == 5
     with pytest.raises(TypeError, match="return the parser"):
-        adapter.chain_args(lambda p: None)(megatron_like_parser())
+        flags.chain_args(lambda p: None)(megatron_like_parser())
 
 
 def test_megatron_settings_spindle_cannot_honour_are_named():
     ok = argparse.Namespace(micro_batch_size=2, tensor_model_parallel_size=1, dataloader_type="external")
-    assert adapter.check_megatron_args(ok) == []
+    assert flags.check_megatron_args(ok) == []
     bad = argparse.Namespace(micro_batch_size=None, tensor_model_parallel_size=2, fp16=True,
                              use_distributed_optimizer=True, dataloader_type="single", save="ckpt",
                              ckpt_format="torch", spindle_task_schedule="0:a")
-    text = "\n".join(adapter.check_megatron_args(bad))
+    text = "\n".join(flags.check_megatron_args(bad))
     for flag in ("--tensor-model-parallel-size 2", "--fp16", "--use-distributed-optimizer",
                  "--dataloader-type single", "--ckpt-format torch", "--spindle-task-schedule",
                  "--micro-batch-size"):
@@ -133,7 +134,7 @@ def test_megatron_settings_spindle_cannot_honour_are_named():
 # --------------------------------------------------------------------------------------------------
 # The forward-backward signature (pure)
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fn", [adapter.megatron_forward_backward, spindle_forward_backward])
+@pytest.mark.parametrize("fn", [megatron_forward_backward, spindle_forward_backward])
 def test_forward_backward_accepts_train_step_keywords(fn):
     sig = inspect.signature(fn)
     common = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
@@ -147,10 +148,10 @@ def test_forward_backward_accepts_train_step_keywords(fn):
 # --------------------------------------------------------------------------------------------------
 # Import and fallback decision (no processes but one interpreter)
 # --------------------------------------------------------------------------------------------------
-def test_adapter_imports_without_megatron_training():
+def test_hooks_import_without_megatron_training():
     code = ("import sys; sys.modules['megatron.training'] = None\n"
-            "from megatron_spindle.megatron import adapter\n"
-            "backend, why = adapter.choose_backend()\n"
+            "from megatron_spindle.megatron import hooks\n"
+            "backend, why = hooks.choose_backend()\n"
             "assert backend == 'loop' and 'megatron.training' in why, why\n"
             "print('ok')")
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
@@ -159,29 +160,28 @@ def test_adapter_imports_without_megatron_training():
 
 
 def test_backend_decision():
-    assert adapter.choose_backend(has_training=True, has_cuda=True) == ("megatron", "")
-    backend, why = adapter.choose_backend(has_training=False, has_cuda=True)
+    assert hooks.choose_backend(has_training=True, has_cuda=True) == ("megatron", "")
+    backend, why = hooks.choose_backend(has_training=False, has_cuda=True)
     assert backend == "loop" and "megatron.training" in why
-    backend, why = adapter.choose_backend(has_training=True, has_cuda=False)
+    backend, why = hooks.choose_backend(has_training=True, has_cuda=False)
     assert backend == "loop" and "CUDA" in why
 
 
-def test_pretrain_spindle_falls_back_to_the_loop_with_one_notice(monkeypatch, capsys):
-    from megatron_spindle.megatron import loop
-
+def test_pretrain_spindle_falls_back_to_the_trainer_with_one_notice(monkeypatch, capsys, caplog):
     seen = {}
-    monkeypatch.setattr(adapter, "choose_backend", lambda: ("loop", "megatron.training is not importable (test)"))
-    monkeypatch.setattr(loop, "pretrain", lambda args: seen.setdefault("args", args) and {"steps": 0})
+    monkeypatch.setattr(hooks, "choose_backend", lambda: ("loop", "megatron.training is not importable (test)"))
+    monkeypatch.setattr(trainer, "pretrain", lambda args: seen.setdefault("args", args) and {"steps": 0})
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
-    adapter.pretrain_spindle(argv=["--spindle", "--micro-batch-size", "2", "--num-layers", "2", "--train-iters", "3"])
-    notice = capsys.readouterr().out.strip().splitlines()
-    assert len(notice) == 1 and "built-in megatron.core loop" in notice[0] and "--num-layers" in notice[0]
+    caplog.set_level("INFO", logger="megatron_spindle")
+    hooks.pretrain_spindle(argv=["--spindle", "--micro-batch-size", "2", "--num-layers", "2", "--train-iters", "3"])
+    notice = [r.getMessage() for r in caplog.records]
+    assert len(notice) == 1 and "built-in megatron.core trainer" in notice[0] and "--num-layers" in notice[0]
     args = seen["args"]
     assert args.spindle and args.train_iters == 3
-    assert args.micro_batch_size == 2  # per rank, as in Megatron; loop.make_graph multiplies by the world size
+    assert args.micro_batch_size == 2  # per rank, as in Megatron; model.graph_for multiplies by the world size
     with pytest.raises(SystemExit):
-        adapter.fallback_args(["--spindle-plna", "x"])
+        flags.fallback_args(["--spindle-plna", "x"])
     capsys.readouterr()
 
 
@@ -257,7 +257,8 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_spindle.megatron import adapter as ad
+    from megatron_spindle.megatron import hooks as ad
+    from megatron_spindle.megatron.data import data_iterators
     from megatron_spindle.megatron.checkpoint import sharded_state_dict as loop_sharded_state_dict
     from megatron_spindle.models.data import SyntheticData
 
@@ -284,7 +285,7 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
     target = _Recorder(args, _optimizer_on_cpu(get_megatron_optimizer))
     assert ad.install(args, target=target)
     fb = target.get_forward_backward_func()
-    train, valid, _ = ad.data_iterators(args, world, tasks=tasks)
+    train, valid, _ = data_iterators(model.graph, SEED, tasks)
     for c in [chunk]:  # train_step: zero grads, then the schedule
         c.zero_grad_buffer()
         c.force_all_reduce = False
@@ -398,7 +399,7 @@ def _tp_plan(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    d = tmp_path_factory.mktemp("adapter")
+    d = tmp_path_factory.mktemp("hooks")
     plan = str(d / "plan.json")
     _tp_plan(plan)
     (d / "ckpt").mkdir()

@@ -1,13 +1,19 @@
-"""Command-line flags: Spindle's, registered through Megatron's ``extra_args_provider`` hook.
+"""Command-line flags and the checks on them: Spindle's, registered through Megatron's ``extra_args_provider``.
 
-``add_spindle_args(parser)`` is what Megatron-LM's ``pretrain(..., extra_args_provider=add_spindle_args)``
-calls with its argparse parser (it must return the parser). :func:`add_training_args` adds, with
-Megatron's own names and defaults, the training flags our CPU loop reads when ``megatron.training`` is not
-used, so one launch command works in both modes. Pure argparse: no torch import.
+* :func:`add_spindle_args` is what Megatron-LM's ``pretrain(..., extra_args_provider=...)`` calls with its
+  argparse parser (it must return the parser); :func:`chain_args` chains a user's provider after it.
+* :func:`add_training_args` adds, with Megatron's own names and defaults, the training flags the built-in
+  trainer reads when ``megatron.training`` is not used, so one launch command works in both modes;
+  :func:`fallback_args` parses a Megatron command line for it.
+* :func:`check_megatron_args`: Megatron settings a Spindle run cannot honour.
+
+Pure argparse: no torch import.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+from typing import Callable
 
 MODELS = ("multitask-clip", "qwen-val", "ofasys")
 
@@ -85,9 +91,90 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The built-in trainer's parser: Megatron-named training flags plus the ``--spindle*`` flags."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     add_training_args(parser)
     return add_spindle_args(parser)
+
+
+def chain_args(*providers: Callable | None) -> Callable:
+    """An ``extra_args_provider`` that adds the ``--spindle*`` flags, then runs ``providers`` in order.
+
+    ``None`` entries are skipped, so ``chain_args(add_modelopt_args if has_modelopt else None)`` works.
+    Like Megatron's hook, every provider takes the parser and must return it.
+    """
+
+    def spindle_extra_args_provider(parser):
+        parser = add_spindle_args(parser)
+        for provider in providers:
+            if provider is None:
+                continue
+            out = provider(parser)
+            if out is None:
+                raise TypeError(f"extra_args_provider {getattr(provider, '__name__', provider)!r} returned None; "
+                                f"Megatron's contract is to return the parser")
+            parser = out
+        return parser
+
+    return spindle_extra_args_provider
+
+
+def fallback_args(argv=None, extra_args_provider: Callable | None = None):
+    """Parse ``argv`` for the built-in trainer, keeping Megatron's meaning of the batch flags.
+
+    Returns ``(args, ignored)``: flags the trainer does not know (Megatron-only ones such as ``--num-layers``)
+    are ignored and listed, except misspelt ``--spindle*`` flags, which are errors. ``--micro-batch-size``
+    is per rank in both, so a pass carries ``micro_batch_size x world`` samples per task.
+    """
+    parser = build_parser("Spindle pretraining (built-in megatron.core trainer)")
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    args, unknown = parser.parse_known_args(argv)
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+    bad = [f for f in flags if f.startswith("--spindle")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, flags
+
+
+def check_megatron_args(args) -> list[str]:
+    """Megatron settings a Spindle run cannot honour, one sentence each (empty: all fine).
+
+    The wave plan sets each slice's tensor- and data-parallel degree, so Megatron's global parallel sizes
+    must stay 1 (then its data-parallel size is the world size). The executor owns the gradients, so the
+    DDP-based features (distributed optimizer, FSDP, overlapped reduction) and fp16 loss scaling, which the
+    schedule would have to apply, are out.
+    """
+    get = functools.partial(getattr, args)
+    bad = []
+    for name, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                       ("context_parallel_size", "--context-parallel-size"),
+                       ("expert_model_parallel_size", "--expert-model-parallel-size")):
+        if (get(name, 1) or 1) != 1:
+            bad.append(f"{flag} {get(name)}: must be 1; the Spindle plan sets every slice's parallel degrees")
+    if get("virtual_pipeline_model_parallel_size", None) is not None:
+        bad.append("virtual pipeline stages: Spindle runs one model chunk per rank")
+    if get("fp16", False) or get("loss_scale", None) is not None:
+        bad.append("--fp16 / --loss-scale: the wave executor applies no loss scaling; use --bf16")
+    for name, flag in (("use_distributed_optimizer", "--use-distributed-optimizer"),
+                       ("use_torch_fsdp2", "--use-torch-fsdp2"), ("use_megatron_fsdp", "--use-megatron-fsdp"),
+                       ("overlap_grad_reduce", "--overlap-grad-reduce"),
+                       ("overlap_param_gather", "--overlap-param-gather"),
+                       ("init_model_with_meta_device", "--init-model-with-meta-device")):
+        if get(name, False):
+            bad.append(f"{flag}: needs Megatron's DDP buffers; Spindle synchronises gradients per parameter group")
+    if get("dataloader_type", "external") != "external":
+        bad.append(f"--dataloader-type {get('dataloader_type')}: Spindle feeds multi-task batches through "
+                   f"--dataloader-type external")
+    if (get("save", None) or get("load", None)) and get("ckpt_format", "torch_dist") != "torch_dist":
+        bad.append(f"--ckpt-format {get('ckpt_format')}: Spindle checkpoints are torch_dist (sharded) only")
+    if get("spindle_task_schedule", None):
+        bad.append("--spindle-task-schedule: replanning mid-run needs the built-in trainer "
+                   "(examples/pretrain_multitask_clip.py on a machine without megatron.training or CUDA)")
+    if get("micro_batch_size", None) is None:
+        bad.append("--micro-batch-size is required (samples of every task per rank per pass)")
+    return bad
 
 
 def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:

@@ -1,4 +1,7 @@
-"""Patches that let megatron.core layers run on a machine without CUDA (tests, the CPU demo).
+"""Stand-ins that let megatron.core layers run on a machine without CUDA (tests, the CPU demo, CPU training).
+
+Applied once, explicitly, by the entry points (the training launchers, the profiler, ``tests/conftest.py``
+and the multi-process test harness): importing or building a model never patches anything.
 
 megatron.core 0.16.1 assumes a GPU in a few places that our layers reach even with
 ``use_cpu_initialization=True`` and every fusion turned off. :func:`apply_cpu_patches` fixes exactly those,
@@ -6,23 +9,26 @@ once per process, and does nothing when ``torch.cuda.is_available()``. Each patc
 and which of our code paths reaches it; each was checked to be needed (megatron-core 0.16.1, torch 2.13 CPU):
 without it a forward and backward of the tiny reference models fails ("Torch not compiled with CUDA
 enabled" for the first three, "group should not be None" / "global memory buffer is not initialized" for
-the two in :func:`ensure_megatron_globals`).
+the two in ``ensure_megatron_globals``).
 
 Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: activation
 recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), DDP buffers and
 megatron optimizers (the runtime syncs gradients itself and uses torch optimizers), sequence parallelism.
 
-:func:`ensure_megatron_globals` is separate and applies on GPUs too: it creates the two process-wide objects
-that megatron normally makes in ``initialize_model_parallel`` (which we never call, since every module gets
-its process groups explicitly): the global memory buffer and the RNG tracker's states; it also keeps
-explicit tp groups alive in a process without torch.distributed (:func:`_patch_group_passthrough`).
+:func:`megatron_spindle.models.megatron_state.ensure_megatron_globals` is separate and applies on GPUs too
+(megatron's process-wide objects that ``initialize_model_parallel`` would make); on a CPU machine it
+refuses to run before these stand-ins are applied, rather than applying them as a side effect.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 
+import megatron.core.tensor_parallel as tp_pkg
 import torch
+from megatron.core.fusions import fused_softmax
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer import utils as tutils
 
 _PATCHED = False
 
@@ -86,8 +92,6 @@ def _cpu_model_parallel_manual_seed(seed: int, *args, tp_rank: int | None = None
     The original calls ``torch.cuda.manual_seed``. Ranks default to 0 rather than to the global parallel
     state, which we never initialise.
     """
-    from megatron.core.tensor_parallel import random as mrandom
-
     tracker = mrandom.get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
@@ -130,11 +134,6 @@ def apply_cpu_patches() -> bool:
         return False
     if _PATCHED:
         return True
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import utils as tutils
-    import megatron.core.tensor_parallel as tp_pkg
-
     # 1. RNG tracker: DotProductAttention forks "model-parallel-rng" around dropout; the stock tracker
     #    reads and writes CUDA generator states. Install a CPU tracker as the process-wide one and seed
     #    it with the CPU twin of model_parallel_cuda_manual_seed.
@@ -160,56 +159,6 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-_GROUP_PASSTHROUGH = False
-
-
-def _patch_group_passthrough() -> None:
-    """Keep explicit tp groups when torch.distributed is not initialised (any device).
-
-    ``megatron.core.utils.get_tensor_model_parallel_group_if_none(group)`` returns None whenever
-    torch.distributed is not initialised, even when a group was passed; Row/ColumnParallelLinear and the
-    region mappings then assert on the None group. A single-process model (the reference model, unit
-    tests) passes a one-rank stand-in group, which this patch lets through. Every megatron module that
-    imported the function by name gets the patched one.
-    """
-    global _GROUP_PASSTHROUGH
-    if _GROUP_PASSTHROUGH:
-        return
-    import sys
-
-    import torch.distributed as dist
-    from megatron.core import utils as mutils
-
-    orig = mutils.get_tensor_model_parallel_group_if_none
-
-    def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
-        if tp_group is not None and not dist.is_initialized():
-            return tp_group
-        return orig(tp_group, is_expert=is_expert, check_initialized=check_initialized)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and getattr(module, orig.__name__, None) is orig:
-            setattr(module, orig.__name__, get_tensor_model_parallel_group_if_none)
-    _GROUP_PASSTHROUGH = True
-
-
-def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
-    """Create megatron's process-wide objects that ``initialize_model_parallel`` would have made.
-
-    * the global memory buffer (``parallel_state._set_global_memory_buffer()``): the local
-      ``DotProductAttention`` takes its score buffer from it;
-    * the RNG tracker states (``model_parallel_cuda_manual_seed``): attention forks ``model-parallel-rng``.
-      Our layers use no dropout, so the seed only has to exist; ``tp_rank`` follows megatron's offsets.
-
-    Idempotent; applies the CPU patches first when there is no GPU.
-    """
-    apply_cpu_patches()
-    _patch_group_passthrough()
-    from megatron.core import parallel_state
-    from megatron.core import tensor_parallel as mtp
-
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
-    tracker = mtp.get_cuda_rng_tracker()
-    if _MODEL_PARALLEL_RNG not in tracker.get_states():
-        mtp.random.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+def patches_applied() -> bool:
+    """Whether :func:`apply_cpu_patches` has patched this process."""
+    return _PATCHED

@@ -1,0 +1,112 @@
+"""This rank's Spindle model for a run: the task graph, the plan, the model on its device.
+
+Shared by both trainers (Megatron-LM's ``pretrain`` through :mod:`.hooks`, and :mod:`.trainer`), so a run
+builds the same graph and plan either way:
+
+* :func:`graph_for`: the one graph builder. ``--micro-batch-size`` is per rank, as in Megatron: one pass of the
+  plan carries ``micro_batch_size x world`` samples of every task (the graph's batch);
+* :func:`plan_for`: a loaded plan (checked against the model and world) or one made on rank 0 and broadcast;
+* :func:`build_model`: logs the plan, builds this rank's slices in the run's dtype on its device, and runs
+  ``--spindle-check-equivalence``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..compat import apply_cpu_patches
+from ..log import get_logger
+from ..models.data import SyntheticData
+from ..planner.analytic import CurvesFile
+from ..planner.baselines import plan_system
+from ..planner.cluster import load_cluster
+from ..planner.plan import Plan
+from ..planner.render import gantt, grid, summary
+from ..planner.validate import check_plan
+from ..planner.workloads import build_graph
+from ..runtime.executor import SpindleModel
+from .equivalence import check_first_step
+
+log = get_logger(__name__)
+
+
+def graph_for(args, world: int):
+    """The task graph of this run (the model's default batch when ``--micro-batch-size`` is not given)."""
+    batch = args.micro_batch_size * world if args.micro_batch_size else None
+    return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size, batch=batch)
+
+
+def make_cluster(args, world: int):
+    """``(cluster, curves file or None)`` for planning: islands of ``--spindle-gpus-per-node`` (default the
+    ranks per node, at most 8), memory from ``--spindle-memory-gib`` or the curves file's device."""
+    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    mem = args.spindle_memory_gib if args.spindle_memory_gib is not None else (
+        curves.device.memory_gib if curves else None)
+    return load_cluster(None, num_devices=world, gpus_per_node=per_node, memory_gib=mem), curves
+
+
+def plan_for(args, graph, world: int) -> Plan:
+    """The plan of this job: loaded (checked against the model and world) or made on rank 0 and broadcast.
+
+    Collective. A planning error on rank 0 is raised on every rank with the same message.
+    """
+    if args.spindle_plan:
+        plan = Plan.load(args.spindle_plan)
+        check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        return plan
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            cluster, curves = make_cluster(args, world)
+            p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves)
+            box[0] = p.to_json()
+        except ValueError as e:
+            box[0] = {"error": str(e)}
+    dist.broadcast_object_list(box, src=0)
+    if "error" in box[0]:
+        raise ValueError(box[0]["error"])
+    return Plan.from_json(box[0])
+
+
+def run_device() -> torch.device:
+    """Where this rank computes: its current CUDA device under NCCL, else the CPU (with the CPU stand-ins)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    apply_cpu_patches()
+    return torch.device("cpu")
+
+
+def log_plan(args, plan: Plan, graph, world: int, passes: int | None = None) -> None:
+    """Rank 0: what is planned, the wave x device grid, the summary table, and the Gantt picture."""
+    what = "wave plan" if getattr(args, "spindle", False) else "sequential (Megatron-style) plan"
+    per = f"batch {graph.operators[0].batch} per task per pass" + (f" x {passes} passes" if passes else "")
+    log.info(f"spindle: {what} for {graph.model} ({len(graph.tasks)} tasks, {args.spindle_size}) on {world} "
+             f"ranks, {per}")
+    log.info(grid(plan))
+    log.info(summary(plan))
+    if args.spindle_gantt and dist.get_rank() == 0:
+        gantt(plan, args.spindle_gantt)
+        log.info(f"Gantt chart written to {args.spindle_gantt}")
+
+
+def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first_batch=None) -> SpindleModel:
+    """This rank's slices of ``plan`` (collective: creates the per-slice process groups).
+
+    ``layer_graph``: the full model's graph when ``graph`` is a task subset (task-mix changes size shared
+    tables from it). With ``--spindle-check-equivalence`` the first step is also run as a single process
+    (:func:`.equivalence.check_first_step`) on ``first_batch`` (default: the first synthetic batch).
+    """
+    device = device or run_device()
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
+                         layer_graph=layer_graph)
+    if args.spindle_check_equivalence:
+        full = layer_graph or graph
+        if first_batch is None:
+            first_batch = SyntheticData(full, seed=args.seed).batch(0)
+        diff = check_first_step(model, full, first_batch, args.seed)
+        log.info(f"equivalence: max relative difference {diff:.3e}")
+    return model

@@ -1,0 +1,280 @@
+"""The built-in trainer: Megatron's training loop on megatron.core, for machines where ``pretrain`` can't run.
+
+Megatron-LM's own loop asserts CUDA; where it cannot run (no GPU, or ``megatron.training`` absent),
+:class:`Trainer` does what ``pretrain`` does with our hooks, with the same pieces (:mod:`.model` for graph,
+plan and model, :mod:`.schedule` for the forward-backward contract, :mod:`.checkpoint`): build everything in
+``__init__`` (``torch.distributed``, the plan, this rank's slices, AdamW under megatron.core's learning-rate
+schedule, a resumed checkpoint), then :meth:`Trainer.train_step` per iteration (accumulated passes,
+group-wise gradient sync, global-norm clip, optimizer step) and :meth:`Trainer.train` around it (task-mix
+changes, progress lines, predictions, checkpoints, the trace). Without ``--spindle`` the plan is the
+``sequential`` baseline: every task over all ranks, one after another, as Megatron runs multi-task models.
+
+Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
+samples/s), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
+ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from ..log import get_logger, setup_logging
+from ..planner.render import grid
+from ..planner.validate import PlanError
+from ..runtime.replan import replan
+from ..runtime.trace import gather_chrome_trace
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import Batches
+from .flags import build_parser, check_args, parse_task_schedule, world_from_env
+from .guard import NumericGuard
+from .model import build_model, graph_for, log_plan, plan_for, run_device
+from .preflight import check_save_space, explain_init_error
+from .schedule import forward_step, reduce_reports, spindle_forward_backward
+
+log = get_logger(__name__)
+
+
+def init_distributed(timeout_s: float) -> None:
+    """``init_process_group`` from the launcher's environment (NCCL with CUDA, gloo without); a plain
+    ``python script.py`` is a one-rank job."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise (explain_init_error(e, timeout_s) or e) from None
+
+
+def make_optimizer(params, args) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             weight_decay=args.weight_decay)
+
+
+def make_scheduler(optimizer, args) -> OptimizerParamScheduler:
+    """megatron.core's OptimizerParamScheduler over the torch optimizer's parameter groups."""
+    for g in optimizer.param_groups:
+        g.setdefault("max_lr", args.lr)
+        g.setdefault("min_lr", args.min_lr)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1),
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+
+
+def predicted_vs_measured(model, step: int) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(predicted ms, measured ms, [(MetaOp, predicted ms, measured ms)] worst first) for this rank's view.
+
+    Measured: this rank's forward + backward span of each slice it ran in ``step``; predicted: the slice's
+    time in the plan. The step's measured time is the wall time of the step on this rank.
+    """
+    times = model.trace.wave_times(step)
+    per: dict[str, list[float]] = {}
+    for s in model.plan.rank_slices(model.rank):
+        got = times.get(f"{s.name} fwd", 0.0) + times.get(f"{s.name} bwd", 0.0)
+        acc = per.setdefault(s.metaop, [0.0, 0.0])
+        acc[0] += s.time_ms
+        acc[1] += got * 1e3
+    rows = sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]))
+    measured = model.trace.totals(step)["step"] * 1e3
+    return model.plan.makespan_ms, measured, rows
+
+
+class Trainer:
+    """One training run of the built-in loop. Build in ``__init__``, then :meth:`train` (or
+    :meth:`train_step` per iteration); :meth:`close` frees the process groups."""
+
+    def __init__(self, args, *, extra_json: dict | None = None) -> None:
+        self.args = args
+        self.extra_json = dict(extra_json or {})
+        check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
+        init_distributed(args.spindle_timeout)
+        self.device = run_device()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.graph = graph_for(args, self.world)
+        self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks)
+        if len(self.schedule) > 1 and args.spindle_plan:
+            raise ValueError("--spindle-task-schedule plans each task set itself; it cannot use --spindle-plan")
+        sub = self.graph.subset(self.schedule[0][1]) if len(self.schedule) > 1 else self.graph
+        self.plan = plan_for(args, sub, self.world)
+        self.micro = self.graph.operators[0].batch
+        glob = args.global_batch_size or self.micro
+        if glob % self.micro:
+            raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
+                             f"(--micro-batch-size x {self.world} ranks)")
+        self.accum = glob // self.micro
+        log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
+        self.start = 0
+        self.data = Batches(self.graph, args.seed, self.plan.tasks)
+        self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
+                                 first_batch=self.data.peek())
+        self.optimizer = make_optimizer(self.model.unique_parameters(), args)
+        self.scheduler = make_scheduler(self.optimizer, args)
+        if args.load:
+            self.start, _, missing = load_checkpoint(args.load, self.model, self.optimizer)
+            log.info(f"resumed from {args.load} at iteration {self.start}"
+                     + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
+            if self.start:
+                self.scheduler.step(self.start)
+        self.data.position = self.start * self.accum
+        if args.save:
+            check_save_space(args.save, self.model, self.optimizer)
+        self.guard = NumericGuard(args.spindle_nonfinite_skips)
+        self.phase = self._phase_of(self.start)
+        if self.phase and args.load:
+            raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
+        self.step_times: list[float] = []
+        self.last: dict[str, float] = {}
+
+    def _phase_of(self, it: int) -> int:
+        return max(i for i, (s0, _) in enumerate(self.schedule) if s0 <= it)
+
+    def change_tasks(self, it: int) -> None:
+        """The task mix changes at iteration ``it``: replan without restarting, keep weights and moments."""
+        self.phase = self._phase_of(it)
+        sub = self.graph.subset(self.schedule[self.phase][1])
+        self.plan = plan_for(self.args, sub, self.world)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
+                                            seed=self.args.seed,
+                                            make_optimizer=lambda ps: make_optimizer(ps, self.args))
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.scheduler = make_scheduler(self.optimizer, self.args)
+        if it:
+            self.scheduler.step(it)
+        self.data.tasks = self.plan.tasks
+        log.info(f"iteration {it}: tasks now {', '.join(self.plan.tasks)}; replanned ({len(self.plan.waves)} "
+                 f"waves), weights and optimizer state kept")
+        log.info(grid(self.plan))
+
+    def train_step(self, it: int) -> tuple[dict[str, float], float, float]:
+        """One optimizer step (``accum`` passes of the plan): ``(task losses, grad norm, seconds)``."""
+        model = self.model
+        model.trace.step = it
+        t0 = time.perf_counter()
+        reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=self.data, model=[model],
+                                           num_microbatches=self.accum, seq_length=None, micro_batch_size=self.micro)
+        norm = model.clip_grads(self.args.clip_grad)
+        losses = reduce_reports(reports)
+        t_opt = time.perf_counter()
+        if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step(1)
+        model.trace.span("optimizer", "optimizer step", t_opt)
+        dt = time.perf_counter() - t0
+        model.trace.span("step", "step", t0)
+        return losses, norm, dt
+
+    def _log_progress(self, it: int, losses: dict[str, float], norm: float, dt: float) -> None:
+        per = " ".join(f"{t} {v:.4f}" for t, v in losses.items())
+        samples = self.accum * self.micro * len(self.plan.tasks)
+        log.info(f"iteration {it + 1:5d}/{self.args.train_iters} | loss {sum(losses.values()):.4f} ({per}) | "
+                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | grad norm {norm:.3f} | "
+                 f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
+
+    def _log_prediction(self, it: int) -> None:
+        pred, meas, rows = predicted_vs_measured(self.model, it)
+        worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
+        src = {c.source for _, c in self.plan.curves}
+        note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if self.device.type == "cpu" and local > (os.cpu_count() or 1):
+            note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
+                     f"{local / os.cpu_count():.0f}x slower]")
+        log.info(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {self.rank} "
+                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured, this rank): "
+                 f"{worst}{note}")
+
+    def train(self) -> dict:
+        """Run to ``--train-iters`` (or ``--exit-interval``); returns the summary rank 0 also logs as JSON."""
+        args = self.args
+        for it in range(self.start, args.train_iters):
+            if self._phase_of(it) != self.phase:
+                self.change_tasks(it)
+            losses, norm, dt = self.train_step(it)
+            self.step_times.append(dt)
+            self.last = losses
+            if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+                self._log_progress(it, losses, norm, dt)
+            if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
+                self._log_prediction(it)
+            stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
+            if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
+                              or it + 1 == args.train_iters):
+                save_checkpoint(args.save, it + 1, self.model, self.optimizer)
+                log.info(f"saved checkpoint {args.save} at iteration {it + 1}")
+            if stop:
+                log.info(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
+                break
+        if args.spindle_trace:
+            path = gather_chrome_trace(self.model.trace, args.spindle_trace)
+            if path:
+                log.info(f"Chrome trace of every rank written to {path}")
+        return self.summary()
+
+    def summary(self) -> dict:
+        steady = self.step_times[1:] or self.step_times
+        per_step = self.accum * self.micro * len(self.plan.tasks)
+        result = {"steps": len(self.step_times), "final_loss": sum(self.last.values()) if self.last else None,
+                  "task_losses": self.last, "step_time_s": statistics.median(steady) if steady else None,
+                  "samples_per_s": (per_step / statistics.median(steady)) if steady else None,
+                  "world_size": self.world, "system": self.plan.system, "waves": len(self.plan.waves),
+                  **self.extra_json}
+        log.info(json.dumps(result))
+        return result
+
+    def close(self) -> None:
+        self.model.destroy()
+
+
+def pretrain(args, *, extra_json: dict | None = None) -> dict:
+    """Train per ``args`` (:func:`.flags.build_parser`); returns the final summary."""
+    trainer = Trainer(args, extra_json=extra_json)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def report_error(e: ValueError, plan_path: str | None = None) -> None:
+    """One line on stderr for a configuration error (a plan's violated rules without the grid)."""
+    if isinstance(e, PlanError):
+        msg = "; ".join(str(v) for v in e.violations[:3])
+        print(f"error: invalid plan {plan_path or ''}: {msg}".replace("  ", " "), file=sys.stderr)
+    else:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+
+
+def main(argv=None, description: str = "") -> int:
+    """``python -m megatron_spindle.megatron.trainer``: bad input prints one line, exit code 2."""
+    setup_logging()
+    args = build_parser(description).parse_args(argv)
+    try:
+        pretrain(args)
+    except ValueError as e:
+        report_error(e, args.spindle_plan)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

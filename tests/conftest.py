@@ -1,0 +1,19 @@
+"""Test-process set-up: megatron.core's CPU stand-ins are applied here, at the entry point, as the launchers
+do (building a model never applies them). ``mp_harness`` applies them in every spawned rank too."""
+import os
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    from megatron_spindle.log import quiet_optional_package_warnings
+
+    quiet_optional_package_warnings()  # also for spawned ranks (PYTHONWARNINGS is inherited)
+    try:
+        import torch  # noqa: F401
+    except ImportError:  # the pure planner tests run without torch
+        return
+    from megatron_spindle.compat import apply_cpu_patches
+
+    apply_cpu_patches()
