@@ -108,6 +108,8 @@ BAD_VALUES = [
     (["--load", "EMPTY_DIR"], "holds no checkpoint"),
     (["--load", "AT_3", "--train-iters", "2"], "--train-iters 2 is below the iteration 3"),
     (["--save", "UNDER_FILE"], "is not writable"),
+    (["--spindle-gantt", "CURVES_DIR"], "is a directory"),
+    (["--spindle-trace", "UNDER_FILE"], "is not a directory"),
 ]
 
 

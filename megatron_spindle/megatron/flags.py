@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import os
 from typing import Callable
+
+from ..atomic import check_output
+from ..planner.analytic import CurvesFile
+from ..planner.cluster import load_cluster
+from ..planner.plan import Plan
+from ..planner.workloads import build_graph
+from .ckpt_files import TRACKER, check_save_dir, latest_iteration
 
 MODELS = ("multitask-clip", "qwen-val", "ofasys")
 
@@ -211,7 +220,6 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
 
 def world_from_env() -> int:
     """The job's world size before ``torch.distributed`` starts: ``WORLD_SIZE`` (torchrun), else 1."""
-    import os
     try:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
@@ -225,9 +233,6 @@ def check_args(args, world: int) -> None:
     instead of rank 0 printing it while the others die in a collective. Pure (no torch): numbers, the curves
     file, the cluster the planner would use, the task schedule, the checkpoint to resume and the save directory.
     """
-    import math
-    import os
-
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
@@ -249,9 +254,6 @@ def check_args(args, world: int) -> None:
     need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
          f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
 
-    from ..planner.analytic import CurvesFile
-    from ..planner.cluster import load_cluster
-    from ..planner.workloads import build_graph
     graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
                         batch=args.micro_batch_size * world if args.micro_batch_size else None)
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
@@ -261,15 +263,16 @@ def check_args(args, world: int) -> None:
                  (curves.device.memory_gib if curves else None))
     parse_task_schedule(args.spindle_task_schedule, graph.tasks)
     if args.spindle_plan:
-        from ..planner.plan import Plan
         Plan.load(args.spindle_plan)
     if args.load:
-        from .ckpt_files import TRACKER, latest_iteration
         need(os.path.isdir(args.load), f"--load {args.load!r} is not a directory")
         it = latest_iteration(args.load)
         need(it is not None, f"--load {args.load!r} holds no checkpoint (no {TRACKER})")
         need(args.train_iters >= it, f"--train-iters {args.train_iters} is below the iteration {it} of the "
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
-        from .ckpt_files import check_save_dir
         check_save_dir(args.save)
+    if args.spindle_gantt:
+        check_output(args.spindle_gantt, "--spindle-gantt")
+    if args.spindle_trace:
+        check_output(os.path.join(args.spindle_trace, "trace.json"), "--spindle-trace")
