@@ -22,6 +22,9 @@ Trust model (README, "Checkpoints"): a checkpoint directory is data, not code.
 4. **Save failures are named.** :func:`check_save_dir` (at start: writable, enough free space) and
    :func:`describe_save_error` turn a full disk or a permission error into words instead of torch's
    ``unexpected pos 704 vs 598``.
+
+torch and megatron.core are imported inside the functions that use them: :func:`.flags.check_args` reads
+the tracker and probes the save directory through this module before torch is loaded.
 """
 from __future__ import annotations
 
