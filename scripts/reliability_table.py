@@ -7,13 +7,14 @@ Each case runs as a user would run it (``spindle ...`` or the built-in trainer o
 or under torchrun for the kills) in a scratch directory. Recorded per case: the exit status of every rank,
 the error line (the same on every rank, or each one), whether a traceback was printed, and what was left
 behind (temporary files, processes of the run, checkpoints of a bad state). Cases that need a small tmpfs
-(a full disk) run only as root. About 4 minutes on 2 CPU cores.
+(a full disk) run only as root. About 9 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -57,13 +58,16 @@ def run_ranks(args: list[str], world: int = 2, port: int | None = None) -> list[
     return [(p.wait(timeout=600), p.stdout.read()) for p in procs]
 
 
-def error_lines(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if line.startswith(("error:", "spindle ")) and "error:" in line]
+def shown_lines(text: str) -> list[str]:
+    """The error lines; without one, the lines naming a file written; else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "spindle ")) and "error:" in line]
+    return errors or [line for line in lines if "written to" in line] or lines[-1:]
 
 
 def summarize(results: list[tuple[int, str]]) -> tuple[str, str, str]:
     codes = sorted({rc for rc, _ in results})
-    lines = sorted({e for _, out in results for e in error_lines(out)})
+    lines = sorted({e for _, out in results for e in shown_lines(out)})
     tb = any("Traceback" in out for _, out in results)
     status = ",".join(map(str, codes)) + (f" (all {len(results)} ranks)" if len(results) > 1 else "")
     line = " / ".join(lines) if lines else "(no error line)"
@@ -176,7 +180,8 @@ def cases(work: str):
             ref = REFERENCE.setdefault("losses", losses(torchrun(KILL_TRAIN)[1]))
             same = all(ref[i] == v for i, v in losses(out2).items()) and sorted(losses(out2)) == list(
                 range(tracked + 1, 5))
-            res = [(rc, f"killed {fault}: tracker names iteration {tracked} (manifest verified)")]
+            res = [(rc, f"{out}\nkilled {fault} (rank:iteration:point); the tracker names iteration {tracked}, "
+                        f"every file matches its manifest")]  # torchrun's own report of the kill is in `out`
             return res, (f"{len(left) + len(left2)} processes; resumed run exit {rc2}, losses "
                          f"{'equal' if same else 'DIFFER from'} the uninterrupted run")
         return go
@@ -237,7 +242,8 @@ def main(argv=None) -> int:
                 rows.append((item, what, "-", left, "-", "-"))
             else:
                 status, line, tb = summarize(res)
-                rows.append((item, what, status, line.replace(work, "$WORK").replace("|", "\\|"), tb, left))
+                line = re.sub(r"/tmp/spindle-full-\w+", "$FULL", line.replace(work, "$WORK"))
+                rows.append((item, what, status, line.replace("|", "\\|"), tb, left))
             print(" | ".join(rows[-1]), flush=True)
     table = ["| issue item | input or fault | exit status | what the user sees | traceback | left behind |",
              "| --- | --- | --- | --- | --- | --- |"] + ["| " + " | ".join(r) + " |" for r in rows]

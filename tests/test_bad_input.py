@@ -152,26 +152,33 @@ def test_busy_master_port_is_named(tmp_path):
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory):
-    """``--lr 1e6`` on two ranks, saving every iteration: (results, save directory)."""
+    """``--lr 1e6`` (NaN from iteration 2) on two ranks, one skip allowed, saving every iteration."""
     save = str(tmp_path_factory.mktemp("nan") / "ckpt")
-    return train_ranks(TRAIN + ["--spindle", "--lr", "1e6", "--save", save, "--save-interval", "1"]), save
+    return train_ranks(TRAIN + ["--spindle", "--lr", "1e6", "--spindle-nonfinite-skips", "1", "--save", save,
+                                "--save-interval", "1"]), save
 
 
-def test_nonfinite_loss_stops_before_the_optimizer_and_saves_nothing(nan_run):
+def test_nonfinite_loss_skips_then_stops_before_the_optimizer(nan_run):
+    import json
     res, save = nan_run
-    line = same_line_on_every_rank(res, "iteration 2: non-finite loss", "MetaOp", "stopped before the optimizer")
+    assert "iteration 2: non-finite loss" in res[0][2] and "step skipped (1 of --spindle-nonfinite-skips 1)" in res[0][2]
+    line = same_line_on_every_rank(res, "iteration 3: non-finite loss", "MetaOp", "stopped before the optimizer")
     assert "nothing saved" in line
-    # iteration 1 was finite and saved; the NaN state of iteration 2 never was
-    from megatron_spindle.megatron.ckpt_files import latest_iteration
-    assert latest_iteration(save) == 1
-    assert sorted(f for f in os.listdir(save) if f.startswith("iter_")) == ["iter_0000001"]
+    # iterations 1 (finite) and 2 (skipped) were saved; iteration 3 never was
+    from megatron_spindle.megatron.ckpt_files import MANIFEST, latest_iteration
+    assert latest_iteration(save) == 2
+    assert sorted(f for f in os.listdir(save) if f.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
+    # the skipped step changed nothing: every shard of iteration 2 is byte-equal to iteration 1's
+    m1, m2 = (json.load(open(os.path.join(save, f"iter_000000{i}", MANIFEST)))["files"] for i in (1, 2))
+    shards = [f for f in m1 if f.endswith(".distcp")]
+    assert shards and all(m1[f] == m2[f] for f in shards)
 
 
 def test_a_flipped_bit_is_refused_with_one_line(nan_run, tmp_path):
     import shutil
     d = str(tmp_path / "ck")
-    shutil.copytree(nan_run[1], d)  # iteration 1 of the --lr 1e6 run: finite, complete
-    it_dir = os.path.join(d, "iter_0000001")
+    shutil.copytree(nan_run[1], d)  # iteration 2 of the --lr 1e6 run: finite, complete
+    it_dir = os.path.join(d, "iter_0000002")
     shard = os.path.join(it_dir, sorted(f for f in os.listdir(it_dir) if f.endswith(".distcp"))[0])
     with open(shard, "r+b") as fh:
         fh.seek(os.path.getsize(shard) // 2)
