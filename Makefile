@@ -5,7 +5,16 @@ VPY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test plan bench clean
+.PHONY: demo test test-megatron-lm plan bench clean
+
+# Megatron-LM's own loop (megatron.training) ships in megatron-core >= 0.17 wheels, which need Python 3.12.
+# PY312: the first interpreter that really is 3.12 (pyenv's shim named python3.12 refuses unless pyenv
+# selects 3.12, so pyenv's versions folder is tried first).
+MLM_VENV := .venv-mlm
+MLM_PY := $(MLM_VENV)/bin/python
+PY312 ?= $(shell for p in $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 \
+	/usr/bin/python3.12 python3.12; do "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' \
+	>/dev/null 2>&1 && { echo "$$p"; break; }; done)
 
 $(VENV)/.installed: requirements.txt setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -26,5 +35,19 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests
 
+$(MLM_VENV)/.installed: requirements-mlm.txt setup.py
+	@test -n "$(PY312)" || { echo "error: no Python 3.12 found (tried pyenv's versions/3.12*, /usr/local/bin, /usr/bin, PATH); set PY312=/path/to/python3.12" >&2; exit 2; }
+	test -x $(MLM_PY) || $(PY312) -m venv $(MLM_VENV)
+	$(MLM_PY) -m pip install --quiet --upgrade pip
+	$(MLM_PY) -m pip install --quiet -r requirements-mlm.txt
+	$(MLM_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+# Megatron-LM's pretrain through our hooks on gloo CPU ranks (megatron-core 0.19.2, Python 3.12), plus the
+# tests that involve megatron.core directly, so the newest megatron-core line runs them too.
+test-megatron-lm: $(MLM_VENV)/.installed
+	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_megatron_hooks.py tests/test_layers.py \
+		tests/test_comm_discipline.py tests/test_bf16.py tests/test_gpu_check_script.py
+
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(MLM_VENV) out

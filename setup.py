@@ -7,9 +7,11 @@ setup(
     description="Wavefront scheduling (Spindle, ASPLOS 2025) for multi-task multi-modal models on megatron.core",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_spindle", "megatron_spindle.*"]),
+    package_data={"megatron_spindle": ["specs/*.toml"]},  # the reference models as model specs
     install_requires=["numpy"],
     extras_require={
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
+        "data": ["megatron-energon==7.4.1"],
         "plot": ["matplotlib"],
         "test": ["pytest", "hypothesis"],
     },

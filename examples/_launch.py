@@ -2,7 +2,9 @@
 
 With Megatron-LM installed and a GPU, megatron_spindle.megatron.hooks installs its hooks into Megatron's
 ``pretrain``; otherwise the same hooks drive megatron_spindle's own trainer on megatron.core (CPU with gloo
-included). Bad input prints one line and exits with status 2.
+included). ``SPINDLE_BACKEND=megatron`` runs Megatron-LM's loop even without a GPU (its CUDA-only start-up
+stood in for by megatron_spindle.compat.megatron_lm); ``=loop`` forces the built-in trainer. Bad input prints
+one line and exits with status 2.
 """
 import sys
 

@@ -123,6 +123,7 @@ class MegatronSequential:
         from megatron.core.transformer.module import MegatronModule
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+        from megatron_spindle import comm
         from megatron_spindle.models.blocks import self_group
         from megatron_spindle.models.data import parse_data_input
         from megatron_spindle.models.reference import ReferenceModel
@@ -147,15 +148,14 @@ class MegatronSequential:
 
             @staticmethod
             def forward(ctx, x):
-                parts = [torch.empty_like(x) for _ in range(world)]
-                dist.all_gather(parts, x.contiguous(), group=dp_group)
+                parts = comm.all_gather(x, group=dp_group)
                 ctx.rows = x.shape[0]
                 return torch.cat(parts, 0)
 
             @staticmethod
             def backward(ctx, grad):
                 grad = grad.contiguous()
-                dist.all_reduce(grad, group=dp_group)
+                comm.all_reduce(grad, group=dp_group)
                 return grad[rank * ctx.rows:(rank + 1) * ctx.rows]
 
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
@@ -254,8 +254,8 @@ class SpindleRunner:
 def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     """Profile (unless curves are given), plan, predict, then train both systems; results on rank 0."""
     import torch
-    import torch.distributed as dist
 
+    from megatron_spindle import comm
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.planner.workloads import build_graph
     from megatron_spindle.profiler.run import ProfileConfig, profile_rank
@@ -272,7 +272,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
             repeats=opts["repeats"], min_seconds=opts["min_seconds"], verbose=opts["verbose"]))
     profile_s = time.perf_counter() - t0
     box = [predict(graph, doc, world) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     pred = box[0]
 
     data = SyntheticData(graph, seed=opts["seed"])
@@ -290,7 +290,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
             sysm = systems[name]
             if name == "spindle":
                 sysm.model.trace.step = i
-            dist.barrier()
+            comm.barrier()
             a = time.perf_counter()
             out = sysm.step(batches[i])
             b = time.perf_counter()
@@ -306,8 +306,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     for i in range(opts["warmup"], n_steps):
         spans.append(tr.totals(i))
         waves.append(tr.wave_times(i))
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "spans": spans, "waves": waves})
+    gathered = comm.all_gather_object({"times": times, "spans": spans, "waves": waves})
     systems["spindle"].model.destroy()
     if rank != 0:
         return None

@@ -1,6 +1,8 @@
 """Single-process tests of the torch model: every operator layer, the reference model, synthetic data."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,12 +18,15 @@ from megatron_spindle.planner.workloads import build_graph
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 MODELS = ("multitask-clip", "qwen-val", "ofasys")
+#: A model defined only by a spec file, with a custom layer type (its MLP projector) registered from Python.
+LLAVA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "models", "llava.toml")
+ALL_MODELS = MODELS + ("llava",)
 BATCH = 8
 
 
 @pytest.fixture(scope="module")
 def graphs():
-    return {m: build_graph(m, size="tiny", batch=BATCH) for m in MODELS}
+    return {m: build_graph({"llava": LLAVA}.get(m, m), size="tiny", batch=BATCH) for m in ALL_MODELS}
 
 
 def _one_op_per_type(graph):
@@ -32,11 +37,11 @@ def _one_op_per_type(graph):
 
 
 def test_workloads_cover_every_op_type(graphs):
-    covered = {op.op_type for g in graphs.values() for op in g.operators}
+    covered = {op.op_type for m in MODELS for op in graphs[m].operators}
     assert covered == set(OP_TYPES)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ALL_MODELS)
 def test_every_op_type_runs_forward_and_backward(graphs, model):
     g = graphs[model]
     gen = torch.Generator().manual_seed(0)
@@ -55,7 +60,7 @@ def test_every_op_type_runs_forward_and_backward(graphs, model):
                 assert x.grad is not None and x.grad.abs().sum() > 0, op.name
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ALL_MODELS)
 def test_parameter_counts_match_the_cost_model(graphs, model):
     """Counts equal ``costs.layer_params`` except one documented deviation: learned tables are sized
     for every operator sharing the key."""
@@ -130,7 +135,7 @@ def test_loss_and_gradient_of_split_batches_sum_to_the_whole(graphs):
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ALL_MODELS)
 def test_reference_model_learns_synthetic_data(graphs, model):
     g = graphs[model]
     ref = ReferenceModel(g, seed=0)

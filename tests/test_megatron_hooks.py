@@ -123,11 +123,11 @@ def test_megatron_settings_spindle_cannot_honour_are_named():
     assert flags.check_megatron_args(ok) == []
     bad = argparse.Namespace(micro_batch_size=None, tensor_model_parallel_size=2, fp16=True,
                              use_distributed_optimizer=True, dataloader_type="single", save="ckpt",
-                             ckpt_format="torch", spindle_task_schedule="0:a")
+                             ckpt_format="torch", spindle_task_schedule="0:a", spindle_data="data")
     text = "\n".join(flags.check_megatron_args(bad))
     for flag in ("--tensor-model-parallel-size 2", "--fp16", "--use-distributed-optimizer",
                  "--dataloader-type single", "--ckpt-format torch", "--spindle-task-schedule",
-                 "--micro-batch-size"):
+                 "--spindle-data", "--micro-batch-size"):
         assert flag in text
 
 

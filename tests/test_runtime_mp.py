@@ -7,6 +7,7 @@ the transfer planning need no processes.
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ BATCH = 8
 SEED = 11
 REL_TOL = 1e-5
 
+#: A model only defined by a spec file, with a custom layer type (the projector) registered from Python.
+LLAVA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "models", "llava.toml")
 # (workload, operator name) run with tp=2 on ranks [0, 1] and on ranks [2, 3], and with tp=4 on all.
 TP2_CASES = {
     (0, 1): [("multitask-clip", "vision-text.vision.0"), ("multitask-clip", "vision-text.text.1"),
-             ("ofasys", "caption.decoder.0"), ("ofasys", "caption.decoder.head")],
+             ("ofasys", "caption.decoder.0"), ("ofasys", "caption.decoder.head"), (LLAVA, "caption.projector")],
     (2, 3): [("qwen-val", "language.llm.0"), ("qwen-val", "vision-language.vision.adapter"),
              ("qwen-val", "audio-language.audio.adapter"), ("qwen-val", "language.llm.embed"),
              ("qwen-val", "vision-language.llm.head")],

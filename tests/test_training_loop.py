@@ -148,7 +148,9 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
     d, _, _ = runs
     r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-model", "gpt5"],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and "invalid choice: 'gpt5'" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: unknown model 'gpt5'; built-in models: multitask-clip, ofasys, qwen-val (or give the path of a "
+        ".toml model spec)"]
     # a plan for another model, and for another world size
     from megatron_spindle.planner.build import make_plan
     from megatron_spindle.planner.cluster import load_cluster

@@ -1,6 +1,10 @@
-"""Compatibility stand-ins, applied explicitly at entry points and never on import.
+"""Compatibility stand-ins and version differences, applied explicitly at entry points and never on import.
 
-* :mod:`.cpu`: megatron.core's CUDA assumptions on a CPU-only machine (:func:`apply_cpu_patches`).
+* :mod:`.cpu`: megatron.core's CUDA assumptions on a CPU-only machine (:func:`apply_cpu_patches`);
+* :mod:`.megatron_lm`: Megatron-LM's CUDA-only start-up (``megatron.training``) on CPU ranks
+  (:func:`~.megatron_lm.apply_cpu_standins`);
+* :mod:`.mcore`: the differences between the supported megatron-core lines (0.16.1 on Python 3.11, 0.19.x on
+  Python 3.12), detected by feature, not by version number.
 
 Each stand-in names what it replaces and is applied only where it is needed (no CUDA).
 """

@@ -25,7 +25,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .. import faults
+from .. import comm, faults
 from ..atomic import write_file
 from ..models.layer_state import shard_spec
 from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
@@ -109,9 +109,7 @@ def checkpoint_bytes(model, optimizer) -> int:
     ensure_adam_state(optimizer)
     mine = sum(v.data.numel() * v.data.element_size() for v in sharded_state_dict(model, optimizer).values()
                if is_main_replica(v.replica_id))
-    t = torch.tensor([mine], dtype=torch.float64)
-    dist.all_reduce(t)
-    return int(t.item())
+    return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64)).item())
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | None = None) -> str:
@@ -166,9 +164,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
 
 def _raise_any(error: str | None) -> None:
     """Collective: raise ``CheckpointError`` on every rank with the first rank's message if any rank failed."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
-    first = next((e for e in every if e), None)
+    first = next((e for e in comm.all_gather_object(error) if e), None)
     if first:
         raise CheckpointError(first)
 
@@ -205,8 +201,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta}
     mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # report the weights no rank found, wherever they live
+    every = comm.all_gather_object(mine)  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*every))
     for k, v in present.items():
         saved = tuple(meta[v.key].global_shape)

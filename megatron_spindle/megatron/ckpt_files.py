@@ -91,13 +91,11 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
     return names[rank::world]
 
 
-def _gather(obj, group=None) -> list:
+def _gather(obj) -> list:
     import torch.distributed as dist
-    if not dist.is_initialized():
-        return [obj]
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, obj, group=group)
-    return every
+
+    from .. import comm
+    return comm.all_gather_object(obj) if dist.is_initialized() else [obj]
 
 
 def write_manifest(directory: str, iteration: int) -> None:

@@ -4,6 +4,8 @@
 :class:`~megatron_spindle.models.data.SyntheticData` at pass index ``position``, so a resumed run (which starts
 at ``iteration x passes``) sees the same data. :func:`data_iterators` gives Megatron's ``(train, valid, test)``
 triple for ``--dataloader-type external``; validation and test read disjoint stretches of the same stream.
+:func:`train_batches` picks real data instead when ``--spindle-data`` names per-task energon datasets
+(:class:`~megatron_spindle.data.energon.EnergonData`: each rank reads only its slices' samples).
 """
 from __future__ import annotations
 
@@ -44,3 +46,14 @@ def data_iterators(graph, seed: int, tasks: Sequence[str], *, consumed_train: in
     valid = Batches(graph, seed, tasks, position=VALID_OFFSET + consumed_valid // per_pass)
     test = Batches(graph, seed, tasks, position=TEST_OFFSET)
     return train, valid, test
+
+
+def train_batches(args, graph, plan, rank: int):
+    """The built-in trainer's iterator: ``--spindle-data`` energon datasets, else synthetic :class:`Batches`."""
+    if not getattr(args, "spindle_data", None):
+        return Batches(graph, args.seed, plan.tasks)
+    if getattr(args, "spindle_task_schedule", None):
+        raise ValueError("--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's "
+                         "samples follow the first plan's layout)")
+    from ..data.energon import EnergonData  # optional dependency: megatron-energon
+    return EnergonData(args.spindle_data, graph, plan, rank, seed=args.seed)

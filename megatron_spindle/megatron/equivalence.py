@@ -1,9 +1,10 @@
 """``--spindle-check-equivalence``: the first step, also run as a single process on rank 0.
 
 Every rank runs one forward and backward pass of the plan on the first batch and syncs gradients (no
-optimizer step); rank 0 builds the whole model in one process with the same seed (the reference), runs the
-same batch, and compares every task's loss and every parameter's gradient (each rank's shard against the
-same slice of the reference gradient). The result is the largest relative difference, per tensor relative
+optimizer step); rank 0 builds the whole model in one process with the same seed (the reference: fp32, on
+the run's device, so the CUDA device under NCCL), runs the same batch, and compares every task's loss and
+every parameter's gradient (each rank's shard against the same slice of the reference gradient). A bf16 run
+is thus measured against full precision. The result is the largest relative difference, per tensor relative
 to its largest reference entry. Gradients are cleared afterwards, so training is unchanged.
 """
 from __future__ import annotations
@@ -12,8 +13,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..models.layer_state import shard_spec, shard_tensor
 from ..models.reference import ReferenceModel
+from ..runtime.executor import fp32_grad
 
 
 def check_first_step(model, graph, batch, seed: int) -> float:
@@ -26,17 +29,17 @@ def check_first_step(model, graph, batch, seed: int) -> float:
     mine = {}
     for key, shard, mod in model.local_cores():
         for name, p in mod.core.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            g = fp32_grad(p) if p.grad is not None else torch.zeros_like(p)
             spec = shard_spec(p) if tp_of[key] > 1 else None
             mine[(key, shard, name)] = (g.detach().float().cpu().numpy(), spec)
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    gathered = comm.gather_object(mine, dst=0)
     for p in model.unique_parameters():
         p.grad = None
-    worst = torch.zeros((), dtype=torch.float64)
+    worst = torch.zeros((), dtype=torch.float64, device=model.device)
     if dist.get_rank() == 0:
-        ref = ReferenceModel(graph, seed=seed, dtype=next(model.parameters()).dtype)
-        out = ref(batch)
+        # fp32 reference on the run's device: a bf16 run is measured against full precision
+        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device)
+        out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}
         w = max(abs(losses[t] - ref_loss[t]) / max(abs(ref_loss[t]), 1e-12) for t in out)
@@ -48,8 +51,8 @@ def check_first_step(model, graph, batch, seed: int) -> float:
                 if spec is not None:
                     dim, stride = spec
                     full = shard_tensor(full, dim=dim, stride=stride, rank=shard, size=tp_of[key])
-                f = full.float().numpy()
+                f = full.float().cpu().numpy()
                 w = max(w, float(np.abs(g - f).max()) / max(float(np.abs(f).max()), 1e-6))
         worst.fill_(w)
-    dist.broadcast(worst, src=0)
+    comm.broadcast(worst, src=0)
     return float(worst)

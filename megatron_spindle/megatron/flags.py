@@ -24,8 +24,6 @@ from ..planner.plan import Plan
 from ..planner.workloads import build_graph
 from .ckpt_files import TRACKER, check_save_dir, latest_iteration
 
-MODELS = ("multitask-clip", "qwen-val", "ofasys")
-
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``--spindle*`` flags (Megatron's ``extra_args_provider``); returns the parser."""
@@ -37,12 +35,16 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="use this saved plan (spindle plan --out) instead of planning at start")
     g.add_argument("--spindle-curves", default=None, metavar="PATH",
                    help="scaling curves for the planner (spindle profile --out); default: analytic model")
-    g.add_argument("--spindle-model", default="multitask-clip", choices=MODELS,
-                   help="which built-in multi-task model to train")
+    g.add_argument("--spindle-model", default="multitask-clip", metavar="NAME|SPEC.toml",
+                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
+                        "(docs/model_spec.md)")
     g.add_argument("--spindle-tasks", type=int, default=None,
                    help="number of tasks (multitask-clip 4/7/10, ofasys 4/7, qwen-val 3); default the most")
-    g.add_argument("--spindle-size", default="full", choices=("full", "tiny"),
-                   help="model size: the paper's full size or a tiny copy for CPU runs and tests")
+    g.add_argument("--spindle-size", default="full",
+                   help="model size: full (the spec itself) or one of the spec's [sizes] (tiny: CPU runs, tests)")
+    g.add_argument("--spindle-data", default=None, metavar="DIR",
+                   help="train on real data: DIR/<task> is one megatron-energon dataset per task (energon "
+                        "prepare); each rank reads only the samples of its slices (default: synthetic data)")
     g.add_argument("--spindle-gpus-per-node", type=int, default=None,
                    help="devices per NVLink island for placement (default: ranks per node, at most 8)")
     g.add_argument("--spindle-memory-gib", type=float, default=None,
@@ -95,7 +97,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters (GPU only)")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
     return parser
 
 
@@ -181,6 +183,9 @@ def check_megatron_args(args) -> list[str]:
     if get("spindle_task_schedule", None):
         bad.append("--spindle-task-schedule: replanning mid-run needs the built-in trainer "
                    "(examples/pretrain_multitask_clip.py on a machine without megatron.training or CUDA)")
+    if get("spindle_data", None):
+        bad.append("--spindle-data: energon data is wired into the built-in trainer only so far "
+                   "(Megatron's pretrain would train on synthetic data)")
     if get("micro_batch_size", None) is None:
         bad.append("--micro-batch-size is required (samples of every task per rank per pass)")
     return bad

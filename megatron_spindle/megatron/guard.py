@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..log import get_logger
 
 log = get_logger(__name__)
@@ -72,9 +72,7 @@ class NumericGuard:
         if all(_finite(v) for v in losses.values()) and _finite(grad_norm):
             return True
         bad_tasks = [t for t, v in losses.items() if not _finite(v)]
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, nonfinite_param_keys(model))
-        keys = sorted({k for ks in every for k in ks})
+        keys = sorted({k for ks in comm.all_gather_object(nonfinite_param_keys(model)) for k in ks})
         first = first_nonfinite_metaop(model.plan, keys)
         where = (f"first non-finite gradient (backward order) in MetaOp {first[0]} of task {first[1]}"
                  if first else "no parameter gradient is non-finite")

@@ -41,6 +41,7 @@ A run (``pretrain_spindle.py`` from ``patches/``, or :func:`pretrain_spindle` fr
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -58,7 +59,7 @@ from .model import build_model, graph_for, log_plan, plan_for
 from .schedule import forward_step
 
 __all__ = ["install", "uninstall", "pretrain_spindle", "spindle_model_provider", "forward_step",
-           "train_valid_test_datasets_provider", "reject_spindle", "choose_backend", "chain_args", "main"]
+           "train_valid_test_datasets_provider", "reject_spindle", "reject_spindle_args", "choose_backend", "chain_args", "main"]
 
 log = get_logger(__name__)
 
@@ -253,6 +254,14 @@ def reject_spindle(model_provider: Callable, script: str = "pretrain_gpt.py") ->
     return provider
 
 
+def reject_spindle_args(args, script: str = "pretrain_gpt.py") -> None:
+    """The same check as :func:`reject_spindle` for scripts that parse the flags themselves and pass no model
+    provider (``pretrain_gpt.py`` at Megatron-LM ``core_v0.19.0``: ``parse_and_validate_args``, then a config
+    container): with ``--spindle`` it stops with the same message."""
+    if getattr(args, "spindle", False):
+        raise SystemExit("error: " + SINGLE_TASK_MESSAGE.format(script=script))
+
+
 def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = None) -> tuple[str, str]:
     """``("megatron", "")`` when Megatron-LM's loop can run here, else ``("loop", reason)``.
 
@@ -272,20 +281,27 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
     if has_cuda is None:
         has_cuda = torch.cuda.is_available()
     if not has_cuda:
-        return "loop", "no CUDA device (Megatron-LM's loop requires one)"
+        return "loop", "no CUDA device (SPINDLE_BACKEND=megatron runs Megatron-LM's loop on CPU ranks anyway)"
     return "megatron", ""
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,
-                     argv=None):
+                     argv=None, backend: str | None = None):
     """Train a Spindle multi-task model with Megatron-LM's ``pretrain``, or the built-in loop where it can't run.
 
     For users who write their own script: ``extra_args_provider`` adds their flags (chained after the
-    ``--spindle*`` ones); ``args_defaults`` override :data:`MEGATRON_DEFAULTS`. Megatron parses
-    ``sys.argv``; ``argv`` is used only by the fallback, which prints one notice line and runs
-    :func:`.trainer.pretrain` (returning its summary dict).
+    ``--spindle*`` ones); ``args_defaults`` override :data:`MEGATRON_DEFAULTS`. ``argv`` (default
+    ``sys.argv[1:]``) is what Megatron parses, or the fallback, which prints one notice line and runs
+    :func:`.trainer.pretrain` (returning its summary dict). ``backend`` (default: the ``SPINDLE_BACKEND``
+    environment variable): ``"megatron"`` or ``"loop"`` instead of :func:`choose_backend`'s choice; ``"megatron"`` without CUDA runs Megatron-LM's loop on gloo CPU ranks
+    through :mod:`megatron_spindle.compat.megatron_lm`'s stand-ins (what ``make test-megatron-lm`` does).
     """
-    backend, why = choose_backend()
+    why = "asked for"
+    backend = backend or os.environ.get("SPINDLE_BACKEND") or None
+    if backend is None:
+        backend, why = choose_backend()
+    if backend not in ("megatron", "loop"):
+        raise ValueError(f"backend {backend!r}: must be 'megatron' or 'loop'")
     if backend == "loop":
         args, ignored = fallback_args(argv, extra_args_provider)
         log.info(f"spindle: {why}; training with the built-in megatron.core trainer instead"
@@ -296,12 +312,19 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    from megatron.training import get_args, pretrain  # optional: megatron.training
+    from megatron.training import get_args  # optional: megatron.training
 
+    from ..compat.mcore import run_pretrain
+    from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
+
+    apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
+    if argv is not None:  # Megatron parses sys.argv
+        sys.argv = [sys.argv[0], *argv]
     install(always=True)
-    pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=chain_args(extra_args_provider),
-             args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
+    with cuda_on_cpu():
+        run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
+                     forward_step, extra_args_provider=chain_args(extra_args_provider),
+                     args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
     args = get_args()
     if args.spindle_trace and _BUILT:
         path = gather_chrome_trace(_BUILT[0].module.trace, args.spindle_trace)
@@ -310,11 +333,11 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     return None
 
 
-def main(argv=None) -> int:
+def main(argv=None, backend: str | None = None) -> int:
     """``pretrain_spindle.py``: :func:`pretrain_spindle`; a configuration error prints one line, exit code 2."""
     setup_logging()
     try:
-        pretrain_spindle(argv=argv)
+        pretrain_spindle(argv=argv, backend=backend)
     except ValueError as e:
         lines = str(e).splitlines() or [type(e).__name__]
         print(f"error: {lines[0]}", file=sys.stderr)

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..compat import apply_cpu_patches
 from ..log import get_logger
 from ..models.data import SyntheticData
@@ -65,18 +66,19 @@ def plan_for(args, graph, world: int) -> Plan:
             box[0] = p.to_json()
         except ValueError as e:
             box[0] = {"error": str(e)}
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     if "error" in box[0]:
         raise ValueError(box[0]["error"])
     return Plan.from_json(box[0])
 
 
 def run_device() -> torch.device:
-    """Where this rank computes: its current CUDA device under NCCL, else the CPU (with the CPU stand-ins)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    apply_cpu_patches()
-    return torch.device("cpu")
+    """Where this rank computes and communicates (:func:`megatron_spindle.comm.comm_device`: its CUDA device
+    under NCCL, the CPU under gloo); on the CPU with megatron.core's CPU stand-ins applied."""
+    device = comm.comm_device()
+    if device.type == "cpu":
+        apply_cpu_patches()
+    return device
 
 
 def log_plan(args, plan: Plan, graph, world: int, passes: int | None = None) -> None:

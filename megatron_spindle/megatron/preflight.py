@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
+from .. import comm
 from .checkpoint import CheckpointError, checkpoint_bytes
 from .ckpt_files import check_save_dir
 
@@ -38,9 +37,7 @@ def check_save_space(root: str, model, optimizer) -> int:
         error = None
     except ValueError as e:
         error = str(e)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
-    first = next((x for x in every if x), None)
+    first = next((x for x in comm.all_gather_object(error) if x), None)
     if first:
         raise CheckpointError(first)
     return need

@@ -21,6 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 def forward_step(data_iterator, model):
     """Megatron-style forward step of a Spindle model: one multi-task batch through every wave."""
@@ -77,6 +79,6 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     out = {}
     for key in reports[0]:
         val = torch.stack([r[key] for r in reports]).sum(0)
-        dist.all_reduce(val)
+        comm.all_reduce(val)
         out[key] = float(val[0] / val[1])
     return out

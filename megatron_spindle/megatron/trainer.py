@@ -29,10 +29,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from ..log import get_logger, setup_logging
 from ..planner.render import grid
 from ..planner.validate import PlanError
+from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Batches
+from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
 from .model import build_model, graph_for, log_plan, plan_for, run_device
@@ -59,7 +60,11 @@ def init_distributed(timeout_s: float) -> None:
         raise (explain_init_error(e, timeout_s) or e) from None
 
 
-def make_optimizer(params, args) -> torch.optim.AdamW:
+def make_optimizer(params, args):
+    """AdamW over ``params``; over fp32 master copies when they are bf16 (Megatron's mixed precision)."""
+    params = list(params)
+    if any(p.dtype != torch.float32 for p in params):
+        return MasterWeightsOptimizer(params, lambda ps: make_optimizer(ps, args))
     return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                              weight_decay=args.weight_decay)
 
@@ -109,6 +114,9 @@ class Trainer:
         self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks)
         if len(self.schedule) > 1 and args.spindle_plan:
             raise ValueError("--spindle-task-schedule plans each task set itself; it cannot use --spindle-plan")
+        if args.bf16 and (args.save or args.load or len(self.schedule) > 1):
+            raise ValueError("--bf16 with --save/--load/--spindle-task-schedule needs Megatron-LM's loop (its "
+                             "optimizer checkpoints the fp32 master weights); the built-in trainer does not")
         sub = self.graph.subset(self.schedule[0][1]) if len(self.schedule) > 1 else self.graph
         self.plan = plan_for(args, sub, self.world)
         self.micro = self.graph.operators[0].batch
@@ -119,7 +127,7 @@ class Trainer:
         self.accum = glob // self.micro
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         self.start = 0
-        self.data = Batches(self.graph, args.seed, self.plan.tasks)
+        self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
         self.optimizer = make_optimizer(self.model.unique_parameters(), args)

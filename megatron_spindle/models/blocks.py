@@ -11,6 +11,8 @@ import functools
 
 import torch
 import torch.distributed as dist
+
+from .. import comm
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -247,13 +249,13 @@ class GroupVocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, group, rank: int, size: int) -> Tensor:
         logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)
         if size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=comm.ReduceOp.MAX, group=group)
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.size(-1), rank, size)
         mask, masked_target_1d, predicted, sum_exp, exp_logits = (
             VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, start, end))
         if size > 1:
-            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+            comm.all_reduce(predicted, group=group)
+            comm.all_reduce(sum_exp, group=group)
         softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted,
                                                                                sum_exp)
         ctx.save_for_backward(softmax, mask, masked_target_1d)

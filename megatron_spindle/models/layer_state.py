@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-import torch.distributed as dist
+
+from .. import comm
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -68,8 +69,7 @@ def full_state_dict(layer: "OperatorLayer", tp_group=None) -> dict[str, Tensor]:
         t = p.detach()
         spec = shard_spec(p)
         if spec is not None and size > 1:
-            shards = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(shards, t.contiguous(), group=group)
+            shards = comm.all_gather(t, group=group)
             t = unshard_tensors(shards, dim=spec[0], stride=spec[1])
         out[_canonical(name, layer.use_te)] = t.cpu().clone()
     return out

@@ -53,6 +53,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
 from .megatron_state import ensure_megatron_globals
+from .custom import build_custom_core, custom_forward, custom_input_shape, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
                      LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
                      pg_collection, self_group, transformer_config, use_te_backend)
@@ -89,6 +90,15 @@ class OperatorLayer(nn.Module):
         self.tp_size = tp_size
         self.task_weight = float(task_weight)
         self.use_te = use_te
+        self.register_forward_pre_hook(_cast_inputs_to_layer_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype of the layer's floating parameters (None for a layer without any)."""
+        for p in self.core.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return None
 
     @property
     def param_key(self) -> str:
@@ -111,6 +121,20 @@ class OperatorLayer(nn.Module):
         if tuple(x.shape[1:]) != dims:
             raise ValueError(f"operator {self.op.name!r}: {what} must be [b, {', '.join(map(str, dims))}], "
                              f"got {list(x.shape)}")
+
+
+def _cast_inputs_to_layer_dtype(layer: "OperatorLayer", args: tuple):
+    """Float16Module's rule at every layer: floating inputs (data and received activations) are cast to the
+    layer's parameter dtype, so a bf16 layer takes fp32 patches; integer inputs (tokens, labels) pass.
+    Losses stay fp32: the loss layers compute their cross-entropy in fp32 (``.float()``)."""
+    dtype = layer.compute_dtype
+    if dtype is None or not args:
+        return None
+    inputs = args[0]
+    if not any(torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype for x in inputs):
+        return None
+    cast = [x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
+    return (cast, *args[1:])
 
 
 class PatchEmbedLayer(OperatorLayer):
@@ -224,7 +248,14 @@ class LMHeadLayer(OperatorLayer):
         logits, _ = self.core.output(self.core.norm(h))
         loss = GroupVocabParallelCrossEntropy.apply(logits, labels, self.tp_group, self.tp_rank,
                                                      self.tp_size)
-        return loss.sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
+        return loss.float().sum() * (self.task_weight / (self.op.batch * c.loss_tokens))
+
+
+class CustomOpLayer(OperatorLayer):
+    """A registered layer type (:mod:`.custom`): ``[b, input_seq_len, input_dim] -> [b, seq_len, hidden]``."""
+
+    def forward(self, inputs: list[Tensor]) -> Tensor:
+        return custom_forward(self, inputs)
 
 
 _LAYER_CLASSES = {
@@ -255,7 +286,7 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
                          f"tp_size={tp_size}")
     if tp_size == 1:
         return
-    if op.op_type not in TP_OP_TYPES or not op.tp_splittable:
+    if (op.op_type not in TP_OP_TYPES and not custom_supports_tp(op.op_type)) or not op.tp_splittable:
         raise ValueError(f"operator {op.name!r} ({op.op_type}, tp_splittable={op.tp_splittable}) cannot "
                          f"run with tp_size={tp_size}; tp > 1 layers: {sorted(TP_OP_TYPES)}")
     if tp_group is None or tp_group.size() != tp_size or tp_group.rank() != tp_rank:
@@ -273,6 +304,8 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
 def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, rows: int,
                 use_te: bool) -> nn.Module:
     c, t = op.layer, op.op_type
+    if t not in OP_TYPES:
+        return build_custom_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype)
     if t in ("transformer_layer", "decoder_layer"):
         config = transformer_config(op, tp_size, dtype)
         spec = layer_spec(op, tp_group, use_te)
@@ -313,8 +346,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         share_with: an existing layer with the same ``param_key`` and tp layout whose core to reuse.
         backend: ``auto`` (TransformerEngine specs when TE imports and CUDA is available), ``local``, ``te``.
     """
-    if op.op_type not in _LAYER_CLASSES:
-        raise ValueError(f"operator {op.name!r}: unknown op_type {op.op_type!r}")
+    layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)
     _check_tp(op, tp_group, tp_rank, tp_size)
     use_te = use_te_backend(backend)
     ensure_megatron_globals(seed=seed, tp_rank=tp_rank)
@@ -335,7 +367,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
             core = _build_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype,
                                rows=table_rows(op, graph), use_te=use_te)
         core = core.to(dtype=dtype, device=device)
-    return _LAYER_CLASSES[op.op_type](op, core, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
+    return layer_class(op, core, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
                                       task_weight=task_weight, use_te=use_te)
 
 
@@ -367,7 +399,8 @@ def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tup
            "pool_head": (c.seq_len, c.hidden), "lm_head": (c.seq_len, c.hidden),
            "contrastive_loss": (c.proj_dim,),
            "cross_attn_adapter": (c.input_seq_len, c.input_dim),
-           "linear_adapter": (c.input_seq_len or c.seq_len, c.input_dim)}.get(op.op_type)
+           "linear_adapter": (c.input_seq_len or c.seq_len, c.input_dim)}.get(op.op_type) \
+        or custom_input_shape(op)
     out = []
     for i, name in enumerate(op.inputs):
         if name.startswith(DATA_PREFIX):

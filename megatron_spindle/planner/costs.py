@@ -9,6 +9,7 @@ ignored. Activation bytes follow Korthikanti et al. (2022) for bf16 without reco
 from __future__ import annotations
 
 from .graph import LayerConfig
+from .layer_types import custom_cost
 
 BF16_BYTES = 2
 
@@ -38,7 +39,7 @@ def layer_params(op_type: str, c: LayerConfig) -> int:
         return c.input_dim * h + h
     if op_type == "lm_head":
         return 2 * h + h * c.vocab_size
-    raise ValueError(f"no cost formula for op_type {op_type!r}")
+    return custom_cost(op_type, c).params
 
 
 def layer_fwd_flops_per_sample(op_type: str, c: LayerConfig) -> float:
@@ -66,7 +67,7 @@ def layer_fwd_flops_per_sample(op_type: str, c: LayerConfig) -> float:
         return 2.0 * s * c.input_dim * h
     if op_type == "lm_head":
         return 2.0 * c.loss_tokens * h * c.vocab_size
-    raise ValueError(f"no cost formula for op_type {op_type!r}")
+    return float(custom_cost(op_type, c).fwd_flops_per_sample)
 
 
 def contrastive_loss_flops(batch: int, dim: int) -> float:
@@ -97,7 +98,7 @@ def layer_act_bytes_per_sample(op_type: str, c: LayerConfig) -> float:
         return BF16_BYTES * c.input_seq_len * c.input_dim
     if op_type == "lm_head":
         return BF16_BYTES * s * h + 4.0 * c.loss_tokens * c.vocab_size
-    raise ValueError(f"no cost formula for op_type {op_type!r}")
+    return float(custom_cost(op_type, c).act_bytes_per_sample)
 
 
 def out_elems_per_sample(op_type: str, c: LayerConfig) -> int:

@@ -136,7 +136,10 @@ class Operator:
 
     def __post_init__(self) -> None:
         if self.op_type not in OP_TYPES:
-            raise ValueError(f"operator {self.name!r}: unknown op_type {self.op_type!r}; known: {OP_TYPES}")
+            from .layer_types import custom_layer_type, registered
+            if custom_layer_type(self.op_type) is None:
+                raise ValueError(f"operator {self.name!r}: unknown op_type {self.op_type!r}; known: {OP_TYPES}"
+                                 f"{', registered: ' + str(registered()) if registered() else ''}")
         if self.batch <= 0:
             raise ValueError(f"operator {self.name!r}: batch must be positive, got {self.batch}")
 

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "parallel: one process at local batch B/n; tensor parallel: tp processes), fit the "
                     "piecewise curves and write them for `spindle plan/compare --curves`. Points already "
                     "in the cache (same backend, device type, dtype, threads) are not measured again.")
-    p.add_argument("--model", required=True, help="built-in model: multitask-clip, qwen-val or ofasys")
+    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
+                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
     p.add_argument("--batch", type=positive_int, default=None, help="global batch per task (default: the model's)")

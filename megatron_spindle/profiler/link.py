@@ -118,6 +118,8 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
     import torch  # optional: torch (fitting a link needs only numpy; measuring one needs torch)
     import torch.distributed as dist  # optional: torch, as above
 
+    from .. import comm
+
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
         raise ValueError("measuring a link needs at least two processes")
@@ -143,18 +145,17 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
             times = []
             for i in range(warmup + repeats):
                 sync()
-                dist.barrier()
+                comm.barrier()
                 busy()
                 t0 = time.perf_counter()
                 if kind == "exchange":
                     if rank < 2:
                         peer = 1 - rank
-                        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
-                                                        dist.P2POp(dist.irecv, recv, peer)])
+                        works = comm.batch_isend_irecv([comm.send_op(send, peer), comm.recv_op(recv, peer)])
                         for w in works:
                             w.wait()
                 else:
-                    dist.all_reduce(send)
+                    comm.all_reduce(send)
                 sync()
                 if i >= warmup:
                     times.append((time.perf_counter() - t0) * 1e3)

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..atomic import write_json
 from ..compat.cpu import apply_cpu_patches
 from ..log import get_logger
@@ -139,7 +140,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     else:
         pending = None
     box = [pending]
-    dist.broadcast_object_list(box, src=0)
+    comm.broadcast_object_list(box, src=0)
     pending = box[0]
     rounds = schedule_rounds(pending, world)  # raises on every rank alike when tp > nproc
 
@@ -168,8 +169,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                                  seed=cfg.seed, dtype=dtype, device=device)
             if rank == ranks[0]:
                 result = (p, samples)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
+        gathered = comm.all_gather_object(result)
         if rank != 0:
             continue
         for item in gathered:
@@ -197,7 +197,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
             say(f"link ({backend}): latency {link['latency_us']:.0f} us (exchange), bandwidth "
                 f"{link['bandwidth_gbps']:.2f} GB/s (all-reduce); {kinds}")
     if rank != 0:
-        dist.barrier()
+        comm.barrier()
         return None
 
     entries: dict[int, list] = {}
@@ -229,7 +229,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     say(f"profiled in {_fmt_s(time.perf_counter() - t_start)} (measuring {_fmt_s(time.perf_counter() - t_measure)})"
         + (f"; curves written to {cfg.out}" if cfg.out else "")
         + (f"; cluster written to {cfg.cluster_out}" if cfg.cluster_out and cl is not None else ""))
-    dist.barrier()
+    comm.barrier()
     return doc
 
 

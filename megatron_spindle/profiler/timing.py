@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .. import comm
 from ..models.layers import build_layer, example_inputs
 from ..planner.graph import TaskGraph
 
@@ -50,7 +51,7 @@ def time_layer(graph: TaskGraph, operator: str, local_batch: int, *, warmup: int
         for x in inputs:
             x.grad = None
         if barrier:
-            torch.distributed.barrier(group=tp_group)
+            comm.barrier(tp_group)
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def time_layer(graph: TaskGraph, operator: str, local_batch: int, *, warmup: int
                            max(1, int((min_seconds * 1e3 - sum(out_ms)) / max(min(out_ms), 1e-3))))
             if barrier:  # every rank of the group runs the same repeats: group rank 0 decides
                 n = torch.tensor([more], dtype=torch.int64, device=device)
-                torch.distributed.broadcast(n, group_src=0, group=tp_group)
+                comm.broadcast(n, group_src=0, group=tp_group)
                 more = int(n)
             total += more
     return out_ms

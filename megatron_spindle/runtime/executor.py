@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import comm
 from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Plan, Slice
 from ..planner.validate import check_plan
@@ -311,16 +312,16 @@ class SpindleModel(nn.Module):
                 for name in params[0]:
                     total = sum(self._grad(p[name]) for p in params)
                     for p in params:
-                        p[name].grad = total.clone()
+                        set_grad(p[name], total)
         for ranks, params in self._grad_buckets():
             group = self.registry.get(param_group_name_for(self.plan, ranks))
-            flat = torch.cat([self._grad(p).reshape(-1) for p in params])
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            flat = torch.cat([self._grad(p).float().reshape(-1) for p in params])  # reduce in fp32
+            flat, work = comm.all_reduce_async(flat, group=group)
             self._wait([work], [f"gradient all-reduce over ranks {list(ranks)}"])
             off = 0
             for p in params:
                 n = p.numel()
-                p.grad = flat[off:off + n].view_as(p).clone()
+                set_grad(p, flat[off:off + n].view(p.shape))
                 off += n
         self._sync_copies_after_reduce()
         self.trace.span("sync", "gradient sync", t0)
@@ -331,16 +332,17 @@ class SpindleModel(nn.Module):
                 src = dict(mods[0].core.named_parameters())
                 for m in mods[1:]:
                     for name, p in m.core.named_parameters():
-                        p.grad = src[name].grad.clone()
+                        set_grad(p, fp32_grad(src[name]))
 
     @staticmethod
     def _grad(p: nn.Parameter) -> Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+        """The locally accumulated gradient (before the sync), in fp32."""
+        return p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
         from ..models.layer_state import shard_spec
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self.plan.param_groups:
             if self.rank != g.ranks[0] or (g.param_key, g.tp_rank) not in self._copies:
                 continue
@@ -348,8 +350,9 @@ class SpindleModel(nn.Module):
             for _, p in core.named_parameters():
                 if shard_spec(p) is None and g.tp_rank != 0:
                     continue  # a replicated parameter of a TP layer: count it on shard 0 only
-                sq += self._grad(p).double().pow(2).sum()
-        work = dist.all_reduce(sq, async_op=True)
+                if p.grad is not None:
+                    sq += fp32_grad(p).double().pow(2).sum()
+        sq, work = comm.all_reduce_async(sq)
         self._wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))
 
@@ -360,17 +363,35 @@ class SpindleModel(nn.Module):
             for p in self.unique_parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
+                    if getattr(p, "main_grad", None) is not None:
+                        p.main_grad.mul_(scale)
         return norm
 
     def reduce_losses(self, st: StepState) -> dict[str, float]:
         """Each task's loss summed over its data-parallel replicas (same on every rank)."""
         vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
-        work = dist.all_reduce(vec, async_op=True)
+        vec, work = comm.all_reduce_async(vec)
         self._wait([work], ["loss all-reduce over all ranks"])
         return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
 
     def destroy(self) -> None:
         self.registry.destroy()
+
+
+def fp32_grad(p: nn.Parameter) -> Tensor:
+    """The gradient of ``p`` in fp32: its ``main_grad`` when one is kept (bf16 parameters), else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad.float()
+
+
+def set_grad(p: nn.Parameter, grad: Tensor) -> None:
+    """Set the reduced fp32 gradient: ``.grad`` in the parameter's dtype, plus ``main_grad`` (fp32) for a
+    low-precision parameter, which mixed-precision optimizers step from (as with Megatron's DDP buffers)."""
+    if p.dtype == torch.float32:
+        p.grad = grad.clone()
+    else:
+        p.main_grad = grad.clone()
+        p.grad = grad.to(p.dtype)
 
 
 def param_group_name_for(plan: Plan, ranks: tuple[int, ...]) -> str:

@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 from ..planner.graph import TaskGraph
 from ..planner.plan import Plan
 from .executor import SpindleModel
@@ -69,8 +71,7 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     for (key, tp_ranks), (layer, states) in available.items():
         mine[(key, tp_ranks.index(rank), len(tp_ranks))] = {
             n: [(sk, tuple(t.shape), str(t.dtype)) for sk, t in sorted(st.items())] for n, st in states.items()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, [(k[0], k[1].index(rank), len(k[1])) for k in need]))
+    everyone = comm.all_gather_object((mine, [(k[0], k[1].index(rank), len(k[1])) for k in need]))
     transfers = []  # (src, dst, (key, shard, tp))
     for dst, (_, wants) in enumerate(everyone):
         for want in wants:
@@ -106,15 +107,15 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
             received[want] = (target, flat(layer, states, spec), spec)
         elif src == rank:
             layer, states = local_copy(want)
-            ops.append(dist.P2POp(dist.isend, flat(layer, states, spec).contiguous(), dst, tag=tag))
+            ops.append(comm.send_op(flat(layer, states, spec), dst, tag=tag))
         else:
             n = sum(p.numel() + sum(_numel(shape) for _, shape, _ in spec[name])
                     for name, p in target.core.named_parameters())
-            buf = torch.empty(n, dtype=next(target.core.parameters()).dtype, device=model.device)
-            ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
+            buf = comm.empty((n,), next(target.core.parameters()).dtype)
+            ops.append(comm.recv_op(buf, src, tag=tag))
             bufs.append((want, target, buf, spec))
     if ops:
-        for w in dist.batch_isend_irecv(ops):
+        for w in comm.batch_isend_irecv(ops):
             w.wait()
     for want, target, buf, spec in bufs:
         received[want] = (target, buf, spec)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .. import comm
 from ..atomic import write_json
 
 CATEGORIES = ("forward", "backward", "transfer", "sync", "optimizer", "step")
@@ -77,8 +78,7 @@ def gather_chrome_trace(trace: StepTrace, directory: str) -> str | None:
 
     Returns the path on rank 0, None elsewhere.
     """
-    events: list = [None] * dist.get_world_size()
-    dist.all_gather_object(events, trace.chrome_events())
+    events = comm.all_gather_object(trace.chrome_events())
     if dist.get_rank() != 0:
         return None
     path = os.path.join(directory, "trace.json")

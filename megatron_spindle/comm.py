@@ -1,0 +1,155 @@
+"""The one place where tensors meet ``torch.distributed``: where a rank computes and communicates, and every
+collective and point-to-point call of the package.
+
+Why one module: NCCL only moves CUDA tensors and gloo only CPU tensors (gloo's CUDA support is partial), so a
+CPU tensor handed to an all-reduce on an NCCL group fails on a GPU machine and nowhere else. Every call here
+first puts its tensors on :func:`comm_device`; a test (``tests/test_comm_discipline.py``) proves that no
+other module of the package, ``scripts/`` or ``examples/`` calls a collective or P2P function directly.
+It imports only torch, so every layer may use it (models, runtime, profiler, the Megatron hooks).
+
+API (``group=None`` is the world; ``timeout`` bounds the wait of an ``*_async`` result's ``wait``):
+
+* :func:`comm_device` - the device of this rank: its CUDA device under NCCL, the CPU under gloo (and
+  without ``torch.distributed``: the current CUDA device if there is one, else the CPU). Models build their
+  parameters there, receive buffers are allocated there, references are built there.
+* :func:`on_comm_device` - a tensor on that device (no copy when it is already there).
+* :func:`empty` - a receive buffer on that device.
+* :func:`all_reduce` (in place, returns the tensor that was reduced: the argument itself when it already
+  lived on the device, else a copy that has been copied back into the argument), :func:`all_reduce_async`
+  (returns ``(tensor on the device, work)``; the caller waits, then reads the returned tensor),
+  :func:`all_gather`, :func:`broadcast`, :func:`barrier`.
+* object collectives: :func:`broadcast_object_list`, :func:`all_gather_object`, :func:`gather_object`
+  (torch pickles through the current device under NCCL; they carry no tensors of ours).
+* point to point: :func:`send_op` and :func:`recv_op` make ``P2POp``\\ s (a send's tensor is moved to the
+  device and made contiguous; a receive buffer must already be on the device, see :func:`empty`), and
+  :func:`batch_isend_irecv` posts a list of them and returns the works to wait on.
+* :func:`wait_all` - wait for works with one timeout each, raising ``TimeoutError`` naming the message.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
+           "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
+           "batch_isend_irecv", "wait_all", "ReduceOp"]
+
+ReduceOp = dist.ReduceOp
+
+
+def comm_device() -> torch.device:
+    """Where this rank computes and communicates: its CUDA device under NCCL, the CPU under gloo.
+
+    Without an initialised process group: the current CUDA device when CUDA is available, else the CPU.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if "nccl" in str(dist.get_backend()).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def on_comm_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on :func:`comm_device` (itself when already there)."""
+    dev = comm_device()
+    return t if t.device == dev else t.to(dev)
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised receive buffer on :func:`comm_device`."""
+    return torch.empty(tuple(shape), dtype=dtype, device=comm_device())
+
+
+def all_reduce(t: torch.Tensor, *, op=ReduceOp.SUM, group=None) -> torch.Tensor:
+    """In-place all-reduce of ``t`` (moved to the device for the call and copied back if it was elsewhere)."""
+    x = on_comm_device(t)
+    dist.all_reduce(x, op=op, group=group)
+    if x is not t:
+        t.copy_(x)
+    return t
+
+
+def all_reduce_async(t: torch.Tensor, *, op=ReduceOp.SUM, group=None):
+    """``(x, work)``: ``x`` is ``t`` on the device; after ``work.wait()`` it holds the reduced values."""
+    x = on_comm_device(t)
+    return x, dist.all_reduce(x, op=op, group=group, async_op=True)
+
+
+def all_gather(t: torch.Tensor, *, group=None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape everywhere), in group-rank order, on the device."""
+    x = on_comm_device(t).contiguous()
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x, group=group)
+    return out
+
+
+def broadcast(t: torch.Tensor, *, src: int | None = None, group=None, group_src: int | None = None) -> torch.Tensor:
+    """In-place broadcast from global rank ``src`` (or rank ``group_src`` within ``group``), moved to the
+    device and back when needed."""
+    x = on_comm_device(t)
+    if group_src is not None:
+        dist.broadcast(x, group=group, group_src=group_src)
+    else:
+        dist.broadcast(x, src=src, group=group)
+    if x is not t:
+        t.copy_(x)
+    return t
+
+
+def barrier(group=None) -> None:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
+def broadcast_object_list(objects: list, *, src: int, group=None) -> list:
+    dist.broadcast_object_list(objects, src=src, group=group, device=comm_device())
+    return objects
+
+
+def all_gather_object(obj, *, group=None) -> list:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj, *, dst: int = 0, group=None) -> list | None:
+    """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def send_op(t: torch.Tensor, peer: int, *, tag: int = 0, group=None) -> dist.P2POp:
+    """An ``isend`` of ``t`` (on the device, contiguous) to global rank ``peer``, for :func:`batch_isend_irecv`."""
+    return dist.P2POp(dist.isend, on_comm_device(t).contiguous(), peer, group=group, tag=tag)
+
+
+def recv_op(buf: torch.Tensor, peer: int, *, tag: int = 0, group=None) -> dist.P2POp:
+    """An ``irecv`` into ``buf`` from global rank ``peer``; ``buf`` must live on the device (:func:`empty`)."""
+    if buf.device != comm_device():
+        raise ValueError(f"receive buffer on {buf.device}, but this rank communicates on {comm_device()}; "
+                         f"allocate it with megatron_spindle.comm.empty")
+    return dist.P2POp(dist.irecv, buf, peer, group=group, tag=tag)
+
+
+def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
+    """Post every operation at once; returns the works (empty for no operations)."""
+    return list(dist.batch_isend_irecv(list(ops))) if ops else []
+
+
+def wait_all(works: Iterable, what: Iterable[str], timeout: datetime.timedelta) -> None:
+    """Wait for each work up to ``timeout``; ``TimeoutError`` names the message that failed or hung."""
+    for work, desc in zip(works, what):
+        try:
+            ok = work.wait(timeout)
+        except RuntimeError as e:
+            raise TimeoutError(f"{desc} failed: {str(e).splitlines()[0]}") from e
+        if ok is False:
+            raise TimeoutError(f"{desc} timed out after {timeout.total_seconds():g} s")

@@ -1,0 +1,52 @@
+"""The torch side of custom layer types (registered in :mod:`megatron_spindle.planner.layer_types`).
+
+A custom type's build function returns a module whose ``forward(x)`` maps the concatenation of the
+operator's inputs, ``[b, input_seq_len, input_dim]`` (batch first), to ``[b, seq_len, hidden]``.
+``layers.CustomOpLayer`` (through :func:`custom_forward`) checks both shapes around it; everything else
+(seeded initialisation per ``param_key``, weight sharing, tensor-parallel shards through megatron's
+parameter attributes, gradient sync over the parameter device group) is what every built-in layer gets from
+``layers.build_layer``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..planner.graph import Operator
+from ..planner.layer_types import custom_layer_type
+
+
+def build_custom_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype) -> nn.Module:
+    """The parameter module of a custom-type operator, from its registered build function."""
+    t = custom_layer_type(op.op_type)
+    if t is None or t.build is None:
+        raise ValueError(f"operator {op.name!r}: layer type {op.op_type!r} has no registered build function "
+                         f"(register_layer_type(..., build=...) in the spec's layer_plugins)")
+    tp_rank = tp_group.rank() if tp_group is not None and tp_size > 1 else 0
+    core = t.build(op, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+    if not isinstance(core, nn.Module):
+        raise ValueError(f"build function of layer type {op.op_type!r} returned {type(core).__name__}, "
+                         f"not a torch.nn.Module")
+    return core
+
+
+def custom_supports_tp(op_type: str) -> bool:
+    t = custom_layer_type(op_type)
+    return t is not None and t.tensor_parallel
+
+
+def custom_input_shape(op: Operator) -> tuple[int, int]:
+    c = op.layer
+    return (c.input_seq_len or c.seq_len, c.input_dim or c.hidden)
+
+
+def custom_forward(layer, inputs: list[Tensor]) -> Tensor:
+    """Forward of a custom-type operator layer: check the input, run the registered module, check the output."""
+    x, _ = layer._split(inputs)
+    layer._check(x, custom_input_shape(layer.op), "input")
+    y = layer.core(x)
+    c = layer.op.layer
+    if tuple(y.shape) != (x.shape[0], c.seq_len, c.hidden):
+        raise ValueError(f"operator {layer.op.name!r} ({layer.op.op_type}): the registered layer returned "
+                         f"{list(y.shape)}, expected [{x.shape[0]}, {c.seq_len}, {c.hidden}]")
+    return y

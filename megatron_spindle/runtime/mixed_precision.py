@@ -1,0 +1,53 @@
+"""fp32 master weights for a model held in bf16: what Megatron's mixed-precision optimizer does, for the
+built-in loop (under ``megatron.training`` Megatron's own ``Float16OptimizerWithFloat16Params`` does it).
+
+The model's parameters stay in bf16 (compute and communication); the optimizer owns an fp32 copy of each
+and steps those from the fp32 gradient (``main_grad``, which :meth:`SpindleModel.finalize_grads` leaves
+after reducing in fp32), then writes the rounded result back into the bf16 parameter. fp32 parameters are
+stepped in place, so for an fp32 model this is the inner optimizer unchanged.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .executor import fp32_grad
+
+
+class MasterWeightsOptimizer:
+    """An optimizer over fp32 masters of ``params``; ``make_inner(masters)`` builds the real one (AdamW).
+
+    ``param_groups`` are the inner optimizer's (so learning-rate schedulers work on this object).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], make_inner: Callable[[list], torch.optim.Optimizer]):
+        self.params = list(params)
+        self.masters = [p if p.dtype == torch.float32 else
+                        nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.inner = make_inner(self.masters)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = fp32_grad(p) if p.grad is not None else None
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            if m is not p:
+                m.grad = None

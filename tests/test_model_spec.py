@@ -1,0 +1,258 @@
+"""Model specs (pure planner, no torch): the shipped specs equal the former built-in graphs, spec paths work
+wherever a model name does, custom layer types, and bad specs fail with one line naming file, key and value."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_spindle import cli
+from megatron_spindle.planner.layer_types import LayerCost, custom_layer_type, register_layer_type
+from megatron_spindle.planner.spec import SpecError, load_spec, parse_spec, shipped_models
+from megatron_spindle.planner.workloads import WORKLOADS, build_graph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GOLDEN = json.load(open(os.path.join(HERE, "data", "builtin_graph_fingerprints.json")))
+LLAVA = os.path.join(ROOT, "examples", "models", "llava.toml")
+
+
+# -- the reference models as specs ----------------------------------------------------------------------
+def test_shipped_specs_give_the_graphs_of_the_former_python_definitions():
+    assert set(shipped_models()) == {"multitask-clip", "ofasys", "qwen-val"}
+    assert len(GOLDEN["graphs"]) == 37
+    for g in GOLDEN["graphs"]:
+        got = build_graph(g["model"], tasks=g["tasks"], size=g["size"], batch=g["batch"])
+        assert (got.fingerprint(), len(got.operators), got.total_params()) == (
+            g["fingerprint"], g["operators"], g["params"]), g
+
+
+@pytest.mark.parametrize("key", sorted(GOLDEN["plans_16_gpus"]))
+def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, capsys):
+    model, tasks = key.rsplit("-", 1)
+    path = shipped_models()[model]
+    assert cli.main(["plan", "--model", path, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = GOLDEN["plans_16_gpus"][key]
+    assert (got["makespan_ms"], got["num_waves"]) == (want["makespan_ms"], want["num_waves"])
+
+
+def test_workloads_table_and_spec_path_equal_the_name():
+    assert WORKLOADS["multitask-clip"] == ((4, 7, 10), 128) and dict(WORKLOADS)["qwen-val"] == ((3,), 8)
+    for name, path in shipped_models().items():
+        assert build_graph(path, size="tiny").fingerprint() == build_graph(name, size="tiny").fingerprint()
+
+
+def test_package_data_names_the_spec_files():
+    src = open(os.path.join(ROOT, "setup.py")).read()
+    assert '"specs/*.toml"' in src
+
+
+# -- the fourth model: only a spec file and a plugin ------------------------------------------------------
+def test_llava_example_plans_without_torch():
+    """The example's custom projector registers its cost without torch; spindle plan works on it."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from megatron_spindle import cli\n"
+            f"sys.exit(cli.main(['plan', '--model', {LLAVA!r}, '--gpus', '16', '--json']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == "llava" and out["tasks"] == 3 and out["makespan_ms"] > 0
+
+
+def test_llava_tasks_differ_in_sequence_length_and_share_the_llm():
+    g = build_graph(LLAVA)
+    seqs = {op.task: op.layer.seq_len for op in g.operators if op.name.endswith(".llm.0")}
+    assert len(set(seqs.values())) == len(seqs) == 3, seqs
+    keys = {op.param_key for op in g.operators if op.module == "llm"}
+    assert {op.task for op in g.operators if op.param_key == "llm.layers.0"} == set(g.tasks)
+    assert "llm.layers.31" in keys
+    proj = [op for op in g.operators if op.op_type == "mlp_projector"]
+    assert proj and proj[0].param_count == 1024 * 4096 + 4096 + 4096 * 4096 + 4096
+    tiny = build_graph(LLAVA, size="tiny")
+    assert tiny.total_params() < 2e6
+
+
+# -- custom layer types -------------------------------------------------------------------------------------
+SMALL = """
+[model]
+name = "small"
+batch = 8
+
+[modules.img.embed]
+type = "patch_embed"
+hidden_size = 32
+seq_length = 5
+input_dim = 12
+[modules.img.layers]
+type = "transformer_layer"
+num_layers = 2
+hidden_size = 32
+num_attention_heads = 4
+[modules.img.head]
+type = "pool_head"
+proj_dim = 8
+pooling = "cls"
+[modules.txt.embed]
+type = "token_embed"
+hidden_size = 32
+vocab_size = 64
+[modules.txt.layers]
+type = "transformer_layer"
+num_layers = 2
+hidden_size = 32
+num_attention_heads = 4
+causal = true
+[modules.txt.head]
+type = "pool_head"
+proj_dim = 8
+pooling = "eos"
+[modules.loss]
+type = "contrastive_loss"
+temperature = 0.07
+
+[tasks.pair]
+batch = 16
+tokens = { text = 6 }
+flow = ["data:image -> img.embed -> img.layers -> img.head",
+        "data:text -> txt.embed -> txt.layers -> txt.head",
+        "img.head + txt.head -> loss"]
+"""
+
+
+def test_small_spec_builds_with_task_batch_and_shared_weights():
+    g = parse_spec(SMALL, "small.toml").build_graph()
+    assert g.tasks == ("pair",) and {op.batch for op in g.operators} == {16}
+    assert [op.name for op in g.operators][:4] == ["pair.img.embed", "pair.img.0", "pair.img.1", "pair.img.head"]
+    assert g["pair.txt.embed"].layer.seq_len == 6 and g["pair.loss"].param_key == ""
+    assert g["pair.img.1"].param_key == "img.layers.1" and g["pair.img.1"].inputs == ("pair.img.0",)
+
+
+def test_weights_are_shared_across_tasks_unless_shared_is_false():
+    text = SMALL.replace("[modules.loss]", "[modules.img.head2]\nshare = \"img.head\"\n[modules.loss]")
+    text += """
+[tasks.again]
+weight = 0.5
+tokens = { text = 3 }
+flow = ["data:image -> img.embed -> img.layers -> img.head2",
+        "data:text -> txt.embed -> txt.layers -> txt.head",
+        "img.head2 + txt.head -> loss"]
+"""
+    g = parse_spec(text, "small.toml").build_graph()
+    assert g.tasks == ("pair", "again") and g.task_weights == (1.0, 0.5)
+    assert g["again.img.1"].param_key == g["pair.img.1"].param_key == "img.layers.1"
+    assert g["again.img.head2"].param_key == "img.head" and g["again.txt.embed"].layer.seq_len == 3
+    assert g["again.img.0"].batch == 8 and g["pair.img.0"].batch == 16
+    own = parse_spec(text.replace('[modules.txt.layers]\ntype = "transformer_layer"',
+                                  '[modules.txt.layers]\nshared = false\ntype = "transformer_layer"'), "s.toml")
+    g2 = own.build_graph(batch={"again": 4})
+    assert (g2["pair.txt.0"].param_key, g2["again.txt.0"].param_key) == ("pair.txt.layers.0", "again.txt.layers.0")
+    assert g2["again.txt.0"].batch == 4 and g2["pair.txt.0"].batch == 16
+    assert g2.total_params() > g.total_params()
+    with pytest.raises(ValueError, match=r"batch given for unknown tasks \['nope'\]"):
+        own.build_graph(batch={"nope": 4})
+
+
+def test_custom_layer_type_is_costed_by_its_registered_function():
+    register_layer_type("test_squeeze", cost=lambda c: LayerCost(
+        params=c.input_dim * c.hidden, fwd_flops_per_sample=2.0 * c.seq_len * c.input_dim * c.hidden,
+        act_bytes_per_sample=7.0))
+    text = SMALL.replace('[modules.img.head]', '[modules.img.squeeze]\ntype = "test_squeeze"\nhidden_size = 32\n'
+                                               'seq_length = 2\n[modules.img.head]')
+    text = text.replace("img.layers -> img.head", "img.layers -> img.squeeze -> img.head")
+    g = parse_spec(text, "small.toml").build_graph()
+    op = g["pair.img.squeeze"]
+    assert (op.param_count, op.fwd_flops, op.act_bytes_per_sample) == (32 * 32, 16 * 2.0 * 2 * 32 * 32, 7.0)
+    assert (op.layer.seq_len, op.layer.input_seq_len, op.layer.input_dim) == (2, 5, 32)
+    assert g["pair.img.head"].layer.seq_len == 2 and not op.tp_splittable
+    assert custom_layer_type("test_squeeze").build is None
+
+
+# -- bad specs: one line naming file, key and value ---------------------------------------------------------
+BAD = [
+    # (replace this, with this, key in the message, value in the message)
+    ('type = "transformer_layer"\nnum_layers = 2\nhidden_size = 32\nnum_attention_heads = 4\ncausal',
+     'type = "transfomer_layer"\nnum_layers = 2\nhidden_size = 32\nnum_attention_heads = 4\ncausal',
+     "modules.txt.layers.type", "'transfomer_layer'"),
+    ('"data:text -> txt.embed', '"data:text -> txt.embedding', "tasks.pair.flow[1]", "unknown module 'txt.embedding'"),
+    ("img.head + txt.head -> loss", "img.head + txt.hed -> loss", "tasks.pair.flow[2]", "'txt.hed'"),
+    ("batch = 16", "batch = 0", "tasks.pair.batch", "0"),
+    ("batch = 8", "batch = -3", "model.batch", "-3"),
+    ("[modules.img.head]\ntype = \"pool_head\"", "[modules.img.head]\nhidden_size = 48\ntype = \"pool_head\"",
+     "tasks.pair.flow[0]", "hidden_size 48 does not match the width 32"),
+    ("[modules.txt.layers]\ntype = \"transformer_layer\"\nnum_layers = 2\nhidden_size = 32",
+     "[modules.txt.layers]\ntype = \"transformer_layer\"\nnum_layers = 2\nhidden_size = 64",
+     "tasks.pair.flow[1]", "hidden_size 64 does not match the width 32 of input 'txt.embed'"),
+    ("num_attention_heads = 4\ncausal", "num_attention_heads = 5\ncausal", "modules.txt.layers.num_attention_heads",
+     "5"),
+    ("proj_dim = 8\npooling = \"eos\"", "proj_dim = 8\npooling = \"last\"", "modules.txt.head.pooling", "'last'"),
+    ("proj_dim = 8\npooling = \"eos\"", "proj_dim = 16\npooling = \"eos\"", "tasks.pair.flow[2]",
+     "two pooled embeddings of one width"),
+    ("tokens = { text = 6 }", "tokens = { }", "tasks.pair.tokens.text", "missing"),
+    ("tokens = { text = 6 }", "tokens = { text = 6, audio = 3 }", "tasks.pair.tokens", "['audio']"),
+    ("num_layers = 2\nhidden_size = 32\nnum_attention_heads = 4\ncausal", "num_layers = 2\nhiden_size = 32\n"
+     "num_attention_heads = 4\ncausal", "modules.txt.layers.hiden_size", "32"),
+    ("img.head + txt.head -> loss", "img.head -> loss", "tasks.pair.flow[2]", "takes 2 module input(s)"),
+    ('"data:image -> img.embed', '"img.embed -> img.embed', "tasks.pair.flow[0]", "has not run yet"),
+    ("[tasks.pair]", "[tasks.pair]\ncolour = 3", "tasks.pair.colour", "3"),
+    ("temperature = 0.07", "temperature = 0.07\nshare = \"img.head\"", "modules.loss.type", "'contrastive_loss'"),
+    ("name = \"small\"", "name = \"small\"\nlayer_plugins = [\"nowhere.py\"]", "model.layer_plugins[0]",
+     "'nowhere.py'"),
+    ("batch = 8", "batch = 8\ntask_counts = [2]", "model.task_counts", "[2]"),
+    ("[model]", "[model\n", "(syntax)", "line 2"),
+    ("causal = true", "causal = 1", "modules.txt.layers.causal", "1"),
+]
+
+
+@pytest.mark.parametrize("old,new,key,value", BAD, ids=[b[2] for b in BAD])
+def test_bad_spec_is_one_line_naming_file_key_and_value(tmp_path, old, new, key, value):
+    assert old in SMALL
+    path = tmp_path / "bad_model.toml"
+    path.write_text(SMALL.replace(old, new, 1))
+    with pytest.raises(SpecError) as e:
+        load_spec(str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: {key}") and value in msg, msg
+
+
+def test_bad_spec_on_the_command_line_exits_2_with_one_line(tmp_path, capsys):
+    path = tmp_path / "m.toml"
+    path.write_text(SMALL.replace("batch = 16", "batch = 0"))
+    assert cli.main(["plan", "--model", str(path), "--gpus", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"spindle plan: error: {path}: tasks.pair.batch = 0: must be a positive integer"
+
+
+@pytest.mark.parametrize("model,match", [("nope", "unknown model 'nope'"),
+                                         ("/no/such/model.toml", "does not exist")])
+def test_unknown_model_name_or_missing_file(model, match):
+    with pytest.raises(ValueError, match=match):
+        build_graph(model)
+
+
+def test_plugin_that_fails_to_import_is_one_line(tmp_path):
+    (tmp_path / "broken_layers.py").write_text("import torch_that_does_not_exist\n")
+    path = tmp_path / "m.toml"
+    path.write_text(SMALL.replace('name = "small"', 'name = "small"\nlayer_plugins = ["broken_layers.py"]'))
+    with pytest.raises(SpecError) as e:
+        load_spec(str(path))
+    assert str(e.value) == (f"{path}: model.layer_plugins[0] = 'broken_layers.py': cannot import: "
+                            f"ModuleNotFoundError: No module named 'torch_that_does_not_exist'")
+
+
+def test_bad_size_override_names_the_key(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layers = { num_attention_heads = 0 }\n")
+    with pytest.raises(SpecError, match=r"sizes\.tiny\.modules\.img\.layers\.num_attention_heads = 0"):
+        load_spec(str(path))
+    path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layer = { hidden_size = 16 }\n")
+    with pytest.raises(SpecError, match=r"sizes\.tiny\.modules\.img\.layer\.hidden_size = 16: "
+                                        r"'img\.layer' is not a module"):
+        load_spec(str(path))
+    path.write_text(SMALL + "\n[sizes.tiny.modules]\nimg.layers = { hidden_size = 16 }\n")
+    with pytest.raises(SpecError, match=r"tasks\.pair\.flow\[0\] = .*: at size 'tiny': module 'img\.layers' "
+                                        r".*hidden_size 16 does not match the width 32"):
+        load_spec(str(path))
