@@ -7,7 +7,7 @@ Each case runs as a user would run it (``spindle ...`` or the built-in trainer o
 or under torchrun for the kills) in a scratch directory. Recorded per case: the exit status of every rank,
 the error line (the same on every rank, or each one), whether a traceback was printed, and what was left
 behind (temporary files, processes of the run, checkpoints of a bad state). Cases that need a small tmpfs
-(a full disk) run only as root. About 9 minutes on 2 CPU cores.
+(a full disk) run only as root. 4 to 9 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
