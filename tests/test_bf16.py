@@ -1,5 +1,6 @@
-"""bf16 the way Megatron does it: bf16 layers take fp32 inputs (cast like ``Float16Module``), losses and
-gradient reductions are fp32, the optimizer steps fp32 master weights; a bf16 run tracks an fp32 run.
+"""bf16 the way Megatron does it: bf16 layers take fp32 inputs (cast like ``Float16Module``), losses are fp32,
+gradients are reduced in bf16 (megatron.core DDP's default; fp32 with ``grad_reduce_in_fp32``, see
+``runtime/grad_sync.py``), the optimizer steps fp32 master weights; a bf16 run tracks an fp32 run.
 
 Stated tolerance (``BF16_LOSS_RTOL``): over 3 steps of the tiny Multitask-CLIP on 2 gloo ranks, every task's
 bf16 loss is within 3e-2 relative of the fp32 loss (bf16 keeps 8 significant bits, about 4e-3 per rounding;

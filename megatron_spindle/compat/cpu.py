@@ -12,8 +12,10 @@ enabled" for the first three, "group should not be None" / "global memory buffer
 the two in ``ensure_megatron_globals``).
 
 Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: activation
-recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), DDP buffers and
-megatron optimizers (the runtime syncs gradients itself and uses torch optimizers), sequence parallelism.
+recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), megatron optimizers
+(the runtime uses torch optimizers), sequence parallelism. megatron.core's ``DistributedDataParallel``
+(:mod:`megatron_spindle.runtime.grad_sync`) needs only patch 3: its gradient and parameter buffers are
+allocated on ``torch.cuda.current_device()``.
 
 :func:`megatron_spindle.models.megatron_state.ensure_megatron_globals` is separate and applies on GPUs too
 (megatron's process-wide objects that ``initialize_model_parallel`` would make); on a CPU machine it

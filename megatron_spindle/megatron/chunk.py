@@ -11,7 +11,6 @@ step, and Megatron's ``num_microbatches = global / (micro x world)`` is the numb
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import torch
@@ -30,8 +29,8 @@ class MegatronModelChunk(torch.nn.Module):
     optimizer builder and checkpointing read: ``zero_grad_buffer()``, ``force_all_reduce``, ``config``
     (a ``TransformerConfig``: the hook attributes ``train`` sets live there), ``ddp_config`` (a default
     ``DistributedDataParallelConfig``: no distributed optimizer, no FSDP), ``pg_collection``,
-    ``sharded_state_dict`` / ``load_state_dict``, ``no_sync`` / ``finish_grad_sync`` (no-ops). Forward,
-    backward, gradient sync and clipping delegate to the Spindle model.
+    ``sharded_state_dict`` / ``load_state_dict``, ``no_sync`` (the model's), ``finish_grad_sync`` (a no-op).
+    Forward, backward, gradient sync and clipping delegate to the Spindle model.
 
     Args:
         model: this rank's Spindle model.
@@ -81,11 +80,10 @@ class MegatronModelChunk(torch.nn.Module):
 
     # -- what Megatron's train_step / optimizer read ----------------------------------------------------
     def zero_grad_buffer(self) -> None:
-        for p in self.module.unique_parameters():
-            p.grad = None
+        self.module.zero_grad_buffer()
 
     def no_sync(self):
-        return contextlib.nullcontext()
+        return self.module.no_sync()
 
     def finish_grad_sync(self) -> None:
         """Nothing to wait for: :func:`megatron_forward_backward` synchronises gradients before returning."""

@@ -104,7 +104,8 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     device = device or run_device()
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
     model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
-                         layer_graph=layer_graph)
+                         layer_graph=layer_graph, bucket_size=getattr(args, "ddp_bucket_size", None),
+                         grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)))
     if args.spindle_check_equivalence:
         full = layer_graph or graph
         if first_batch is None:

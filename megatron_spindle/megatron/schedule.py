@@ -11,11 +11,13 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
   our models use: it takes the next multi-task batch and runs every wave forward (``model(batch)``);
 * ``loss_func(state) -> (loss, report)``: each task's loss contribution of this rank with count
   ``1/world``, so Megatron's sum over ranks gives ``[task loss, 1]`` and the logged mean is the task loss;
-* after the last microbatch it runs the group-wise gradient sync (what ``finalize_model_grads`` does for
+* every pass but the last runs under the model's ``no_sync`` (gradients accumulate, no reduce); after
+  the last microbatch it waits for the group-wise gradient sync (what ``finalize_model_grads`` does for
   Megatron's own DDP), unless ``forward_only``.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -59,15 +61,19 @@ def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_mic
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
     reports = []
-    for _ in range(num_microbatches):
-        if forward_only:
-            with torch.no_grad():
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    for i in range(num_microbatches):
+        # Megatron's schedules: every pass but the last under no_sync, so K passes reduce once
+        last = forward_only or i == num_microbatches - 1
+        with (contextlib.nullcontext() if last else no_sync()):
+            if forward_only:
+                with torch.no_grad():
+                    state, fn = forward_step_func(data_iterator, model)
+            else:
                 state, fn = forward_step_func(data_iterator, model)
-        else:
-            state, fn = forward_step_func(data_iterator, model)
-        _, report = fn(state)
-        if not forward_only:
-            model.backward(state, loss_scale=1.0 / num_microbatches)
+            _, report = fn(state)
+            if not forward_only:
+                model.backward(state, loss_scale=1.0 / num_microbatches)
         reports.append(report)
     if not forward_only:
         model.finalize_grads()

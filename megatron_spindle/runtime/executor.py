@@ -9,9 +9,10 @@ A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :m
 2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
    gradient 1, any other slice with the accumulated gradient of its output), then send every input's
    gradient back to its producer (one holder per sample, :func:`planner.layout.messages` mirrored);
-3. **gradient sync**: every parameter shard is all-reduced (summed) over its parameter device group
-   (``plan.param_groups``), one flat buffer per distinct rank set, in the same order on every rank. Losses are
-   already normalised by the global batch, so summing is exact data parallelism;
+3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
+   device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
+   bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
+   are already normalised by the global batch, so summing is exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
 Every rank builds only the layers of its slices (the core of a ``param_key`` once per tensor-parallel layout).
@@ -35,8 +36,9 @@ from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Plan, Slice
 from ..planner.validate import check_plan
 from .flow import Edge, boundaries, slice_layout
+from .grad_sync import GradSync
 from .groups import ProcessGroupRegistry
-from .rank_sets import param_group_name, plan_rank_sets, tp_group_name
+from .rank_sets import plan_rank_sets, tp_group_name
 from .trace import StepTrace
 
 
@@ -72,11 +74,15 @@ class SpindleModel(nn.Module):
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
-                 reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None) -> None:
+                 reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
+                 overlap_grad_reduce: bool = True, bucket_size: int | None = None,
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
-        model takes over instead of building new ones (see :mod:`.replan`)."""
+        model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
+        ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
+        :mod:`.grad_sync`."""
         super().__init__()
         from ..models.layers import build_layer  # torch + megatron.core
 
@@ -119,6 +125,11 @@ class SpindleModel(nn.Module):
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
         self._ranges: dict[str, tuple[int, int]] = {}
+        self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
+                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                  distributed_optimizer=distributed_optimizer)
+        # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
+        self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
 
     # -- parameters -----------------------------------------------------------------------------------
     def unique_parameters(self) -> list[nn.Parameter]:
@@ -290,81 +301,35 @@ class SpindleModel(nn.Module):
         st.inputs.clear()
 
     # -- gradient sync, norm, losses ----------------------------------------------------------------------
-    def _grad_buckets(self) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
-        """Per distinct rank set (sorted): this rank's parameters whose groups use it, in a fixed order."""
-        buckets: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for g in self.plan.param_groups:
-            if self.rank not in g.ranks or len(g.ranks) < 2:
-                continue
-            mods = self._copies.get((g.param_key, g.tp_rank), [])
-            if not mods:
-                raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
-                                   f"but holds no copy of it")
-            buckets.setdefault(tuple(g.ranks), []).extend(p for _, p in sorted(mods[0].core.named_parameters()))
-        return sorted(buckets.items(), key=lambda kv: (len(kv[0]), kv[0]))
-
     def finalize_grads(self) -> None:
-        """Sum local copies, then all-reduce every parameter shard over its parameter device group."""
-        t0 = time.perf_counter()
-        for (key, shard), mods in self._copies.items():  # several local copies (different TP groups)
-            if len(mods) > 1:
-                params = [dict(m.core.named_parameters()) for m in mods]
-                for name in params[0]:
-                    total = sum(self._grad(p[name]) for p in params)
-                    for p in params:
-                        set_grad(p[name], total)
-        for ranks, params in self._grad_buckets():
-            group = self.registry.get(param_group_name_for(self.plan, ranks))
-            flat = torch.cat([self._grad(p).float().reshape(-1) for p in params])  # reduce in fp32
-            flat, work = comm.all_reduce_async(flat, group=group)
-            self._wait([work], [f"gradient all-reduce over ranks {list(ranks)}"])
-            off = 0
-            for p in params:
-                n = p.numel()
-                set_grad(p, flat[off:off + n].view(p.shape))
-                off += n
-        self._sync_copies_after_reduce()
-        self.trace.span("sync", "gradient sync", t0)
+        """Wait for every parameter device group's reduce (posted bucket by bucket during backward by
+        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.grad`` is the summed gradient."""
+        self.grad_sync.finish()
 
-    def _sync_copies_after_reduce(self) -> None:
-        for mods in self._copies.values():
-            if len(mods) > 1:
-                src = dict(mods[0].core.named_parameters())
-                for m in mods[1:]:
-                    for name, p in m.core.named_parameters():
-                        set_grad(p, fp32_grad(src[name]))
+    def zero_grad_buffer(self) -> None:
+        """Fresh gradient buffers (Megatron's ``train_step`` calls it; the next forward after a sync does too)."""
+        self.grad_sync.zero_grad_buffer()
 
-    @staticmethod
-    def _grad(p: nn.Parameter) -> Tensor:
-        """The locally accumulated gradient (before the sync), in fp32."""
-        return p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+    def no_sync(self):
+        """Backward passes inside accumulate without reducing (every accumulated pass but the last)."""
+        return self.grad_sync.no_sync()
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every local parameter, or with ``distributed_optimizer`` this rank's
+        shards of the gradient buckets (:mod:`.grad_sync`)."""
+        return self.grad_sync.optimizer_parameters() if self.grad_sync.distributed_optimizer \
+            else self.unique_parameters()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
-        from ..models.layer_state import shard_spec
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self.plan.param_groups:
-            if self.rank != g.ranks[0] or (g.param_key, g.tp_rank) not in self._copies:
-                continue
-            core = self._copies[(g.param_key, g.tp_rank)][0].core
-            for _, p in core.named_parameters():
-                if shard_spec(p) is None and g.tp_rank != 0:
-                    continue  # a replicated parameter of a TP layer: count it on shard 0 only
-                if p.grad is not None:
-                    sq += fp32_grad(p).double().pow(2).sum()
-        sq, work = comm.all_reduce_async(sq)
+        sq, work = comm.all_reduce_async(self.grad_sync.grad_sq())
         self._wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))
 
     def clip_grads(self, max_norm: float) -> float:
         norm = self.grad_norm()
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.unique_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-                    if getattr(p, "main_grad", None) is not None:
-                        p.main_grad.mul_(scale)
+            self.grad_sync.scale(max_norm / (norm + 1e-6))  # each buffer once: local copies share one
         return norm
 
     def reduce_losses(self, st: StepState) -> dict[str, float]:
@@ -375,28 +340,12 @@ class SpindleModel(nn.Module):
         return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
 
     def destroy(self) -> None:
+        self.grad_sync.release()
         self.registry.destroy()
 
 
 def fp32_grad(p: nn.Parameter) -> Tensor:
-    """The gradient of ``p`` in fp32: its ``main_grad`` when one is kept (bf16 parameters), else ``.grad``."""
+    """The reduced gradient of ``p`` in fp32 (for fp32 master weights): its ``main_grad`` (megatron DDP's
+    buffer, bf16 or fp32, see :mod:`.grad_sync`) when one is kept, else ``.grad``."""
     main = getattr(p, "main_grad", None)
-    return main if main is not None else p.grad.float()
-
-
-def set_grad(p: nn.Parameter, grad: Tensor) -> None:
-    """Set the reduced fp32 gradient: ``.grad`` in the parameter's dtype, plus ``main_grad`` (fp32) for a
-    low-precision parameter, which mixed-precision optimizers step from (as with Megatron's DDP buffers)."""
-    if p.dtype == torch.float32:
-        p.grad = grad.clone()
-    else:
-        p.main_grad = grad.clone()
-        p.grad = grad.to(p.dtype)
-
-
-def param_group_name_for(plan: Plan, ranks: tuple[int, ...]) -> str:
-    """A registry name whose ranks are ``ranks`` (the registry caches groups by rank set)."""
-    for g in plan.param_groups:
-        if tuple(g.ranks) == ranks:
-            return param_group_name(g.param_key, g.tp_rank)
-    raise KeyError(f"no parameter group with ranks {ranks}")
+    return main.float() if main is not None else p.grad.float()

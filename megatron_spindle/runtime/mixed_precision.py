@@ -2,8 +2,8 @@
 built-in loop (under ``megatron.training`` Megatron's own ``Float16OptimizerWithFloat16Params`` does it).
 
 The model's parameters stay in bf16 (compute and communication); the optimizer owns an fp32 copy of each
-and steps those from the fp32 gradient (``main_grad``, which :meth:`SpindleModel.finalize_grads` leaves
-after reducing in fp32), then writes the rounded result back into the bf16 parameter. fp32 parameters are
+and steps those from the fp32 gradient (``main_grad``, megatron DDP's reduced buffer that
+:meth:`SpindleModel.finalize_grads` leaves, in bf16 or fp32, upcast by ``fp32_grad``), then writes the rounded result back into the bf16 parameter. fp32 parameters are
 stepped in place, so for an fp32 model this is the inner optimizer unchanged.
 """
 from __future__ import annotations

@@ -1,0 +1,413 @@
+"""Gradient sync of a Spindle model with megatron.core's ``DistributedDataParallel``, one per rank set.
+
+A parameter device group (``plan.param_groups``) is the set of ranks holding one shard of one weight; its
+gradient is summed over exactly those ranks. :class:`GradSync` wraps this rank's parameters in one megatron.core
+``DistributedDataParallel`` (DDP) per distinct rank set (parameters whose groups have the same ranks share an
+instance), each with a hand-built ``ProcessGroupCollection``: ``dp`` / ``dp_cp`` / ``intra_dp_cp`` /
+``expt_dp`` / ``intra_expt_dp`` are the rank set's group from the executor's registry (a one-rank group for
+a weight only this rank holds), ``tp`` / ``pp`` / ``cp`` / ``ep`` are one-rank groups (the layers do their own
+tensor parallelism; DDP only reduces). What DDP then does for us:
+
+* **buckets and overlap** (``overlap_grad_reduce=True``): each parameter's gradient is added into its
+  contiguous ``main_grad`` buffer by a hook when autograd produces it, and a bucket's all-reduce is posted
+  asynchronously as soon as every gradient of the bucket is complete, i.e. after the last backward wave on
+  this rank that uses it, while later waves still run backward. :meth:`GradSync.finish` waits for all of them
+  (before clipping). Parameters are listed in order of the plan wave where they are used first, so megatron's
+  buckets (filled from the end of the list) follow the backward order;
+* **sum, not mean**: the losses are already normalised by the global batch, so the DDP config sets
+  ``calculate_per_token_loss`` (no ``1/dp`` pre-scaling) and ``average_in_collective=False``;
+* **reduction dtype**: by default (``grad_reduce_in_fp32=False``, megatron.core's default) gradients are kept
+  and reduced in the parameters' dtype: bf16 for a bf16 model, half the bytes of fp32. With
+  ``grad_reduce_in_fp32=True`` (what Megatron-LM's ``--bf16`` turns on through
+  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32 and ``p.grad`` gets a copy in the
+  parameter's dtype; fp32 master weights (:mod:`.mixed_precision`) step from ``main_grad`` either way;
+* **accumulation**: ``main_grad`` accumulates over passes; :meth:`no_sync` (Megatron's) keeps buckets from
+  firing during the first K-1 passes, so K passes cost one sync.
+
+**Order of reductions.** gloo (and NCCL) need the collectives of one group posted in the same order on
+every member. megatron assumes data-parallel replicas run the same model, so their buckets become ready in
+the same order; here the members of a rank set run different slices, and a bucket can be ready early on one
+rank and late on another. So each instance posts its buckets in one order fixed by the plan: by the last
+plan wave (in backward order) at which any member uses a gradient of the bucket, then by bucket index. A bucket
+ready early waits for the buckets before it in that order; it loses nothing, because its reduce cannot finish
+before its slowest member is ready anyway, and every bucket before it is ready on all members by then.
+
+**Shared weights with several local copies** (a rank serving one shard of a weight in two tensor-parallel
+layouts holds one copy per layout): only the first copy is in DDP. Each other copy gets a hook that adds its
+gradient into the first copy's ``main_grad`` and counts as one more use of that parameter for its bucket
+(megatron's ``register_grad_ready``); megatron learns the number of uses per step in the first step, so the
+bucket fires only after every copy has contributed, and overlap stays on. After the sync every copy's
+``.grad`` is the first copy's ``main_grad``, so the optimizer moves the copies identically.
+
+**What the optimizer sees.** After :meth:`finish`, ``p.grad`` is ``p.main_grad`` (a view of the reduced
+buffer, no copy; a copy when the buffer is fp32 and the parameter bf16) for every local parameter, so the trainer's torch AdamW reads it as before. The buffers are
+zeroed by :meth:`zero_grad_buffer` (Megatron's ``train_step`` calls it on the model chunk; the executor also
+calls it before the first forward after a sync, so a caller that only runs forward, backward, sync and an
+optimizer step gets fresh gradients every step, as with plain ``.grad``).
+
+**Distributed optimizer** (``distributed_optimizer=True``, ZeRO-1 over each rank set): DDP runs in megatron's
+distributed-optimizer mode: parameters live in a contiguous buffer, each bucket's gradient is reduce-scattered
+so each member of the rank set owns one block, and :meth:`optimizer_parameters` are those blocks (flat views of
+the parameter buffer) for a torch optimizer; element-wise optimizers (SGD, Adam, AdamW) then do exactly what
+they do on whole parameters, with 1/n of the state per rank. Before the next forward (or
+:meth:`gather_params`) the updated blocks are all-gathered. megatron.core's own ``DistributedOptimizer`` is not
+used: it is built for one data-parallel group over all model chunks (here: one group per rank set), keeps
+fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. The built-in trainer
+does not turn it on yet: its checkpoints and task-mix changes keep optimizer state per parameter, not per
+bucket block.
+
+Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
+(a callback on the work; the wait in :meth:`finish` when the backend offers no future), and
+``gradient sync wait`` is the time :meth:`finish` blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import nn
+
+from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
+from ..models.layer_state import shard_spec
+from .rank_sets import param_group_name
+
+
+class GradSyncTimeout(RuntimeError):
+    """A gradient reduction did not complete (a peer died or hung): names the rank set."""
+
+
+class _Params(nn.Module):
+    """The parameters of one rank set, in a fixed order (the module megatron's DDP wraps)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
+@dataclass
+class _Instance:
+    """One DDP instance: a rank set, its parameters, and its buckets in posting order."""
+
+    ranks: tuple[int, ...]
+    ddp: DistributedDataParallel
+    order: list = field(default_factory=list)         # bucket groups in the plan's posting order
+    labels: dict = field(default_factory=dict)        # bucket group -> "reduce [ranks] bucket i"
+    start: dict = field(default_factory=dict)         # bucket group -> original start_grad_sync
+    ready: set = field(default_factory=set)
+    posted: int = 0                                   # order[:posted] are posted
+    times: dict = field(default_factory=dict)         # label -> [post time, completion time or None]
+
+
+def first_use_waves(plan, rank: int) -> dict[str, int]:
+    """``{param_key: first plan wave in which `rank` runs a slice using it}`` (pure: any rank computes it
+    for any other)."""
+    metaops = {m.name: m for m in plan.metaops}
+    out: dict[str, int] = {}
+    for w, wave in enumerate(plan.waves):
+        for s in wave.slices:
+            if rank in s.ranks:
+                for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
+                    if key and key not in out:
+                        out[key] = w
+    return out
+
+
+def ddp_config_for(*, overlap: bool, bucket_size: int | None, grad_reduce_in_fp32: bool = False,
+                   distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
+    """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``;
+    reduce-scatter and parameter all-gather with ``distributed_optimizer``."""
+    return DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
+                                         grad_reduce_in_fp32=grad_reduce_in_fp32, average_in_collective=False,
+                                         use_distributed_optimizer=distributed_optimizer)
+
+
+def _sum_config() -> TransformerConfig:
+    """The model config DDP reads: only ``calculate_per_token_loss`` matters (sum, no 1/dp scaling)."""
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True,
+                             use_cpu_initialization=True, **_NO_CUDA_GRAPH_SCOPE)
+
+
+class GradSync:
+    """megatron.core DDP over each rank set of this rank's parameter device groups.
+
+    Args:
+        model: the executor's :class:`~.executor.SpindleModel` (its plan, rank, registry, local copies
+            ``_copies``, trace and timeout are read; built on every rank, in ``__init__`` order).
+        overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
+        bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
+        grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
+        distributed_optimizer: ZeRO-1 over each rank set (see the module docstring).
+    """
+
+    def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
+        self.model = model
+        self.rank = model.rank
+        self.overlap = overlap
+        self.distributed_optimizer = distributed_optimizer
+        plan = model.plan
+        waves_of = {r: first_use_waves(plan, r) for r in range(plan.world_size)}
+        by_ranks: dict[tuple[int, ...], list] = {}
+        for g in plan.param_groups:
+            if self.rank not in g.ranks:
+                continue
+            mods = model._copies.get((g.param_key, g.tp_rank), [])
+            if not mods:
+                raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
+                                   f"but holds no copy of it")
+            # the last plan wave (in backward order) at which a member still produces this gradient
+            ready = min(waves_of[r].get(g.param_key, len(plan.waves)) for r in g.ranks)
+            for name, p in sorted(mods[0].core.named_parameters()):
+                if p.requires_grad:
+                    by_ranks.setdefault(tuple(g.ranks), []).append((ready, g.param_key, g.tp_rank, name, p))
+        self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
+        self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
+        self.instances: list[_Instance] = []
+        one = self_group()
+        config = _sum_config()
+        for ranks in sorted(by_ranks, key=lambda k: (len(k), k)):
+            rows = sorted(by_ranks[ranks], key=lambda r: r[:4])
+            group = one if len(ranks) == 1 else model.registry.get(param_group_name(rows[0][1], rows[0][2]))
+            pgc = ProcessGroupCollection(dp=group, dp_cp=group, intra_dp_cp=group, expt_dp=group,
+                                         intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
+            params = [r[4] for r in rows]
+            ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size,
+                                                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                                                  distributed_optimizer=distributed_optimizer),
+                                          _Params(params), pg_collection=pgc)
+            ready_of = {id(r[4]): r[0] for r in rows}
+            inst = _Instance(ranks=ranks, ddp=ddp)
+            keyed = []
+            for i, bg in enumerate(ddp.bucket_groups):
+                wave = min(ready_of[id(p)] for p in bg.params)
+                keyed.append((-wave, i, bg))
+                inst.labels[bg] = f"reduce {list(ranks)} bucket {i}"
+                inst.start[bg] = bg.start_grad_sync
+                bg.start_grad_sync = self._poster(inst, bg)
+            inst.order = [bg for _, _, bg in sorted(keyed, key=lambda k: k[:2])]
+            self.instances.append(inst)
+            for r in rows:
+                # the norm counts a replicated parameter of a tensor-parallel layer on shard 0 only
+                self._skip[id(r[4])] = shard_spec(r[4]) is None and r[2] != 0
+                self._owner[id(r[4])] = ranks[0] == self.rank
+                if r[4].main_grad.device != r[4].device:
+                    raise RuntimeError(f"rank {self.rank}: megatron put the gradient buffer of {r[1]} on "
+                                       f"{r[4].main_grad.device}, the parameter is on {r[4].device}")
+        self._main_params = [p for inst in self.instances for p in inst.ddp.module.params]
+        self._copy_hooks = []
+        self._copy_of: list[tuple[nn.Parameter, nn.Parameter]] = []   # (extra copy, parameter in DDP)
+        ddp_of = {id(p): inst.ddp for inst in self.instances for p in inst.ddp.module.params}
+        for (key, shard), mods in sorted(model._copies.items()):
+            if len(mods) < 2 or id(next(iter(mods[0].core.parameters()))) not in ddp_of:
+                continue
+            main = dict(mods[0].core.named_parameters())
+            for mod in mods[1:]:
+                for name, c in mod.core.named_parameters():
+                    m = main[name]
+                    if distributed_optimizer:  # the optimizer steps the shards of m only: c is a view of m
+                        c.data = m.data
+                    self._copy_of.append((c, m))
+                    self._copy_hooks.append(c.register_post_accumulate_grad_hook(
+                        self._copy_hook(m, ddp_of[id(m)])))
+        self._shards: list[tuple[nn.Parameter, torch.Tensor, list, int, int]] = []
+        if distributed_optimizer:
+            for inst in self.instances:
+                size, rank = inst.ddp.intra_dp_cp_group.size(), inst.ddp.intra_dp_cp_group.rank()
+                for buf in inst.ddp.buffers:
+                    for bucket in buf.buckets:
+                        n = bucket.grad_data.numel() // size
+                        lo, hi = rank * n, (rank + 1) * n  # megatron's shard_buffer: this rank's block
+                        # where each parameter lies in the bucket (megatron pads parameter starts here)
+                        where = [(p, buf.param_index_map[p][0] - bucket.offset, buf.param_index_map[p][1]
+                                  - bucket.offset) for p in bucket.params_list]
+                        self._shards.append((nn.Parameter(bucket.param_data[lo:hi]), bucket.grad_data[lo:hi],
+                                             where, lo, hi))
+        covered = {id(p) for p in self._main_params} | {id(c) for c, _ in self._copy_of}
+        missing = [p for p in model.unique_parameters() if p.requires_grad and id(p) not in covered]
+        if missing:
+            raise RuntimeError(f"rank {self.rank}: {len(missing)} parameters belong to no parameter device group")
+        for p in self._main_params + [c for c, _ in self._copy_of]:  # a replanned model takes them over
+            old = getattr(p, "_spindle_grad_sync", None)
+            if old is not None and old is not self:
+                old.release()
+            p._spindle_grad_sync = self
+        self._no_sync = 0
+        self._grad_copies: list[torch.Tensor] = []
+        self.synced = False
+        """True from :meth:`finish` until :meth:`zero_grad_buffer`: the gradients are the reduced ones."""
+
+    # -- hooks ------------------------------------------------------------------------------------------
+    def _poster(self, inst: _Instance, bg):
+        """Replacement of a bucket group's ``start_grad_sync``: mark it ready, then post every bucket that
+        is next in the instance's order and ready (the same order on every member)."""
+
+        def start_grad_sync(force_all_reduce: bool = False) -> None:
+            if bg in inst.order[:inst.posted]:
+                return
+            inst.ready.add(bg)
+            while inst.posted < len(inst.order) and inst.order[inst.posted] in inst.ready:
+                nxt = inst.order[inst.posted]
+                inst.posted += 1
+                self._post(inst, nxt, force_all_reduce)
+
+        return start_grad_sync
+
+    def _post(self, inst: _Instance, bg, force_all_reduce: bool) -> None:
+        label = inst.labels[bg]
+        times = inst.times[label] = [time.perf_counter(), None]
+        inst.start[bg](force_all_reduce=force_all_reduce)
+        handle = bg.grad_reduce_handle
+        works = getattr(handle, "works", []) if handle is not None else []
+        if handle is None:  # posted synchronously (overlap off): already complete
+            times[1] = time.perf_counter()
+            return
+        for work in works:
+            try:
+                fut = work.get_future()
+            except RuntimeError:  # a backend without futures: completion is taken at the wait
+                continue
+            fut.add_done_callback(lambda _f, t=times: t.__setitem__(1, time.perf_counter()))
+
+    @staticmethod
+    def _copy_hook(main: nn.Parameter, ddp: DistributedDataParallel):
+        """Add an extra copy's gradient into the DDP parameter's buffer; count it as one use of it."""
+
+        def hook(c: nn.Parameter) -> None:
+            if c.grad is None:
+                return
+            main.main_grad.add_(c.grad)
+            c.grad = None
+            bg = ddp.param_to_bucket_group.get(main)
+            if bg is not None and ddp.ddp_config.overlap_grad_reduce:
+                bg.register_grad_ready(main, ddp.force_all_reduce)
+
+        return hook
+
+    # -- the step ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate without posting any reduce (Megatron's ``no_sync``: every pass but the last)."""
+        with contextlib.ExitStack() as stack:
+            for inst in self.instances:
+                stack.enter_context(inst.ddp.no_sync())
+            self._no_sync += 1
+            try:
+                yield
+            finally:
+                self._no_sync -= 1
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every gradient buffer and forget the last step's posts (start of a step)."""
+        for inst in self.instances:
+            inst.ddp.zero_grad_buffer()  # also marks every bucket "last microbatch" again
+            if self._no_sync:  # zeroed inside no_sync (the first forward of a step): keep buckets quiet
+                for bg in inst.ddp.bucket_groups:
+                    bg.is_last_microbatch = False
+            inst.ready.clear()
+            inst.posted = 0
+            inst.times.clear()
+        for p in self._main_params:
+            p.grad = None
+        for c, _ in self._copy_of:
+            c.grad = None
+        self.synced = False
+
+    def finish(self) -> None:
+        """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
+        trace = self.model.trace
+        t0 = time.perf_counter()
+        for inst in self.instances:  # what is still unposted (all of it in the first step), in order
+            for bg in inst.order[inst.posted:]:
+                bg.start_grad_sync()  # the poster
+        for inst in self.instances:  # every rank waits in the same order of rank sets: no wait cycle
+            try:
+                inst.ddp.finish_grad_sync()
+            except RuntimeError as e:
+                raise GradSyncTimeout(f"rank {self.rank}: gradient reduce over ranks {list(inst.ranks)} failed: "
+                                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        t1 = time.perf_counter()
+        for inst in self.instances:
+            for label, (start, end) in inst.times.items():
+                trace.span("sync", label, start, end if end is not None and end <= t1 else t1)
+        trace.span("sync", "gradient sync wait", t0, t1)
+        self._grad_copies = []  # .grad tensors that are copies in another dtype, not buffer views
+        if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
+            for sp, grad, *_ in self._shards:
+                sp.grad = self._expose(grad, sp.dtype)
+        else:
+            for p in self._main_params:
+                p.grad = self._expose(p.main_grad, p.dtype)
+            for c, m in self._copy_of:
+                c.grad = m.grad
+        self.synced = True
+
+    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if grad.dtype == dtype:
+            return grad
+        copy = grad.to(dtype)
+        self._grad_copies.append(copy)
+        return copy
+
+    def next_step(self) -> None:
+        """Start the next step: gather the updated parameters (distributed optimizer), zero the buffers."""
+        self.gather_params()
+        self.zero_grad_buffer()
+
+    def gather_params(self) -> None:
+        """Distributed optimizer: all-gather every bucket's parameter blocks after the optimizer stepped
+        this rank's (megatron DDP's ``start_param_sync``); nothing to do otherwise."""
+        if not self.distributed_optimizer:
+            return
+        t0 = time.perf_counter()
+        for inst in self.instances:
+            inst.ddp.start_param_sync(force_sync=True)
+        self.model.trace.span("sync", "parameter all-gather", t0)
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """Distributed optimizer: this rank's block of every bucket (views of megatron's parameter buffer,
+        flat; their ``.grad`` is the reduce-scattered gradient block after :meth:`finish`)."""
+        return [sp for sp, *_ in self._shards]
+
+    def grad_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (float64): the parameter groups it counts
+        (the first rank of each rank set; with the distributed optimizer, its block of every bucket), a
+        replicated parameter of a tensor-parallel layer on shard 0 only. Summed over all ranks: the norm²."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.model.device)
+        if not self.distributed_optimizer:
+            for p in self._main_params:
+                if self._owner[id(p)] and not self._skip[id(p)]:
+                    sq += p.main_grad.double().pow(2).sum()
+            return sq
+        for _, grad, where, lo, hi in self._shards:
+            for p, a, b in where:
+                a, b = max(a, lo), min(b, hi)
+                if a < b and not self._skip[id(p)]:
+                    sq += grad[a - lo:b - lo].double().pow(2).sum()
+        return sq
+
+    def bucket_times(self) -> dict[str, tuple[float, float | None]]:
+        """``{bucket label: (post time, completion time)}`` of the last step (``perf_counter`` seconds)."""
+        return {label: tuple(t) for inst in self.instances for label, t in inst.times.items()}
+
+    def scale(self, factor: float) -> None:
+        """Multiply every reduced gradient by ``factor`` (each buffer once: copies share it)."""
+        for inst in self.instances:
+            inst.ddp.scale_gradients(factor)
+        for g in self._grad_copies:
+            g.mul_(factor)
+
+    def release(self) -> None:
+        """Stop acting on these parameters (a replanned model takes them over): the DDP hooks megatron
+        registered stay on the parameters' gradient accumulators, so they are emptied, and the copy hooks
+        removed."""
+        for inst in self.instances:
+            inst.ddp.param_to_bucket_group.clear()
+        for h in self._copy_hooks:
+            h.remove()
+        self._copy_hooks.clear()
