@@ -10,6 +10,7 @@ import sys
 import time
 
 from .argtypes import positive_int
+from .atomic import check_output
 from .log import setup_logging
 
 
@@ -62,14 +63,15 @@ def cmd_plan(args) -> int:
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
                            (curves.device.memory_gib if curves else None))
+    for path, what in ((args.out, "--out"), (args.gantt, "--gantt")):
+        if path:
+            check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
     plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
     if args.gantt:
-        import os
-        os.makedirs(os.path.dirname(os.path.abspath(args.gantt)), exist_ok=True)
         gantt(plan, args.gantt)
     idle = idle_warning(plan)
     if idle:

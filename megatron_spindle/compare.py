@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .argtypes import positive_int_list
+from .atomic import check_output
 from .planner.analytic import CurvesFile, DeviceModel
 from .planner.baselines import SYSTEMS, lower_bound_ms, plan_system
 from .planner.cluster import DEFAULT_PRESET, load_cluster
@@ -206,7 +207,6 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
-    import os
     colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868",
               "spindle-naive-placement": "#dd8452", "spindle": "#c44e52"}
     k = len(groups)
@@ -247,10 +247,11 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         seen.setdefault(lab, h)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=3, fontsize=7)
     fig.tight_layout(rect=(0, 0.6 / (3.2 * rows + 0.6), 1, 1))
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    from .atomic import write_file
+    try:
+        write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "plot")
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,6 +274,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_compare(args) -> int:
     from .planner.workloads import build_graph
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
+    if args.plot:
+        check_output(args.plot, "--plot")
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cmps = compare(graph, args.gpus, cluster=args.cluster, curves_file=curves)

@@ -297,16 +297,10 @@ class Plan:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
-    def save(self, path: str) -> None:
-        """Write atomically (temporary file + rename), so a crash never leaves half a plan."""
-        import os
-        import tempfile
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(self.dumps())
-        os.replace(tmp, path)
+    def save(self, path: str) -> str:
+        """Write atomically (:func:`megatron_spindle.atomic.write_file`); returns the path written."""
+        from ..atomic import write_file
+        return write_file(path, self.dumps(), "plan file")
 
     @classmethod
     def load(cls, path: str) -> "Plan":

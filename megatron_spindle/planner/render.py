@@ -156,8 +156,9 @@ def idle_warning(plan: Plan) -> str | None:
     return f"warning: {len(idle)} of {plan.world_size} devices stay idle in every wave: {why}"
 
 
-def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
-    """Draw the waves per device as a PNG (one bar per slice and device, colour per MetaOp)."""
+def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
+    """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
+    MetaOp); returns the path written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -189,7 +190,9 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
     ax.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops[:40]], fontsize=5, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), ncol=1 + len(handles) // 30)
     fig.tight_layout()
-    import os
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    from ..atomic import write_file
+    try:
+        write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "Gantt chart")
+    finally:
+        plt.close(fig)
+    return path
