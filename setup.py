@@ -10,6 +10,7 @@ setup(
     package_data={"megatron_spindle": ["specs/*.toml"]},  # the reference models as model specs
     install_requires=["numpy"],
     extras_require={
+        "solver": ["highspy==1.15.1"],  # the planner's certified level bounds; without it: C* and heuristics
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
         "data": ["megatron-energon==7.4.1"],
         "plot": ["matplotlib"],

@@ -9,22 +9,16 @@ import json
 import sys
 import time
 
-from .argtypes import positive_int
+from . import compare
+from .argtypes import add_workload_args, positive_int
+from .atomic import check_output
 from .log import setup_logging
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
-                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
-                        "(docs/model_spec.md)")
-    p.add_argument("--tasks", type=int, default=None,
-                   help="train the first K tasks (multitask-clip: 4, 7, 10; ofasys: 4, 7; qwen-val: 3); "
-                        "default: the most")
-    p.add_argument("--size", default="full",
-                   help="model size: full (the paper's) or one of the spec's [sizes] (tiny: tests, CPU demo)")
-    p.add_argument("--batch", type=int, default=None, help="global batch per task (default: the model's)")
-    p.add_argument("--curves", default=None, metavar="FILE",
-                   help="JSON scaling curves / device constants (default: the analytic model)")
+from .planner.analytic import CurvesFile
+from .planner.build import make_plan
+from .planner.cluster import load_cluster
+from .planner.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
+from .planner.workloads import build_graph
+from .profiler import cli as profiler_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "multi-task multi-modal training on Megatron-LM")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one training step and print it as a wave x device grid")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="devices per island (default 8)")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device in GiB (default 80)")
@@ -42,41 +36,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_plan)
-    from . import compare
     compare.add_parser(sub)
-    from .profiler import cli as profiler_cli
     profiler_cli.add_parser(sub)
     return parser
 
 
 def cmd_plan(args) -> int:
-    from .planner.analytic import CurvesFile
-    from .planner.build import make_plan
-    from .planner.cluster import load_cluster
-    from .planner.render import gantt, grid, metaop_table, summary
-    from .planner.workloads import build_graph
-
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
                            (curves.device.memory_gib if curves else None))
+    for path, what in ((args.out, "--out"), (args.gantt, "--gantt")):
+        if path:
+            check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
     plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
     if args.gantt:
-        import os
-        os.makedirs(os.path.dirname(os.path.abspath(args.gantt)), exist_ok=True)
         gantt(plan, args.gantt)
+    idle = idle_warning(plan)
+    if idle:
+        print(idle, file=sys.stderr)
     if args.json:
         print(json.dumps({
             "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
             "makespan_ms": plan.makespan_ms, "lower_bound_ms": plan.lower_bound_ms,
-            "ratio": plan.makespan_ms / plan.lower_bound_ms, "planning_s": planning_s,
+            "ratio": plan.makespan_ms / plan.lower_bound_ms, "certified_bound_ms": certified_bound_ms(plan),
+            "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
-            "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "plan": args.out, "gantt": args.gantt}))
+            "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
+            "plan": args.out, "gantt": args.gantt}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]

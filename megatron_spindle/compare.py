@@ -4,6 +4,8 @@ For each device count the command plans one step with every system of :data:`.pl
 simulates it on the cluster (:func:`.planner.simulate.simulate`) and prints a table: step time, Spindle's
 speedup over the system, the breakdown (compute, inter-wave transfer, parameter sync, idle; the paper's
 Figure 10), peak memory per device (max and spread), and the lower bound ``Σ C*`` with Spindle's ratio to it.
+Spindle's plan is chosen by this same simulated step among its own waves and the baselines' schedules
+(:mod:`.planner.choose`), so it is never slower than a baseline; the table says when a baseline's schedule won.
 ``--plot`` draws grouped bars of throughput relative to ``sequential`` (the paper's Figure 8); ``--json``
 prints one object instead of tables.
 
@@ -23,13 +25,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .argtypes import positive_int_list
+from .argtypes import add_workload_args, positive_int_list
+from .atomic import check_output, write_file
 from .planner.analytic import CurvesFile, DeviceModel
 from .planner.baselines import SYSTEMS, lower_bound_ms, plan_system
 from .planner.cluster import DEFAULT_PRESET, load_cluster
 from .planner.graph import TaskGraph
 from .planner.simulate import StepSimulation, simulate
 from .planner.validate import PlanError, check_plan
+from .planner.workloads import build_graph
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -46,6 +50,8 @@ class SystemResult:
     """Baselines: compute time with their concurrent lanes unaligned (see :mod:`.planner.baselines`)."""
     over_memory: str | None = None
     """Set when the plan exceeds the cluster's memory (it is timed all the same)."""
+    schedule: str | None = None
+    """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.choose`), else ``None``."""
 
     @property
     def ok(self) -> bool:
@@ -62,6 +68,8 @@ class SystemResult:
             d["unaligned_makespan_ms"] = self.ideal_makespan_ms
         if self.over_memory:
             d["over_memory"] = self.over_memory
+        if self.schedule:
+            d["schedule"] = self.schedule
         return d
 
 
@@ -128,9 +136,11 @@ def compare(graph: TaskGraph, gpus: Sequence[int], *, cluster: str | None = DEFA
                     if any(v.rule != 7 for v in e.violations):
                         raise
                     note = _memory_note(e)
+                won = plan.levels[0].variant if system == "spindle" and plan.levels else ""
                 cmp.results[system] = SystemResult(system, sim=simulate(plan, cl, check_memory=False),
                                                    ideal_makespan_ms=report.get("ideal_makespan_ms"),
-                                                   over_memory=note)
+                                                   over_memory=note,
+                                                   schedule=won.split(" schedule")[0] if "whole step" in won else None)
             except (ValueError, KeyError) as e:
                 cmp.results[system] = SystemResult(system, error=_first_line(e))
         out.append(cmp)
@@ -172,6 +182,9 @@ def format_table(cmp: Comparison) -> str:
         lines.append(f"Spindle / ΣC*: compute makespan {s.makespan_ms / cmp.lower_bound_ms:.3f} "
                      f"({s.makespan_ms:.1f} ms), whole step {s.step_ms / cmp.lower_bound_ms:.2f} "
                      f"(ΣC* bounds compute of level-by-level schedules only)")
+    if sp is not None and sp.ok and sp.schedule:
+        lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
+                     f"candidates (see planner/choose.py)")
     if notes:
         lines.append("no plan, or over the memory limit (!):")
         lines.extend(notes)
@@ -190,12 +203,11 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
     ``paper`` maps ``(panel title, gpus)`` to the paper's speedup of Spindle, drawn as a marker.
     """
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (--plot only)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: matplotlib (--plot only)
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
-    import os
     colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868",
               "spindle-naive-placement": "#dd8452", "spindle": "#c44e52"}
     k = len(groups)
@@ -236,10 +248,10 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         seen.setdefault(lab, h)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=3, fontsize=7)
     fig.tight_layout(rect=(0, 0.6 / (3.2 * rows + 0.6), 1, 1))
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    try:
+        write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "plot")
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,9 +259,8 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
 # --------------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``spindle compare`` on the ``spindle`` command's subparsers."""
-    from .cli import _add_workload_args
     p = subparsers.add_parser("compare", help="simulate Spindle and the baselines on one workload and compare")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
                    help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
@@ -260,8 +271,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_compare(args) -> int:
-    from .planner.workloads import build_graph
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
+    if args.plot:
+        check_output(args.plot, "--plot")
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cmps = compare(graph, args.gpus, cluster=args.cluster, curves_file=curves)

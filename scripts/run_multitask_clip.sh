@@ -28,6 +28,11 @@ ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-inte
 [ -n "$MICRO" ] && ARGS+=(--micro-batch-size "$MICRO")
 [ "${SPINDLE:-1}" = 1 ] && ARGS+=(--spindle)
 mkdir -p "$OUT"
+if [ "${NODE_RANK:-0}" = 0 ] && ! "$PY" -c 'import socket, sys; socket.socket().bind(("", int(sys.argv[1])))' \
+    "${MASTER_PORT:-29517}" 2>/dev/null; then  # torchrun would end in a traceback of its own
+  echo "error: MASTER_PORT ${MASTER_PORT:-29517} is already in use (another job?): set MASTER_PORT to a free port" >&2
+  exit 2
+fi
 exec "$PY" -m torch.distributed.run --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29517}" \
   "$SCRIPT" "${ARGS[@]}" "$@"

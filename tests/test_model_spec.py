@@ -32,12 +32,15 @@ def test_shipped_specs_give_the_graphs_of_the_former_python_definitions():
 
 @pytest.mark.parametrize("key", sorted(GOLDEN["plans_16_gpus"]))
 def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, capsys):
+    # the golden plans_16_gpus numbers are the planner of commit 1994ac5; the planner has changed since
+    # (issue 14: whole-step choice, solver), so the spec path is compared with the name under today's planner
     model, tasks = key.rsplit("-", 1)
     path = shipped_models()[model]
-    assert cli.main(["plan", "--model", path, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    want = GOLDEN["plans_16_gpus"][key]
-    assert (got["makespan_ms"], got["num_waves"]) == (want["makespan_ms"], want["num_waves"])
+    got = {}
+    for m in (path, model):
+        assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
+        got[m] = json.loads(capsys.readouterr().out)
+    assert (got[path]["makespan_ms"], got[path]["num_waves"]) == (got[model]["makespan_ms"], got[model]["num_waves"])
 
 
 def test_workloads_table_and_spec_path_equal_the_name():

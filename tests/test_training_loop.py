@@ -63,13 +63,13 @@ def _failing_save(ckpt):
     real = dc.save
 
     def boom(*a, **k):
-        raise OSError("disk full (simulated)")
+        raise OSError(28, "No space left on device")
     dc.save = boom
     try:
         C.save_checkpoint(ckpt, 999, model, opt)
         raised = False
-    except OSError:
-        raised = True
+    except C.CheckpointError as e:  # every rank: one line naming the cause
+        raised = "no space left on device" in str(e)
     finally:
         dc.save = real
     dist.barrier()

@@ -11,9 +11,11 @@ joined) keep their fresh initialisation and are reported.
 A tensor-parallel weight whose shards interleave (``partition_stride`` 2, a SwiGLU ``linear_fc1``) is
 saved as ``[..., stride, n/stride, ...]`` so every rank's piece is one contiguous block.
 
-Atomicity: a checkpoint is written to ``iter_NNNNNNN.tmp`` and renamed when every rank has finished, then
-``latest_checkpointed_iteration.txt`` is replaced atomically. A step that fails leaves the previous
-checkpoint and the pointer to it untouched.
+Atomicity: a checkpoint is written to ``iter_NNNNNNN.tmp``, gets its checksum manifest when every rank has
+finished, is renamed, and only then is ``latest_checkpointed_iteration.txt`` replaced atomically. A save that
+fails or a rank killed at any point leaves the previous checkpoint and the pointer to it untouched.
+Loading verifies every file against the manifest before anything is unpickled, and unpickles torch's
+metadata with a restricted unpickler (:mod:`.ckpt_files`: the trust model).
 """
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-from .. import comm
-
+from .. import comm, faults
+from ..atomic import write_file
 from ..models.layer_state import shard_spec
+from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
+                         latest_iteration, restrict_metadata_unpickling, verify_checkpoint, write_manifest)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -38,8 +43,8 @@ except ImportError:  # pragma: no cover
     _READ_ERRORS = (Exception,)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, or for another model."""
+class CheckpointError(CheckpointFileError):
+    """A checkpoint that cannot be used (missing, corrupt, for another model) or cannot be written."""
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -56,8 +61,6 @@ def _tp_of(plan) -> dict[str, int]:
 
 
 def _sharded(key: str, t: torch.Tensor, p: torch.nn.Parameter | None, shard: int, tp: int, replica: tuple):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     spec = shard_spec(p) if p is not None else None
     if spec is None:
         return ShardedTensor.from_rank_offsets(key, t, replica_id=replica)
@@ -100,46 +103,67 @@ def sharded_state_dict(model, optimizer=None) -> dict:
     return out
 
 
-def latest_iteration(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"checkpoint tracker {path} is corrupt: {text[:40]!r} is not an iteration") from None
+def checkpoint_bytes(model, optimizer) -> int:
+    """Bytes a checkpoint of ``model`` and ``optimizer`` writes (every main copy once); collective."""
+    ensure_adam_state(optimizer)
+    mine = sum(v.data.numel() * v.data.element_size() for v in sharded_state_dict(model, optimizer).values()
+               if is_main_replica(v.replica_id))
+    return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64)).item())
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | None = None) -> str:
-    """Write a checkpoint atomically; collective over all ranks. Returns its directory."""
-    from megatron.core import dist_checkpointing as dc
+    """Write a checkpoint atomically; collective over all ranks. Returns its directory.
 
+    Raises :class:`CheckpointError` (the same line on every rank, a full disk or a permission error named
+    as such) when it cannot be written; the last checkpoint and the tracker stay as they were.
+    """
     rank = dist.get_rank()
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
+    faults.point("save-start", iteration, rank)
+    error = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = describe_save_error(root, e)
+    _raise_any(error)
     ensure_adam_state(optimizer)
     sd = sharded_state_dict(model, optimizer)
     sd["common"] = {"iteration": iteration, "model": model.graph.model, "tasks": list(model.plan.tasks),
                     **(extra or {})}
-    dc.save(sd, tmp)
-    comm.barrier()
+    try:
+        with in_process_writes():
+            dc.save(sd, tmp)
+    except _READ_ERRORS as e:  # torch's CheckpointException is a BaseException
+        error = describe_save_error(root, e)
+    _raise_any(error)  # every rank agrees before any rank goes on
+    faults.point("save-written", iteration, rank)
+    try:
+        write_manifest(tmp, iteration)
+    except (OSError, ValueError) as e:
+        error = describe_save_error(root, e)
+    _raise_any(error)
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as fh:
-            fh.write(str(iteration))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-    comm.barrier()
+        try:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            faults.point("save-renamed", iteration, rank)
+            write_file(os.path.join(root, TRACKER), str(iteration), "checkpoint tracker")
+        except (OSError, ValueError) as e:
+            error = describe_save_error(root, e)
+    _raise_any(error)
+    faults.point("save-done", iteration, rank)
     return final
+
+
+def _raise_any(error: str | None) -> None:
+    """Collective: raise ``CheckpointError`` on every rank with the first rank's message if any rank failed."""
+    first = next((e for e in comm.all_gather_object(error) if e), None)
+    if first:
+        raise CheckpointError(first)
 
 
 def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
@@ -148,12 +172,17 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     Returns ``(iteration, common dict, keys the checkpoint lacked)``. Raises :class:`CheckpointError` with
     the path for a missing, corrupt or foreign checkpoint; nothing on disk is modified.
     """
-    from megatron.core import dist_checkpointing as dc
-
     it = latest_iteration(root)
     if it is None:
         raise CheckpointError(f"no checkpoint in {root!r} (missing {TRACKER})")
     path = _iter_dir(root, it)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint tracker in {root!r} names iteration {it}, but {path} does not exist")
+    try:
+        verify_checkpoint(path)  # every file against the manifest, before anything is unpickled
+    except CheckpointFileError as e:
+        raise CheckpointError(str(e)) from None
+    restrict_metadata_unpickling()
     try:
         common = dc.load_common_state_dict(path)
         meta = dc.load_tensors_metadata(path)

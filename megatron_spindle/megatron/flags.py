@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import os
 from typing import Callable
+
+from ..atomic import check_output
+from ..planner.analytic import CurvesFile
+from ..planner.cluster import load_cluster
+from ..planner.plan import Plan
+from ..planner.workloads import build_graph
+from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
 
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,6 +64,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="change the active tasks mid-training without restarting, e.g. "
                         "'0:vision-text,audio-text;10:vision-text' (iteration:tasks;...): replans and keeps "
                         "parameters and optimizer state")
+    g.add_argument("--spindle-nonfinite-skips", type=int, default=0, metavar="N",
+                   help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
+                        "up to N times in a run; the next one stops training with the task and MetaOp named "
+                        "(default 0: stop at the first)")
     return parser
 
 
@@ -200,8 +213,71 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
         if bad or not chosen:
             raise ValueError(f"--spindle-task-schedule: unknown or no tasks {bad or chosen!r} at iteration {start}; "
                              f"tasks are {list(tasks)}")
+        if any(s0 == start for s0, _ in out):
+            raise ValueError(f"--spindle-task-schedule: iteration {start} appears twice in {spec!r}; give each "
+                             f"iteration once with all its tasks, e.g. '{start}:{','.join(tasks[:2])}'")
         out.append((start, tuple(t for t in tasks if t in chosen)))
     out.sort()
     if not out or out[0][0] != 0:
         raise ValueError("--spindle-task-schedule must start at iteration 0")
     return out
+
+
+def world_from_env() -> int:
+    """The job's world size before ``torch.distributed`` starts: ``WORLD_SIZE`` (torchrun), else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def check_args(args, world: int) -> None:
+    """Every check of the flags that needs no peer, run by every rank before any collective.
+
+    All ranks see the same flags and files, so all reject a bad value with the same one line (``ValueError``)
+    instead of rank 0 printing it while the others die in a collective. Pure (no torch): numbers, the curves
+    file, the cluster the planner would use, the task schedule, the checkpoint to resume and the save directory.
+    """
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    for flag, v, low in (("--train-iters", args.train_iters, 1), ("--log-interval", args.log_interval, 1),
+                         ("--micro-batch-size", args.micro_batch_size, 1),
+                         ("--global-batch-size", args.global_batch_size, 1),
+                         ("--save-interval", args.save_interval, 1), ("--exit-interval", args.exit_interval, 1),
+                         ("--spindle-tasks", args.spindle_tasks, 1),
+                         ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
+                         ("--spindle-predict-interval", args.spindle_predict_interval, 0),
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+        need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
+    need(math.isfinite(args.spindle_timeout) and args.spindle_timeout > 0,
+         f"--spindle-timeout {args.spindle_timeout:g} must be a positive number of seconds")
+    for flag, v in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--clip-grad", args.clip_grad),
+                    ("--weight-decay", args.weight_decay)):
+        need(math.isfinite(v) and v >= 0, f"{flag} {v:g} must be a finite number, zero or more")
+    need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
+         f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
+
+    graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
+                        batch=args.micro_batch_size * world if args.micro_batch_size else None)
+    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    load_cluster(None, num_devices=world, gpus_per_node=per_node,
+                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
+                 (curves.device.memory_gib if curves else None))
+    parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    if args.spindle_plan:
+        Plan.load(args.spindle_plan)
+    if args.load:
+        need(os.path.isdir(args.load), f"--load {args.load!r} is not a directory")
+        it = latest_iteration(args.load)
+        need(it is not None, f"--load {args.load!r} holds no checkpoint (no {TRACKER})")
+        need(args.train_iters >= it, f"--train-iters {args.train_iters} is below the iteration {it} of the "
+                                     f"checkpoint in {args.load!r}: nothing to train")
+    if args.save:
+        check_save_dir(args.save)
+    if args.spindle_gantt:
+        check_output(args.spindle_gantt, "--spindle-gantt")
+    if args.spindle_trace:
+        check_output(os.path.join(args.spindle_trace, "trace.json"), "--spindle-trace")

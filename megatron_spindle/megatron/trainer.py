@@ -34,8 +34,10 @@ from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import train_batches
-from .flags import build_parser, parse_task_schedule
+from .flags import build_parser, check_args, parse_task_schedule, world_from_env
+from .guard import NumericGuard
 from .model import build_model, graph_for, log_plan, plan_for, run_device
+from .preflight import check_save_space, explain_init_error
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
 log = get_logger(__name__)
@@ -52,7 +54,10 @@ def init_distributed(timeout_s: float) -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise (explain_init_error(e, timeout_s) or e) from None
 
 
 def make_optimizer(params, args):
@@ -101,6 +106,7 @@ class Trainer:
     def __init__(self, args, *, extra_json: dict | None = None) -> None:
         self.args = args
         self.extra_json = dict(extra_json or {})
+        check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
         init_distributed(args.spindle_timeout)
         self.device = run_device()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -133,6 +139,9 @@ class Trainer:
             if self.start:
                 self.scheduler.step(self.start)
         self.data.position = self.start * self.accum
+        if args.save:
+            check_save_space(args.save, self.model, self.optimizer)
+        self.guard = NumericGuard(args.spindle_nonfinite_skips)
         self.phase = self._phase_of(self.start)
         if self.phase and args.load:
             raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
@@ -169,12 +178,13 @@ class Trainer:
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=self.data, model=[model],
                                            num_microbatches=self.accum, seq_length=None, micro_batch_size=self.micro)
         norm = model.clip_grads(self.args.clip_grad)
+        losses = reduce_reports(reports)
         t_opt = time.perf_counter()
-        self.optimizer.step()
+        if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step(1)
         model.trace.span("optimizer", "optimizer step", t_opt)
-        losses = reduce_reports(reports)
         dt = time.perf_counter() - t0
         model.trace.span("step", "step", t0)
         return losses, norm, dt

@@ -33,6 +33,7 @@ position instead (monotone, so validation rule 6 "levels never go back" holds un
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -60,11 +61,19 @@ MAX_COMBINATIONS = 20000
 # --------------------------------------------------------------------------------------------------
 def best_count(m: MetaOp, curve: ScalingCurve, limit: int, num_devices: int) -> int | None:
     """The valid count ``≤ limit`` with the shortest time (ties: the largest); ``None`` if none fits."""
-    counts = [n for n in m.valid_counts(num_devices) if n <= limit]
-    if not counts:
-        return None
-    best = min(curve.time(n) for n in counts)
-    return max(n for n in counts if curve.time(n) <= best * (1 + 1e-12))
+    key = ("_best_prefix", num_devices, m.tp, m.batch, m.batch_splittable)
+    table = curve.__dict__.get(key)
+    if table is None:  # per valid count c: the answer for limit = c (computed once per curve and cluster)
+        counts = m.valid_counts(num_devices)
+        best, table = None, ([], [])
+        for n in counts:
+            if best is None or curve.time(n) <= curve.time(best) * (1 + 1e-12):
+                best = n
+            table[0].append(n)
+            table[1].append(best)
+        curve.__dict__[key] = table
+    i = bisect.bisect_right(table[0], limit)
+    return table[1][i - 1] if i else None
 
 
 def metaop_time(m: MetaOp, curve: ScalingCurve, n: int) -> float:
@@ -214,7 +223,10 @@ def _finish(builder: _Builder, graph: TaskGraph, cluster: Cluster, metaops, curv
     return plan
 
 
-def _prepare(graph: TaskGraph, cluster: Cluster, curves_file: CurvesFile | None, device: DeviceModel | None):
+def _prepare(graph: TaskGraph, cluster: Cluster, curves_file: CurvesFile | None, device: DeviceModel | None,
+             prepared=None):
+    if prepared is not None:  # (metaops, curves) already built by the caller (Spindle's whole-step choice)
+        return prepared
     metaops = make_metaops(graph, cluster)
     curves = build_curves(metaops, cluster.num_devices, curves_file=curves_file, device=device)
     return metaops, curves
@@ -236,9 +248,9 @@ def _blocks(shares: Sequence[int]) -> list[tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------------
 def plan_sequential(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None) -> Plan:
+                    report: dict | None = None, prepared=None) -> Plan:
     """Megatron-LM / DeepSpeed: each task on the whole cluster, one after another."""
-    metaops, curves = _prepare(graph, cluster, curves_file, device)
+    metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     b = _Builder()
     for task in graph.tasks:
@@ -297,9 +309,9 @@ def pack_lanes(tasks: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCu
 
 def plan_task_level(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None) -> Plan:
+                    report: dict | None = None, prepared=None) -> Plan:
     """Optimus-style: each task a fixed share by greedy marginal gain, tasks concurrent."""
-    metaops, curves = _prepare(graph, cluster, curves_file, device)
+    metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     tasks = [task_metaops(metaops, t) for t in graph.tasks]
     lanes_idx = pack_lanes(tasks, curves, N)
@@ -390,9 +402,9 @@ def finish_together_shares(groups: Sequence[Sequence[MetaOp]], curves: Mapping[s
 
 def plan_intra_task(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None) -> Plan:
+                    report: dict | None = None, prepared=None) -> Plan:
     """DistMM-MT: inside a task, its branches on shares that finish together; tasks one after another."""
-    metaops, curves = _prepare(graph, cluster, curves_file, device)
+    metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     b = _Builder()
     for task in graph.tasks:

@@ -2,8 +2,8 @@
 
 ``make_plan(graph, cluster)`` runs contraction, curves, per-level allocation and wavefront scheduling,
 placement, and assembles the :class:`~.plan.Plan` (its data flow from :mod:`.dataflow`: transfers with their
-messages and parameter device groups; memory), then checks it against the validation rules. :func:`assemble_plan` turns any wave schedule with ranks into a plan, so
-the baselines emit the same format.
+messages and parameter device groups; memory), then checks it against the validation rules.
+:func:`assemble_plan` turns any wave schedule with ranks into a plan, so the baselines emit the same format.
 """
 from __future__ import annotations
 
@@ -14,17 +14,18 @@ from .cluster import Cluster
 from .curves import ScalingCurve
 from .dataflow import param_groups, transfers
 from .graph import TaskGraph
+from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
 from .placement import place, sequential_placement
 from .plan import LevelInfo, Plan, Slice, WavePlan
 from .scheduler import LevelSchedule, plan_level
-from .simulate import simulate
 from .validate import check_plan
 from .waves import Wave
 
 
 def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
+    check_inputs(sorted({(op.task, op.batch) for op in graph.operators}), cluster.num_devices)
     return contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=cluster.gpus_per_node)
 
 
@@ -58,16 +59,17 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
         raise ValueError(f"unknown placement {placement!r}; choose 'spindle' or 'sequential'")
     level_info = [LevelInfo(index=ls.level, c_star_ms=ls.allocation.c_star_ms,
                             n_star=tuple((m, float(n)) for m, n in ls.allocation.n_star.items()),
-                            variant=ls.variant) for ls in sched]
+                            variant=ls.variant, bound_ms=ls.bound_ms, bound_kind=ls.bound_kind) for ls in sched]
     plan = assemble_plan(graph, cluster, metaops, curves, level_info, waves, ranks,
                          system="spindle" if placement == "spindle" else "spindle-naive-placement")
     if placement == "spindle":
-        # The island-aware search is greedy; keep the naive layout when it fits memory and moves less.
+        # The island-aware search is greedy; the naive layout and the baselines' schedules are candidates
+        # too, and the shortest simulated step wins (see :mod:`.choose`).
         naive = assemble_plan(graph, cluster, metaops, curves, level_info, waves, sequential_placement(waves),
                               system="spindle")
-        if (max(naive.device_memory_bytes) <= cluster.memory_limit_bytes
-                and transfer_cost_ms(naive, cluster) < transfer_cost_ms(plan, cluster)):
-            plan = naive
+        from .choose import choose_whole_step
+        plan = choose_whole_step([("spindle", plan), ("spindle, naive placement", naive)], graph, cluster,
+                                 metaops, curves, baselines=search, level_schedules=sched)
     if validate:
         check_plan(plan)
     return plan
@@ -110,7 +112,3 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
                 held[r][(k, pos % m.tp)] = layer_state_bytes(m)
     return [act[d] + sum(held[d].values()) for d in range(num_devices)]
 
-
-def transfer_cost_ms(plan: Plan, cluster: Cluster) -> float:
-    """Inter-wave transfer time of a plan as the step simulator predicts it (forward + backward)."""
-    return simulate(plan, cluster, check_memory=False).breakdown.transfer_ms

@@ -155,7 +155,7 @@ def load_cluster(spec: str | None, *, num_devices: int, gpus_per_node: int | Non
         base = dict(PRESETS[DEFAULT_PRESET])
     elif spec in PRESETS:
         base = dict(PRESETS[spec])
-    elif spec.endswith(".json") or os.path.isfile(spec):
+    elif spec.endswith(".json") or os.path.isfile(spec) or os.path.isdir(spec):
         obj = _read_json(spec)
         start = obj.pop("preset", DEFAULT_PRESET)
         if start not in PRESETS:

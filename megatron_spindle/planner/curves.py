@@ -105,6 +105,7 @@ class ScalingCurve:
             object.__setattr__(self, "n_max", float(self.counts[-1]))
             object.__setattr__(self, "_hull", _concave_envelope(
                 [(0.0, 0.0)] + [(float(c), 1.0 / self.f(self.batch / c)) for c in self.counts]))
+            object.__setattr__(self, "_hull_x", tuple(h[0] for h in self._hull))
         if not (0 < self.n_min <= self.n_max):
             raise ValueError(f"need 0 < n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
 
@@ -127,7 +128,7 @@ class ScalingCurve:
             hull = self._hull
             if n >= hull[-1][0]:
                 return 1.0 / hull[-1][1]
-            i = bisect.bisect_right([h[0] for h in hull], n)
+            i = bisect.bisect_right(self._hull_x, n)
             (n0, r0), (n1, r1) = hull[i - 1], hull[i]
             return 1.0 / (r0 + (r1 - r0) * (n - n0) / (n1 - n0))
         if n < self.n_min:
@@ -136,12 +137,24 @@ class ScalingCurve:
 
     def count_time(self, n: int) -> float:
         """Time of one layer on a valid integer count: the fitted curve itself, no relaxation."""
-        return self.f(self.batch / n)
+        cache = self.__dict__.setdefault("_count_times", {})
+        t = cache.get(n)
+        if t is None:
+            t = cache[n] = self.f(self.batch / n)
+        return t
 
     def inverse(self, t_ms: float, *, n_cap: float = 1e9) -> float:
         """Smallest real ``n`` with ``time(n) ≤ t_ms`` (``inf`` when even ``n_cap`` devices are too slow)."""
         if self.time(n_cap) > t_ms:
             return math.inf
+        if self.counts and t_ms > 0:  # the relaxed rate is piecewise linear in n: solve on its segment
+            rate = 1.0 / t_ms
+            hull = self._hull
+            for (n0, r0), (n1, r1) in zip(hull, hull[1:]):
+                if r1 >= rate * (1 - 1e-15):
+                    n = n0 + (rate - r0) * (n1 - n0) / (r1 - r0) if r1 > r0 else n0
+                    return min(max(n, n0), n1)
+            return hull[-1][0]
         lo, hi = 0.0, max(self.n_min, 1.0)
         while self.time(hi) > t_ms:
             lo, hi = hi, hi * 2
@@ -226,6 +239,10 @@ def _line(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float, float]:
     return a, b, float(np.sum(wts * (ys - a - b * xs) ** 2))
 
 
+#: Candidate breakpoints considered by :func:`fit_piecewise` (all points when there are no more than this).
+MAX_BREAKPOINTS = 24
+
+
 def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segments: int = 3,
                   n_min: float = 1.0, n_max: float = math.inf, counts: Sequence[int] = (),
                   source: str = "analytic") -> ScalingCurve:
@@ -234,10 +251,11 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
     1. Convert to per-device work ``x = batch / n`` and sort by ``x``.
     2. Repair: isotonic regression makes the times non-decreasing in ``x`` (a measured point that is
        slower with more devices is pooled with its neighbour).
-    3. Choose breakpoints among the points: every split of the sorted points into at most
-       ``max_segments`` contiguous runs (neighbouring runs share their boundary point, so the fit is
-       near-continuous), each run fitted by relative least squares; the split with the smallest
-       ``SSE · (1 + 0.05·segments)`` wins (fewer segments unless more clearly help).
+    3. Choose breakpoints among the points (among :data:`MAX_BREAKPOINTS` evenly spaced ones when there
+       are more, e.g. the hundreds of valid counts of a batch with many divisors): every split of the
+       sorted points into at most ``max_segments`` contiguous runs (neighbouring runs share their boundary
+       point, so the fit is near-continuous), each run fitted by relative least squares; the split with the
+       smallest ``SSE · (1 + 0.05·segments)`` wins (fewer segments unless more clearly help).
     4. Repair: clamp negative slopes to 0 (refit the level), keep ``α_0`` positive, lift a segment that
        would start below its predecessor's end.
     5. ``fit_error`` is the largest relative error at the original points.
@@ -259,8 +277,10 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
     ys = np.array(_isotonic_increasing(ys_raw))
     k = len(xs)
     best = None
+    positions = range(1, k - 1) if k - 2 <= MAX_BREAKPOINTS else \
+        sorted({1 + round(i * (k - 3) / (MAX_BREAKPOINTS - 1)) for i in range(MAX_BREAKPOINTS)})
     for nseg in range(1, min(max_segments, max(1, k - 1)) + 1):
-        for cuts in itertools.combinations(range(1, k - 1), nseg - 1):
+        for cuts in itertools.combinations(positions, nseg - 1):
             bounds = (0, *cuts, k - 1)
             segs, sse = [], 0.0
             for i in range(nseg):

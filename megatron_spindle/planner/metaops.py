@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .graph import DATA_PREFIX, LayerConfig, TaskGraph
+from .limits import divisors
 
 #: Bytes of model state per parameter for mixed-precision Adam in Megatron-LM without the distributed
 #: optimizer: bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam moments (8).
@@ -96,8 +97,7 @@ class MetaOp:
         """Device counts this MetaOp may run on: ``tp · d`` with ``d | batch`` (or ``d = 1``), ``≤ N``."""
         if not self.batch_splittable:
             return (self.tp,) if self.tp <= num_devices else ()
-        return tuple(self.tp * d for d in range(1, self.batch + 1)
-                     if self.batch % d == 0 and self.tp * d <= num_devices)
+        return tuple(self.tp * d for d in divisors(self.batch) if self.tp * d <= num_devices)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

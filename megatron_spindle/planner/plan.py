@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..atomic import write_file
 from .jsonfile import read_json
 from .curves import ScalingCurve
 from .metaops import MetaOp
@@ -222,15 +223,25 @@ class LevelInfo:
     """(MetaOp, relaxed device count) in MetaOp order."""
     variant: str
     """Which candidate schedule won (see :mod:`.scheduler`)."""
+    bound_ms: float = 0.0
+    """Certified integer-aware lower bound of the level's wave schedules (:mod:`.solver`); 0 = only ``C*``."""
+    bound_kind: str = "C*"
+    """How ``bound_ms`` was found: ``C*``, ``area``, ``waves`` or ``optimal``."""
+
+    @property
+    def certified_bound_ms(self) -> float:
+        return max(self.c_star_ms, self.bound_ms)
 
     def to_json(self) -> dict:
         return {"index": self.index, "c_star_ms": self.c_star_ms,
-                "n_star": [{"metaop": m, "devices": n} for m, n in self.n_star], "variant": self.variant}
+                "n_star": [{"metaop": m, "devices": n} for m, n in self.n_star], "variant": self.variant,
+                "bound_ms": self.bound_ms, "bound_kind": self.bound_kind}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "LevelInfo":
         return cls(index=d["index"], c_star_ms=d["c_star_ms"],
-                   n_star=tuple((x["metaop"], x["devices"]) for x in d["n_star"]), variant=d["variant"])
+                   n_star=tuple((x["metaop"], x["devices"]) for x in d["n_star"]), variant=d["variant"],
+                   bound_ms=float(d.get("bound_ms", 0.0)), bound_kind=str(d.get("bound_kind", "C*")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,16 +350,9 @@ class Plan:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
-    def save(self, path: str) -> None:
-        """Write atomically (temporary file + rename), so a crash never leaves half a plan."""
-        import os
-        import tempfile
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(self.dumps())
-        os.replace(tmp, path)
+    def save(self, path: str) -> str:
+        """Write atomically (:func:`megatron_spindle.atomic.write_file`); returns the path written."""
+        return write_file(path, self.dumps(), "plan file")
 
     @classmethod
     def load(cls, path: str) -> "Plan":

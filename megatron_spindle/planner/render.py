@@ -9,6 +9,7 @@ from __future__ import annotations
 import string
 from typing import Iterable
 
+from ..atomic import write_file
 from .plan import Plan
 
 
@@ -89,15 +90,35 @@ def metaop_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def certified_bound_ms(plan: Plan) -> float:
+    """Σ over levels of the certified integer-aware bound (:mod:`.solver`; ``C*`` where it did not run)."""
+    return sum(lv.certified_bound_ms for lv in plan.levels)
+
+
+def bound_kinds(plan: Plan) -> str:
+    """How each level's bound was found, e.g. ``2 optimal, 3 area, 1 C*``."""
+    kinds: dict[str, int] = {}
+    for lv in plan.levels:
+        kinds[lv.bound_kind] = kinds.get(lv.bound_kind, 0) + 1
+    return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 def summary(plan: Plan, planning_s: float | None = None) -> str:
     mem = plan.device_memory_bytes
     ratio = plan.makespan_ms / plan.lower_bound_ms if plan.lower_bound_ms else float("nan")
+    bound = certified_bound_ms(plan)
+    gap = plan.makespan_ms / bound - 1 if bound else float("nan")
+    chosen = plan.levels[0].variant if plan.levels else ""
     lines = [
         f"model {plan.model}: {len(plan.tasks)} tasks, {len(plan.metaops)} MetaOps in {plan.num_levels} levels, "
         f"{plan.world_size} devices ({plan.gpus_per_node} per island), {len(plan.waves)} waves",
         f"makespan      {plan.makespan_ms:10.2f} ms   (predicted compute time of one step)",
-        f"lower bound   {plan.lower_bound_ms:10.2f} ms   (sum over levels of C*)",
-        f"ratio         {ratio:10.3f}",
+        f"sum C*        {plan.lower_bound_ms:10.2f} ms   (relaxed lower bound: sum over levels of C*)",
+        f"bound         {bound:10.2f} ms   (certified for level-by-level wave schedules, per level: "
+        f"{bound_kinds(plan)})",
+        f"ratio         {ratio:10.3f}   (makespan / sum C*); gap to the certified bound {gap:.1%}",
+        *([f"schedule      the {chosen.split(' schedule')[0]} schedule: its simulated step is shorter than "
+           f"Spindle's own waves"] if "whole step" in chosen else []),
         f"memory        max {max(mem) / 2**30:.2f} GiB, min {min(mem) / 2**30:.2f} GiB per device "
         f"(limit {plan.memory_limit_bytes / 2**30:.1f} GiB)",
         f"transfers     {sum(t.bytes - t.local_bytes for t in plan.transfers) / 2**20:.1f} MiB moved per "
@@ -108,12 +129,41 @@ def summary(plan: Plan, planning_s: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
-    """Draw the waves per device as a PNG (one bar per slice and device, colour per MetaOp)."""
+def idle_devices(plan: Plan) -> list[int]:
+    """Devices that run no slice in any wave of ``plan``."""
+    used = {r for w in plan.waves for s in w.slices for r in s.ranks}
+    return [d for d in range(plan.world_size) if d not in used]
+
+
+def idle_warning(plan: Plan) -> str | None:
+    """One line saying how many devices the plan leaves unused and why, or ``None`` when it uses them all.
+
+    A level can use at most ``Σ_m max valid count of m`` devices (one slice per MetaOp per wave); when that
+    is below the cluster size in every level, the rest of the devices cannot be used by any wave schedule.
+    """
+    idle = idle_devices(plan)
+    if not idle:
+        return None
+    by_level: dict[int, int] = {}
+    for m in plan.metaops:
+        counts = m.valid_counts(plan.world_size)
+        by_level[m.level] = by_level.get(m.level, 0) + (counts[-1] if counts else 0)
+    usable = max(by_level.values(), default=0)
+    batches = sorted({m.batch for m in plan.metaops})
+    why = (f"no level can use more than {usable} devices (a MetaOp runs on its TP degree times a divisor of "
+           f"its global batch, {'/'.join(map(str, batches[:4]))}{'...' if len(batches) > 4 else ''}); "
+           f"a larger --batch or fewer --gpus would use them") if usable < plan.world_size else \
+        "the schedule found no use for them"
+    return f"warning: {len(idle)} of {plan.world_size} devices stay idle in every wave: {why}"
+
+
+def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
+    """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
+    MetaOp); returns the path written."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (--gantt only)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: matplotlib (--gantt only)
     except ImportError:
         raise ValueError("--gantt needs matplotlib (pip install matplotlib)") from None
     c = codes(plan)
@@ -141,7 +191,8 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> None:
     ax.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops[:40]], fontsize=5, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), ncol=1 + len(handles) // 30)
     fig.tight_layout()
-    import os
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    try:
+        write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "Gantt chart")
+    finally:
+        plt.close(fig)
+    return path

@@ -17,16 +17,22 @@ Candidates:
 * **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
   leaves the least idle device-time per unit of work).
 
-Then a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
+Finally :func:`.solver.solve_level` (HiGHS, a fixed number of branch-and-bound nodes per model) certifies an
+integer-aware lower bound of the level and, where the heuristic is far enough above it, searches for a
+better wave schedule (warm-started from the heuristic's, so never worse).
+
+Before that, a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
 reproducible) changes one MetaOp's tuples at a time (a single valid count, or a random layer split between
 two neighbouring counts) and keeps changes that shorten the level.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from . import solver
 from .allocate import AllocTuple, LevelAllocation, allocate_level, bipoint
 from .curves import ScalingCurve
 from .metaops import MetaOp
@@ -34,8 +40,15 @@ from .waves import Wave, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
+#: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer.
+SMALL_LEVEL = 16
+#: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
+ALT_SLACK = 0.03
+LOCAL_SEARCH_STEPS_SMALL = 400
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
+#: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
+SOLVER_BUDGET_S = 2.0
 
 
 @dataclass
@@ -45,7 +58,13 @@ class LevelSchedule:
     tuples: Mapping[str, list[AllocTuple]]
     waves: list[Wave]
     variant: str
-    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher``."""
+    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher`` (``+milp``: improved by :mod:`.solver`)."""
+    bound_ms: float = 0.0
+    """Certified lower bound of the level (:func:`.solver.solve_level`; 0 when the solver did not run)."""
+    bound_kind: str = "C*"
+    alternatives: tuple["LevelSchedule", ...] = ()
+    """Other candidates worth timing on the whole step (:mod:`.choose`): the paper's pipeline, the best before
+    the local search, and the one with the fewest waves within :data:`ALT_SLACK` of the shortest span."""
 
     @property
     def span_ms(self) -> float:
@@ -69,8 +88,12 @@ def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 
 def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               start_ms: float = 0.0, *, search: bool = True) -> LevelSchedule:
-    """Schedule one level. ``search=False`` runs only the paper's pipeline."""
+               start_ms: float = 0.0, *, search: bool = True,
+               solver_budget_s: float | None = None) -> LevelSchedule:
+    """Schedule one level. ``search=False`` runs only the paper's pipeline (no solver either);
+    ``solver_budget_s`` (default :data:`SOLVER_BUDGET_S`) 0 skips the solver."""
+    if solver_budget_s is None:
+        solver_budget_s = SOLVER_BUDGET_S
     N = num_devices
     if sum(1 for m in metaops if m.valid_counts(N)) != len(metaops):
         bad = next(m for m in metaops if not m.valid_counts(N))
@@ -87,15 +110,43 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     if search:
         variants.append(("minmax", minmax_tuples(metaops, curves, N)))
     best: LevelSchedule | None = None
+    cands: list[LevelSchedule] = []
     for tag, tuples in variants:
         for propose in (PROPOSE if search else ("paper",)):
             for align in (ALIGN if search else ("shortest",)):
                 waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align)
                 cand = LevelSchedule(level=level, allocation=alloc, tuples=tuples, waves=waves,
                                      variant=f"{tag}/{propose}/{align}")
+                cands.append(cand)
                 if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
                     best = cand
-    return _local_search(metaops, curves, N, start_ms, best) if search else best
+    if not search:
+        return best
+    searched = _local_search(metaops, curves, N, start_ms, best)
+    if solver_budget_s > 0:
+        searched = _solve(metaops, curves, N, start_ms, searched, solver_budget_s)
+    fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
+                 key=lambda c: (len(c.waves), c.span_ms), default=None)
+    alts, seen = [], {_signature(searched.waves)}
+    for c in (cands[0], best, fewest):  # cands[0]: the paper's pipeline (bipoint+0/paper/shortest)
+        if c is not None and _signature(c.waves) not in seen:
+            seen.add(_signature(c.waves))
+            alts.append(c)
+    return dataclasses.replace(searched, alternatives=tuple(alts))
+
+
+def _signature(waves) -> tuple:
+    return tuple(tuple((s.metaop, s.layer_start, s.layers, s.devices) for s in w.slices) for w in waves)
+
+
+def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
+           best: LevelSchedule, budget_s: float) -> LevelSchedule:
+    """Certified bound of the level and, where the gap is worth it, the solver's better schedule."""
+    r = solver.solve_level(best.level, metaops, curves, N, best.allocation.c_star_ms, best.waves,
+                           start_ms=start_ms, time_limit_s=budget_s)
+    if r.waves:
+        best = dataclasses.replace(best, waves=r.waves, variant=best.variant + "+milp")
+    return dataclasses.replace(best, bound_ms=r.bound_ms, bound_kind=r.bound_kind)
 
 
 def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
@@ -103,7 +154,7 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     rng = random.Random(1000 + best.level)
     _, propose, align = best.variant.split("/")
     tuples = dict(best.tuples)
-    for _ in range(LOCAL_SEARCH_STEPS):
+    for _ in range(LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL):
         m = rng.choice(list(metaops))
         valid = m.valid_counts(N)
         options = [[AllocTuple(c, m.num_layers, float(m.num_layers))] for c in valid]

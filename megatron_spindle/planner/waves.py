@@ -61,14 +61,21 @@ def _next_valid(valid: Sequence[int], n: int, limit: int) -> int | None:
 
 def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],
                    curves: Mapping[str, ScalingCurve], num_devices: int, start_ms: float = 0.0,
-                   *, propose: str = "all", align: str = "finisher") -> list[Wave]:
-    """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``."""
+                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False) -> list[Wave]:
+    """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``.
+
+    ``across_levels=True`` schedules MetaOps of several levels together (the paper's readiness rule: a
+    MetaOp is proposed only once all its producers among ``metaops`` finished in earlier waves); a wave's
+    ``level`` is then the highest level it has reached so far (so levels never go back).
+    """
     N = num_devices
     by_name = {m.name: m for m in metaops}
+    producers = {m.name: [p for p in m.producers if p in by_name] for m in metaops}
     valid = {m.name: m.valid_counts(N) for m in metaops}
     queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
     next_layer = {m.name: 0 for m in metaops}
-    T = {name: (lambda n, c=curves[name]: c.count_time(n)) for name in by_name}
+    table = {name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
+    T = {name: table[name].__getitem__ for name in by_name}
 
     def remaining_work(name: str) -> float:
         return sum(l * T[name](n) for n, l in queue[name])
@@ -83,7 +90,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
         # (a) propose: every waiting MetaOp at the smallest count of its remaining tuples, then
         # upgrades to its larger tuple, longest remaining work first
-        heads = [n for n in order if queue[n]]
+        heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
@@ -127,6 +134,8 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         layers = _align({n: (T[n](cand[n]), queue[n][pick[n]][1], cand[n]) for n in cand}, N,
                         shortest_only=(align == "shortest"))
         # (d) commit
+        if across_levels:
+            level = max([level] + [by_name[n].level for n in layers])
         wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
         for n in order:
             if n not in layers:

@@ -12,6 +12,7 @@ import argparse
 import os
 
 from ..argtypes import non_negative_int, positive_int
+from ..atomic import check_output
 from .points import default_cache_path
 
 
@@ -57,6 +58,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_profile(args) -> int:
     from .run import ProfileConfig, profile  # optional: torch (only this subcommand needs it; plan/compare don't)
 
+    for path, what in ((args.out, "--out"), (args.cluster_out, "--cluster-out"),
+                       (None if args.no_cache else args.cache, "--cache")):
+        if path:
+            check_output(path, what)  # before the measuring, not after it
     nproc = args.nproc
     if nproc is None:
         if "WORLD_SIZE" not in os.environ:

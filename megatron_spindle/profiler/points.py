@@ -34,7 +34,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from ..atomic import write_json
 from ..planner.graph import LayerConfig
+from ..planner.jsonfile import read_json
 from ..planner.metaops import MetaOp
 
 CACHE_SCHEMA_VERSION = 1
@@ -213,16 +215,28 @@ class ProfileCache:
     entries: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: str | None) -> "ProfileCache":
-        """The cache at ``path`` (empty if the file does not exist; ``None``: in memory only)."""
+    def load(cls, path: str | None, *, fresh: bool = False) -> "ProfileCache":
+        """The cache at ``path`` (empty if the file does not exist; ``None``: in memory only).
+
+        ``fresh``: every point is measured again, so an unreadable cache is not an error: it starts empty
+        and is replaced on the first save.
+        """
+        try:
+            return cls._load(path)
+        except ValueError:
+            if fresh:
+                return cls(path)
+            raise
+
+    @classmethod
+    def _load(cls, path: str | None) -> "ProfileCache":
         cache = cls(path)
         if path is None or not os.path.exists(path):
             return cache
         try:
-            with open(path) as fh:
-                obj = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"profile cache {path!r} is not valid JSON ({e}); delete it or pass --fresh") from None
+            obj = read_json(path, "profile cache")
+        except ValueError as e:
+            raise ValueError(f"{e}; delete it or pass --fresh") from None
         if not isinstance(obj, dict) or obj.get("kind") != CACHE_KIND:
             raise ValueError(f"profile cache {path!r} is not a {CACHE_KIND} file")
         if obj.get("schema_version") != CACHE_SCHEMA_VERSION:
@@ -254,13 +268,8 @@ class ProfileCache:
     def save(self) -> None:
         if self.path is None:
             return
-        d = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(d, exist_ok=True)
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump({"schema_version": CACHE_SCHEMA_VERSION, "kind": CACHE_KIND,
-                       "entries": list(self.entries.values())}, fh, indent=1)
-        os.replace(tmp, self.path)
+        write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "kind": CACHE_KIND,
+                               "entries": list(self.entries.values())}, "profile cache")
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -20,7 +20,6 @@ CPU processes run ``OMP_NUM_THREADS`` threads (default: cores / processes, as ``
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..atomic import write_json
 from ..compat.cpu import apply_cpu_patches
 from ..log import get_logger
 from ..planner.build import make_metaops
@@ -135,7 +135,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
 
     cache = None
     if rank == 0:
-        cache = ProfileCache.load(cfg.cache)
+        cache = ProfileCache.load(cfg.cache, fresh=cfg.fresh)
         pending = [p for p in points if cfg.fresh or cache.get(targets[p.target], p.devices, where) is None]
     else:
         pending = None
@@ -220,9 +220,9 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
         measured["link"] = link
     doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
     if cfg.out:
-        _write_json(cfg.out, doc)
+        write_json(cfg.out, doc, "curves file")
     if cfg.cluster_out and cl is not None:
-        _write_json(cfg.cluster_out, cl)
+        write_json(cfg.cluster_out, cl, "cluster file")
     say("")
     say(summary_table(doc))
     say("")
@@ -233,12 +233,6 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     return doc
 
 
-def _write_json(path: str, obj) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.write("\n")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ Chrome trace events (``ph: "X"``, microseconds, ``pid`` = rank, one ``tid`` per 
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .. import comm
+from ..atomic import write_json
 
 CATEGORIES = ("forward", "backward", "transfer", "sync", "optimizer", "step")
 
@@ -70,11 +70,7 @@ class StepTrace:
 
 def write_chrome_trace(path: str, events: list[dict]) -> None:
     """Write events (from one or many ranks) atomically as ``{"traceEvents": [...]}``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-    os.replace(tmp, path)
+    write_json(path, {"traceEvents": events, "displayTimeUnit": "ms"}, "Chrome trace", indent=None)
 
 
 def gather_chrome_trace(trace: StepTrace, directory: str) -> str | None:

@@ -1,0 +1,140 @@
+"""Kill a random rank at a random point around a checkpoint save, several times, as torchrun runs training.
+
+For each kill (one before a save, one during, one after; rank, iteration and point drawn from a seeded
+generator, ``SPINDLE_FAULT_SEED`` to vary it): the run fails; afterwards no process of the run is left (none
+carries the run's environment marker: megatron.core's writer helpers would be orphans under init); the
+tracker names a checkpoint whose every file matches its manifest; and resuming from it gives, iteration by
+iteration, exactly the losses of the uninterrupted run.
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mp_harness import free_port
+
+ITERS = 4
+TRAIN = ["--spindle", "--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4",
+         "--lr", "1e-3", "--seed", "7", "--train-iters", str(ITERS), "--log-interval", "1",
+         "--spindle-predict-interval", "0", "--spindle-timeout", "60"]
+SEED = int(os.environ.get("SPINDLE_FAULT_SEED", "12"))
+
+
+def run_processes(marker: str) -> list[str]:
+    """Processes alive whose environment carries ``SPINDLE_RUN_MARK=marker`` (every process a run started
+    inherits it, whatever session or parent it ends up with): pid and command line."""
+    out = []
+    needle = f"SPINDLE_RUN_MARK={marker}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{pid} {cmd[:120]}")
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None):
+    """Run the built-in loop under torchrun; returns (returncode, output, processes of the run left alive).
+
+    Output goes to a file, not a pipe: a leftover process holding the pipe would hang the reader.
+    """
+    import tempfile
+    import uuid
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "SPINDLE_RUN_MARK": marker}
+    env.pop("SPINDLE_FAULT", None)
+    if fault:
+        env["SPINDLE_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "--monitor-interval", "0.2", "-m", "megatron_spindle.megatron.trainer", *args]
+    with tempfile.TemporaryFile("w+") as fh:
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        fh.seek(0)
+        out = fh.read()
+    left = run_processes(marker)
+    end = time.monotonic() + 15  # a worker torchrun signalled may take a moment to exit
+    while left and time.monotonic() < end:
+        time.sleep(0.3)
+        left = run_processes(marker)
+    for entry in left:  # do not leak them into the rest of the test session
+        try:
+            os.kill(int(entry.split()[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    return p.returncode, out, left
+
+
+def losses(out: str) -> dict[int, str]:
+    """{iteration: the loss fields of its progress line}"""
+    got = {}
+    for line in out.splitlines():
+        if line.startswith("iteration ") and "| loss " in line:
+            it = int(line.split()[1].split("/")[0])
+            got[it] = line.split("| loss ")[1].split(" | step")[0]
+    return got
+
+
+def scenarios(seed: int):
+    """Three kills: before, during and after a save, each at a random rank and save iteration."""
+    rng = random.Random(seed)
+    out = []
+    for kind in ("before", "during", "after"):
+        rank, it = rng.randrange(2), rng.randrange(2, ITERS)
+        if kind == "before":
+            point, last = "save-start", it - 1
+        elif kind == "during":
+            point = rng.choice(["save-written", "save-renamed"] if rank == 0 else ["save-written"])
+            last = it - 1
+        else:
+            point, last = "save-done", it
+        out.append((f"{rank}:{it}:{point}", last))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    rc, out, left = torchrun(TRAIN)
+    assert rc == 0 and not left, out[-3000:]
+    full = losses(out)
+    assert sorted(full) == list(range(1, ITERS + 1)), out[-3000:]
+    return full
+
+
+@pytest.mark.parametrize("case", range(3), ids=["before-save", "during-save", "after-save"])
+def test_kill_a_rank_then_resume_gives_the_uninterrupted_losses(reference, case, tmp_path):
+    from megatron_spindle.megatron.ckpt_files import latest_iteration, verify_checkpoint
+    fault, last = scenarios(SEED)[case]
+    ckpt = str(tmp_path / "ckpt")
+    rc, out, left = torchrun(TRAIN + ["--save", ckpt, "--save-interval", "1"], fault=fault)
+    assert rc != 0, f"{fault}: the run should have failed\n{out[-3000:]}"
+    assert not left, f"{fault}: processes left behind: {left}"
+    assert latest_iteration(ckpt) == last, fault
+    verify_checkpoint(os.path.join(ckpt, f"iter_{last:07d}"))  # complete: every file matches the manifest
+    for it, line in losses(out).items():
+        assert line == reference[it], (fault, it)
+    rc, out, left = torchrun(TRAIN + ["--load", ckpt, "--save", ckpt, "--save-interval", "1"])
+    assert rc == 0 and not left, out[-3000:]
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(last + 1, ITERS + 1)), out[-3000:]
+    for it, line in resumed.items():
+        assert line == reference[it], f"{fault}: iteration {it} after resuming from {last}"
+    assert latest_iteration(ckpt) == ITERS
