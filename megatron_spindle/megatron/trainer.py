@@ -197,7 +197,7 @@ class Trainer:
                  f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
 
     def _log_prediction(self, it: int) -> None:
-        pred, meas, rows = predicted_vs_measured(self.model, it)
+        _, _, rows = predicted_vs_measured(self.model, it)
         worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
@@ -205,9 +205,15 @@ class Trainer:
         if self.device.type == "cpu" and local > (os.cpu_count() or 1):
             note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
                      f"{local / os.cpu_count():.0f}x slower]")
-        log.info(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {self.rank} "
-                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured, this rank): "
-                 f"{worst}{note}")
+        from .model import make_cluster
+        from .prediction import grad_bytes_of, predict_step
+        try:
+            whole = predict_step(self.plan, make_cluster(self.args, self.world)[0], self.model.trace, it, self.rank,
+                                 passes=self.accum, grad_bytes=grad_bytes_of(self.args)).format()
+        except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
+            whole = f"no step prediction ({' '.join(str(e).split())})"
+        log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
+                 f"ms per pass, this rank): {worst}{note}")
 
     def train(self) -> dict:
         """Run to ``--train-iters`` (or ``--exit-interval``); returns the summary rank 0 also logs as JSON."""
