@@ -74,7 +74,7 @@ def cmd_plan(args) -> int:
         if path:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
-    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search)
+    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
@@ -91,7 +91,7 @@ def cmd_plan(args) -> int:
             "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
-            "plan": args.out, "gantt": args.gantt}))
+            "passes": passes, "plan": args.out, "gantt": args.gantt}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]

@@ -131,7 +131,7 @@ def compare(graph: TaskGraph, gpus: Sequence[int], *, cluster: str | None = DEFA
             report: dict = {}
             try:
                 plan = plan_system(system, graph, cl, curves_file=curves_file, device=device, report=report,
-                                   validate=False)
+                                   validate=False, passes=passes)
                 note = None
                 try:
                     check_plan(plan)
