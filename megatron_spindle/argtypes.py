@@ -25,3 +25,23 @@ def non_negative_int(text: str) -> int:
 def positive_int_list(text: str) -> list[int]:
     """``8,16,32`` -> ``[8, 16, 32]``."""
     return [_int(part, 1, " (want e.g. 8,16,32)") for part in text.split(",")]
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags ``spindle plan`` and ``spindle compare`` share."""
+    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
+                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
+                        "(docs/model_spec.md)")
+    p.add_argument("--tasks", type=int, default=None,
+                   help="train the first K tasks (multitask-clip: 4, 7, 10; ofasys: 4, 7; qwen-val: 3); "
+                        "default: the most")
+    p.add_argument("--size", default="full",
+                   help="model size: full (the paper's) or one of the spec's [sizes] (tiny: tests, CPU demo)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="global batch per task per optimizer step, Megatron's --global-batch-size (default: the "
+                        "model's, from the published recipe it stands for)")
+    p.add_argument("--passes", type=positive_int, default=None,
+                   help="passes per optimizer step (gradient accumulation): each pass plans --batch / --passes "
+                        "samples per task (default: the model's when --batch is not given, else 1)")
+    p.add_argument("--curves", default=None, metavar="FILE",
+                   help="JSON scaling curves / device constants (default: the analytic model)")

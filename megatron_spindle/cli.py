@@ -9,28 +9,16 @@ import json
 import sys
 import time
 
-from .argtypes import positive_int
+from . import compare
+from .argtypes import add_workload_args, positive_int
 from .atomic import check_output
 from .log import setup_logging
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
-                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
-                        "(docs/model_spec.md)")
-    p.add_argument("--tasks", type=int, default=None,
-                   help="train the first K tasks (multitask-clip: 4, 7, 10; ofasys: 4, 7; qwen-val: 3); "
-                        "default: the most")
-    p.add_argument("--size", default="full",
-                   help="model size: full (the paper's) or one of the spec's [sizes] (tiny: tests, CPU demo)")
-    p.add_argument("--batch", type=positive_int, default=None,
-                   help="global batch per task per optimizer step, Megatron's --global-batch-size (default: the "
-                        "model's, from the published recipe it stands for)")
-    p.add_argument("--passes", type=positive_int, default=None,
-                   help="passes per optimizer step (gradient accumulation): each pass plans --batch / --passes "
-                        "samples per task (default: the model's when --batch is not given, else 1)")
-    p.add_argument("--curves", default=None, metavar="FILE",
-                   help="JSON scaling curves / device constants (default: the analytic model)")
+from .planner.analytic import CurvesFile
+from .planner.build import make_plan
+from .planner.cluster import load_cluster
+from .planner.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
+from .planner.workloads import build_graph, resolve_passes
+from .profiler import cli as profiler_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "multi-task multi-modal training on Megatron-LM")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one training step and print it as a wave x device grid")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of devices")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, help="devices per island (default 8)")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device in GiB (default 80)")
@@ -48,22 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_plan)
-    from . import compare
     compare.add_parser(sub)
-    from .profiler import cli as profiler_cli
     profiler_cli.add_parser(sub)
     return parser
 
 
 def cmd_plan(args) -> int:
-    from .planner.analytic import CurvesFile
-    from .planner.build import make_plan
-    from .planner.cluster import load_cluster
-    from .planner.render import (certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table,
-                                  summary)
-    from .planner.workloads import build_graph
-
-    from .planner.workloads import resolve_passes
     passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None

@@ -25,14 +25,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .argtypes import positive_int_list
-from .atomic import check_output
+from .argtypes import add_workload_args, positive_int_list
+from .atomic import check_output, write_file
 from .planner.analytic import CurvesFile, DeviceModel
 from .planner.baselines import SYSTEMS, lower_bound_ms, plan_system
 from .planner.cluster import DEFAULT_PRESET, load_cluster
 from .planner.graph import TaskGraph
 from .planner.simulate import StepSimulation, simulate
 from .planner.validate import PlanError, check_plan
+from .planner.workloads import build_graph, resolve_passes
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -207,9 +208,9 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
     ``paper`` maps ``(panel title, gpus)`` to the paper's speedup of Spindle, drawn as a marker.
     """
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (--plot only)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: matplotlib (--plot only)
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
     colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868",
@@ -252,7 +253,6 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         seen.setdefault(lab, h)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=3, fontsize=7)
     fig.tight_layout(rect=(0, 0.6 / (3.2 * rows + 0.6), 1, 1))
-    from .atomic import write_file
     try:
         write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "plot")
     finally:
@@ -264,9 +264,8 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
 # --------------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``spindle compare`` on the ``spindle`` command's subparsers."""
-    from .cli import _add_workload_args
     p = subparsers.add_parser("compare", help="simulate Spindle and the baselines on one workload and compare")
-    _add_workload_args(p)
+    add_workload_args(p)
     p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
                    help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
@@ -277,11 +276,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_compare(args) -> int:
-    from .planner.workloads import build_graph
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
     if args.plot:
         check_output(args.plot, "--plot")
-    from .planner.workloads import resolve_passes
     passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
     graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None

@@ -37,7 +37,7 @@ def mcore_version() -> str:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         try:
-            from megatron.core.package_info import __version__
+            from megatron.core.package_info import __version__  # optional: a source checkout's version
             return str(__version__)
         except ImportError:
             return "unknown"
@@ -46,7 +46,7 @@ def mcore_version() -> str:
 def pretrain_takes_config_container(pretrain: Callable | None = None) -> bool:
     """Whether ``megatron.training.training.pretrain`` wants a config container first (0.19 and later)."""
     if pretrain is None:
-        from megatron.training.training import pretrain
+        from megatron.training.training import pretrain  # optional: megatron.training (Megatron-LM's loop)
     params = list(inspect.signature(pretrain).parameters)
     return bool(params) and params[0] == "cfg_container"
 
@@ -54,13 +54,13 @@ def pretrain_takes_config_container(pretrain: Callable | None = None) -> bool:
 def run_pretrain(datasets_provider, model_provider, model_type, forward_step, *,
                  extra_args_provider: Callable | None = None, args_defaults: dict | None = None):
     """Megatron-LM's ``pretrain`` with our providers, on whichever signature is installed."""
-    from megatron.training import training
+    from megatron.training import training  # optional: megatron.training (Megatron-LM's loop)
 
     if not pretrain_takes_config_container(training.pretrain):
         return training.pretrain(datasets_provider, model_provider, model_type, forward_step,
                                  extra_args_provider=extra_args_provider, args_defaults=args_defaults or {})
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args  # optional: megatron.training (Megatron-LM's loop)
+    from megatron.training.arguments import parse_and_validate_args  # optional: megatron.training (Megatron-LM's loop)
 
     args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults or {})
     with warnings.catch_warnings():  # "use a ModelConfig": a Spindle model comes from a model provider

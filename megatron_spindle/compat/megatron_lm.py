@@ -40,7 +40,11 @@ import contextlib
 import functools
 
 import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.datasets import utils as dataset_utils
 from torch.overrides import TorchFunctionMode
+
+from .cpu import apply_cpu_patches
 
 _APPLIED = False
 
@@ -52,12 +56,9 @@ def apply_cpu_standins() -> bool:
         return False
     if _APPLIED:
         return True
-    from .cpu import apply_cpu_patches
-
     apply_cpu_patches()
-    import megatron.training.initialize as init
-    import megatron.training.training as training
-    from megatron.core.datasets import utils as dataset_utils
+    import megatron.training.initialize as init  # optional: megatron.training (the stand-ins patch it)
+    import megatron.training.training as training  # optional: megatron.training (the stand-ins patch it)
 
     # 1. initialize_megatron: the CUDA assert (training.py imported the function by name)
     original_init = init.initialize_megatron
@@ -75,7 +76,6 @@ def apply_cpu_standins() -> bool:
 
     @functools.wraps(original_dist)
     def _initialize_distributed(*args, **kwargs):
-        from megatron.core import parallel_state as mpu
         args_ = init.get_args()
         args_.distributed_backend = "gloo"
         out = original_dist(*args, **kwargs)

@@ -57,8 +57,8 @@ class LocalRows:
 
 
 def _task_encoder():  # megatron.energon is imported where used: an optional dependency (the "data" extra)
-    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
-    from megatron.energon.edataclass import edataclass
+    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless  # optional: megatron-energon (only --spindle-data reads it)
+    from megatron.energon.edataclass import edataclass  # optional: megatron-energon (only --spindle-data reads it)
 
     @edataclass
     class StreamSample(Sample):
@@ -144,7 +144,7 @@ class EnergonData:
         return None
 
     def _open(self, task: str, lane: int, r: RankReads, seed: int):
-        from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+        from megatron.energon import WorkerConfig, get_loader, get_train_dataset  # optional: megatron-energon (only --spindle-data reads it)
 
         path = os.path.join(self.root, task)
         with warnings.catch_warnings():

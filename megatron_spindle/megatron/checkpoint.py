@@ -24,6 +24,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
 from .. import comm, faults
 from ..atomic import write_file
@@ -59,8 +61,6 @@ def _tp_of(plan) -> dict[str, int]:
 
 
 def _sharded(key: str, t: torch.Tensor, p: torch.nn.Parameter | None, shard: int, tp: int, replica: tuple):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     spec = shard_spec(p) if p is not None else None
     if spec is None:
         return ShardedTensor.from_rank_offsets(key, t, replica_id=replica)
@@ -105,7 +105,6 @@ def sharded_state_dict(model, optimizer=None) -> dict:
 
 def checkpoint_bytes(model, optimizer) -> int:
     """Bytes a checkpoint of ``model`` and ``optimizer`` writes (every main copy once); collective."""
-    from megatron.core.dist_checkpointing.mapping import is_main_replica
     ensure_adam_state(optimizer)
     mine = sum(v.data.numel() * v.data.element_size() for v in sharded_state_dict(model, optimizer).values()
                if is_main_replica(v.replica_id))
@@ -118,8 +117,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
     Raises :class:`CheckpointError` (the same line on every rank, a full disk or a permission error named
     as such) when it cannot be written; the last checkpoint and the tracker stay as they were.
     """
-    from megatron.core import dist_checkpointing as dc
-
     rank = dist.get_rank()
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
     faults.point("save-start", iteration, rank)
@@ -175,8 +172,6 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     Returns ``(iteration, common dict, keys the checkpoint lacked)``. Raises :class:`CheckpointError` with
     the path for a missing, corrupt or foreign checkpoint; nothing on disk is modified.
     """
-    from megatron.core import dist_checkpointing as dc
-
     it = latest_iteration(root)
     if it is None:
         raise CheckpointError(f"no checkpoint in {root!r} (missing {TRACKER})")

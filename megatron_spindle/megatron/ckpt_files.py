@@ -23,45 +23,33 @@ Trust model (README, "Checkpoints"): a checkpoint directory is data, not code.
    :func:`describe_save_error` turn a full disk or a permission error into words instead of torch's
    ``unexpected pos 704 vs 598``.
 
-torch and megatron.core are imported inside the functions that use them: :func:`.flags.check_args` reads
-the tracker and probes the save directory through this module before torch is loaded.
+The torch-free part (the tracker, the save directory's checks, naming a failed save) is :mod:`.ckpt_dir`, which
+:func:`.flags.check_args` uses before torch is loaded; its names are re-exported here.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
+import dataclasses
+import enum
 import hashlib
 import io
 import json
 import os
+import importlib
 import pickle
 import queue
-import shutil
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "manifest.json"
-MANIFEST_KIND = "spindle-checkpoint-manifest"
-MANIFEST_VERSION = 1
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+from torch.distributed.checkpoint import filesystem
+
+from .. import comm
+from ..atomic import write_json
+from .ckpt_dir import (MANIFEST, MANIFEST_KIND, MANIFEST_VERSION, TRACKER, CheckpointFileError,  # noqa: F401
+                       check_save_dir, describe_save_error, latest_iteration)
 
 
-class CheckpointFileError(ValueError):
-    """A checkpoint file that fails verification, or a save directory that cannot take a checkpoint."""
-
-
-def latest_iteration(root: str) -> int | None:
-    """The iteration ``root``'s tracker names; ``None`` without a tracker. Pure (no torch)."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointFileError(f"checkpoint tracker {path} is unreadable: {type(e).__name__}") from None
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointFileError(f"checkpoint tracker {path} is corrupt: {text[:40]!r} is not an iteration") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,17 +80,11 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    from .. import comm
     return comm.all_gather_object(obj) if dist.is_initialized() else [obj]
 
 
 def write_manifest(directory: str, iteration: int) -> None:
     """Hash every file of ``directory`` (split over the ranks) and write ``manifest.json`` on rank 0; collective."""
-    import torch.distributed as dist
-
-    from ..atomic import write_json
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     names = _files(directory)
     mine = {n: file_digest(os.path.join(directory, n)) for n in _share(names, rank, world)}
@@ -139,8 +121,6 @@ def verify_checkpoint(directory: str) -> None:
 
     Every rank raises the same :class:`CheckpointFileError`, naming the first bad file and how many are bad.
     """
-    import torch.distributed as dist
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problem = None
     manifest = None
@@ -184,12 +164,7 @@ def _admitted(module: str, name: str) -> bool:
     keeps the save plans in the metadata), the file-system reader's ``_StorageInfo``, ``torch.Size`` shapes,
     dtypes (pickled as ``torch.<dtype>``), layouts (``torch.serialization._get_layout``, a lookup by name),
     memory formats, ``OrderedDict`` and plain builtins. Nothing that executes code."""
-    import dataclasses
-    import enum
-
-    import torch
     if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"):
-        import importlib
         obj = getattr(importlib.import_module(module), name, None)
         return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
     if module == "torch.distributed.checkpoint.filesystem":
@@ -234,7 +209,6 @@ class _RestrictedPickle:
 def restrict_metadata_unpickling() -> None:
     """Make torch's file-system checkpoint reader unpickle ``.metadata`` with :class:`MetadataUnpickler`
     (idempotent; process-wide, since no checkpoint this package loads needs more)."""
-    from torch.distributed.checkpoint import filesystem
     if not isinstance(filesystem.pickle, _RestrictedPickle):
         filesystem.pickle = _RestrictedPickle()
 
@@ -245,13 +219,12 @@ def restrict_metadata_unpickling() -> None:
 def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
     """megatron.core's ``write_preloaded_data_multiproc`` contract, run in this process: each bucket is written
     by the library's own ``write_preloaded_data``; results or the first exception go to the results queue."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     results: dict | Exception = {}
     for i, bucket in enumerate(write_buckets):
         local, count = queue.Queue(), queue.Queue()
         count.put(i)
         kwargs = {"use_msc": use_msc} if use_msc else {}
-        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, **kwargs)
+        fa.FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, **kwargs)
         idx, res = local.get()
         if isinstance(res, Exception):
             results = res
@@ -264,7 +237,6 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 def in_process_writes():
     """Within the block, megatron.core's checkpoint writer writes in this process: no forked writers and no
     multiprocessing manager that a killed rank would leave behind."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     cls = fa.FileSystemWriterAsync
     saved = cls.__dict__["write_preloaded_data_multiproc"], fa._get_write_results_queue
     cls.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
@@ -273,69 +245,3 @@ def in_process_writes():
         yield
     finally:
         cls.write_preloaded_data_multiproc, fa._get_write_results_queue = saved
-
-
-# ---------------------------------------------------------------------------------------------------
-# Save directory: checked at start, failures named
-# ---------------------------------------------------------------------------------------------------
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def check_save_dir(root: str, need_bytes: int | None = None) -> None:
-    """Refuse ``--save root`` unless this process can create files in it and (with ``need_bytes``) the file
-    system has room for two checkpoints (the new one is written beside the last)."""
-    from ..atomic import describe_os_error
-    full = os.path.abspath(root)
-    if os.path.exists(full) and not os.path.isdir(full):
-        raise CheckpointFileError(f"--save {root!r} is not a directory")
-    probe = os.path.join(full, f".spindle-write-test-{os.getpid()}")
-    try:
-        os.makedirs(full, exist_ok=True)
-        with open(probe, "wb") as fh:
-            fh.write(b"ok")
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as e:
-        raise CheckpointFileError(f"--save {root!r} is not writable: {describe_os_error(e)}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    if need_bytes:
-        free = shutil.disk_usage(full).free
-        if free < 2 * need_bytes:
-            raise CheckpointFileError(f"--save {root!r}: {_mib(free)} free, a checkpoint needs about "
-                                      f"{_mib(need_bytes)} and the last one is kept while the next is written "
-                                      f"(free space for two)")
-
-
-def _os_errors(e: BaseException):
-    """Every OSError in ``e``'s cause/context chain and in torch's CheckpointException failures."""
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError):
-            yield x
-        todo += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)
-        if isinstance(failures, dict):
-            todo += [v for v in failures.values() if isinstance(v, BaseException)]
-        todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
-
-
-def describe_save_error(root: str, e: BaseException, need_bytes: int | None = None) -> str:
-    """One line for a failed checkpoint write: a full disk and a permission error are named as such."""
-    from ..atomic import describe_os_error
-    for oe in _os_errors(e):
-        if oe.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
-            return f"cannot write checkpoint to {root!r}: {describe_os_error(oe)}"
-    with contextlib.suppress(OSError):
-        free = shutil.disk_usage(root).free
-        if need_bytes and free < need_bytes or free < 1 << 20:  # torch's writer hides ENOSPC in its message
-            return (f"cannot write checkpoint to {root!r}: no space left on device ({_mib(free)} free"
-                    + (f", the checkpoint needs about {_mib(need_bytes)})" if need_bytes else ")"))
-    first = str(e).strip().splitlines()
-    return f"cannot write checkpoint to {root!r}: {type(e).__name__}: {first[0] if first else ''}"

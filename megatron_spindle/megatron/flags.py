@@ -22,7 +22,7 @@ from ..planner.analytic import CurvesFile
 from ..planner.cluster import load_cluster
 from ..planner.plan import Plan
 from ..planner.workloads import build_graph
-from .ckpt_files import TRACKER, check_save_dir, latest_iteration
+from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
 
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import os
 
 from .. import comm
 from .checkpoint import CheckpointError, checkpoint_bytes
-from .ckpt_files import check_save_dir
+from .ckpt_dir import check_save_dir
 
 
 def explain_init_error(e: BaseException, timeout_s: float) -> ValueError | None:

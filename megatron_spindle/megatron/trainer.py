@@ -36,7 +36,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
-from .model import build_model, graph_for, log_plan, plan_for, run_device
+from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device
+from .prediction import grad_bytes_of, predict_step
 from .preflight import check_save_space, explain_init_error
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
@@ -205,8 +206,6 @@ class Trainer:
         if self.device.type == "cpu" and local > (os.cpu_count() or 1):
             note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
                      f"{local / os.cpu_count():.0f}x slower]")
-        from .model import make_cluster
-        from .prediction import grad_bytes_of, predict_step
         try:
             whole = predict_step(self.plan, make_cluster(self.args, self.world)[0], self.model.trace, it, self.rank,
                                  passes=self.accum, grad_bytes=grad_bytes_of(self.args)).format()

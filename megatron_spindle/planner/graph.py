@@ -30,23 +30,12 @@ Data-flow conventions shared by the planner's byte counts and the runtime:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-#: Operator types the runtime knows how to build. Each is documented where the layer is built
-#: (``megatron_spindle/models/layers.py``); the planner only needs their costs.
-OP_TYPES = (
-    "patch_embed",        # linear projection of pre-cut patches/frames + class token + positions
-    "token_embed",        # token embedding + learned positions
-    "transformer_layer",  # pre-norm self-attention + MLP (megatron.core TransformerLayer)
-    "decoder_layer",      # causal self-attention + cross-attention over memory + MLP
-    "pool_head",          # final norm, pooling (cls / eos / mean), projection, L2 normalisation
-    "contrastive_loss",   # symmetric InfoNCE over a pair of embeddings, global batch
-    "cross_attn_adapter", # learned queries cross-attending to encoder features (Qwen-VL resampler)
-    "linear_adapter",     # average-pool along the sequence, then a linear projection
-    "lm_head",            # final norm, vocabulary projection, next-token cross-entropy
-)
+from .layer_types import OP_TYPES, custom_layer_type, registered
 
 DATA_PREFIX = "data:"
 
@@ -136,7 +125,6 @@ class Operator:
 
     def __post_init__(self) -> None:
         if self.op_type not in OP_TYPES:
-            from .layer_types import custom_layer_type, registered
             if custom_layer_type(self.op_type) is None:
                 raise ValueError(f"operator {self.name!r}: unknown op_type {self.op_type!r}; known: {OP_TYPES}"
                                  f"{', registered: ' + str(registered()) if registered() else ''}")
@@ -241,7 +229,6 @@ class TaskGraph:
 
     def fingerprint(self) -> str:
         """A short stable hash of the graph, stored in plans so a plan for another model is refused."""
-        import hashlib
         blob = json.dumps(self.to_json(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

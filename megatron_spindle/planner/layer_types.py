@@ -36,6 +36,20 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+#: Operator types the runtime knows how to build. Each is documented where the layer is built
+#: (``megatron_spindle/models/layers.py``); the planner only needs their costs.
+OP_TYPES = (
+    "patch_embed",        # linear projection of pre-cut patches/frames + class token + positions
+    "token_embed",        # token embedding + learned positions
+    "transformer_layer",  # pre-norm self-attention + MLP (megatron.core TransformerLayer)
+    "decoder_layer",      # causal self-attention + cross-attention over memory + MLP
+    "pool_head",          # final norm, pooling (cls / eos / mean), projection, L2 normalisation
+    "contrastive_loss",   # symmetric InfoNCE over a pair of embeddings, global batch
+    "cross_attn_adapter", # learned queries cross-attending to encoder features (Qwen-VL resampler)
+    "linear_adapter",     # average-pool along the sequence, then a linear projection
+    "lm_head",            # final norm, vocabulary projection, next-token cross-entropy
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCost:
@@ -74,7 +88,6 @@ _REGISTRY: dict[str, CustomLayerType] = {}
 def register_layer_type(name: str, *, cost: Callable, build: Callable | None = None,
                         tensor_parallel: bool = False) -> CustomLayerType:
     """Register (or re-register, e.g. when a plugin is imported twice) a custom layer type."""
-    from .graph import OP_TYPES
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"custom layer type name must be an identifier, got {name!r}")
     if name in OP_TYPES:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..atomic import write_file
 from .jsonfile import read_json
 from .curves import ScalingCurve
 from .metaops import MetaOp
@@ -299,7 +300,6 @@ class Plan:
 
     def save(self, path: str) -> str:
         """Write atomically (:func:`megatron_spindle.atomic.write_file`); returns the path written."""
-        from ..atomic import write_file
         return write_file(path, self.dumps(), "plan file")
 
     @classmethod

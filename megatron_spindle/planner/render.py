@@ -9,6 +9,7 @@ from __future__ import annotations
 import string
 from typing import Iterable
 
+from ..atomic import write_file
 from .plan import Plan
 
 
@@ -160,9 +161,9 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
     """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
     MetaOp); returns the path written."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (--gantt only)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: matplotlib (--gantt only)
     except ImportError:
         raise ValueError("--gantt needs matplotlib (pip install matplotlib)") from None
     c = codes(plan)
@@ -190,7 +191,6 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
     ax.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops[:40]], fontsize=5, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), ncol=1 + len(handles) // 30)
     fig.tight_layout()
-    from ..atomic import write_file
     try:
         write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "Gantt chart")
     finally:

@@ -118,7 +118,7 @@ def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float |
     import torch  # optional: torch (fitting a link needs only numpy; measuring one needs torch)
     import torch.distributed as dist  # optional: torch, as above
 
-    from .. import comm
+    from .. import comm  # optional: torch, as above (comm imports it)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:

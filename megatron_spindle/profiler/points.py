@@ -34,7 +34,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from ..atomic import write_json
 from ..planner.graph import LayerConfig
+from ..planner.jsonfile import read_json
 from ..planner.metaops import MetaOp
 
 CACHE_SCHEMA_VERSION = 1
@@ -228,7 +230,6 @@ class ProfileCache:
 
     @classmethod
     def _load(cls, path: str | None) -> "ProfileCache":
-        from ..planner.jsonfile import read_json
         cache = cls(path)
         if path is None or not os.path.exists(path):
             return cache
@@ -267,7 +268,6 @@ class ProfileCache:
     def save(self) -> None:
         if self.path is None:
             return
-        from ..atomic import write_json
         write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "kind": CACHE_KIND,
                                "entries": list(self.entries.values())}, "profile cache")
 
