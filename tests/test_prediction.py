@@ -38,6 +38,11 @@ def test_parts_predicted_against_the_spans_of_that_step():
     assert p.error == pytest.approx((43.0 - sim.step_ms) / sim.step_ms)
     line = p.format()
     assert "exposed sync" in line and "optimizer 2.0 ms (not predicted" in line and "2 passes" in line
+    # 4 ranks on 2 cores: the predicted compute (and the waves it sets) take twice as long
+    shared = predict_step(plan, cluster, FakeTrace(spans), 3, rank, passes=passes, grad_bytes=4, compute_scale=2.0)
+    assert shared.compute[0] == pytest.approx(2 * busy)
+    assert shared.predicted_ms == pytest.approx(sim.step_ms + passes * sim.makespan_ms)
+    assert "x2 for shared cores" in shared.format()
 
 
 def test_gradient_bytes_follow_the_reduction_dtype():

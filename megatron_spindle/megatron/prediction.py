@@ -16,6 +16,10 @@ runtime reduces (2 for a bf16 model unless ``--accumulate-allreduce-grads-in-fp3
   step comparison leaves it out;
 * **other**: the rest of the measured step (data, loss reduction, gradient clipping): measured only.
 
+``compute_scale`` (the trainer passes ranks per core when CPU ranks outnumber the cores) stretches the
+predicted compute, wave time included: ``n`` ranks time-sharing ``c < n`` cores each compute about ``n / c``
+times slower than the profile, which ran with fewer ranks than cores. Load from other processes is not seen.
+
 The step comparison is the predicted total of the first three parts against the measured step minus the
 optimizer (so "other" counts against the prediction).
 """
@@ -36,6 +40,7 @@ class StepPrediction:
     other_ms: float
     step_measured_ms: float
     passes: int
+    compute_scale: float = 1.0
 
     @property
     def predicted_ms(self) -> float:
@@ -55,7 +60,9 @@ class StepPrediction:
         def part(name, pm):
             return f"{name} {pm[0]:.1f}/{pm[1]:.1f}"
         return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_without_optimizer_ms:.1f} ms measured "
-                f"without the optimizer ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''} | "
+                f"without the optimizer ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''}"
+                + (f", predicted compute x{self.compute_scale:g} for shared cores" if self.compute_scale != 1 else "")
+                + " | "
                 f"predicted/measured ms: {part('compute', self.compute)}, "
                 f"{part('transfer + wave wait', self.transfer)}, {part('exposed sync', self.sync)} | "
                 f"measured only: optimizer {self.optimizer_ms:.1f} ms (not predicted: no optimizer cost model), "
@@ -67,11 +74,12 @@ def grad_bytes_of(args) -> int:
     return 2 if getattr(args, "bf16", False) and not getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 4
 
 
-def predict_step(plan, cluster, trace, step: int, rank: int, *, passes: int, grad_bytes: int) -> StepPrediction:
+def predict_step(plan, cluster, trace, step: int, rank: int, *, passes: int, grad_bytes: int,
+                 compute_scale: float = 1.0) -> StepPrediction:
     """Predicted against measured parts of step ``step`` on ``rank`` (see the module docstring)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes)
-    busy = passes * sum(s.time_ms for s in plan.rank_slices(rank))
-    waves = passes * sim.makespan_ms
+    busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
+    waves = compute_scale * passes * sim.makespan_ms
     transfer = sim.breakdown.transfer_ms + max(0.0, waves - busy)
     meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "optimizer": 0.0, "step": 0.0}
     for s in trace.spans:
@@ -89,4 +97,5 @@ def predict_step(plan, cluster, trace, step: int, rank: int, *, passes: int, gra
     other = meas["step"] - meas["compute"] - meas["transfer"] - meas["sync"] - meas["optimizer"]
     return StepPrediction(compute=(busy, meas["compute"]), transfer=(transfer, meas["transfer"]),
                           sync=(sim.breakdown.sync_ms, meas["sync"]), optimizer_ms=meas["optimizer"],
-                          other_ms=max(0.0, other), step_measured_ms=meas["step"], passes=passes)
+                          other_ms=max(0.0, other), step_measured_ms=meas["step"], passes=passes,
+                          compute_scale=compute_scale)

@@ -203,12 +203,15 @@ class Trainer:
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        scale = 1.0
         if self.device.type == "cpu" and local > (os.cpu_count() or 1):
+            scale = local / (os.cpu_count() or 1)
             note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
-                     f"{local / os.cpu_count():.0f}x slower]")
+                     f"{scale:.0f}x slower]")
         try:
             whole = predict_step(self.plan, make_cluster(self.args, self.world)[0], self.model.trace, it, self.rank,
-                                 passes=self.accum, grad_bytes=grad_bytes_of(self.args)).format()
+                                 passes=self.accum, grad_bytes=grad_bytes_of(self.args),
+                                 compute_scale=scale).format()
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
             whole = f"no step prediction ({' '.join(str(e).split())})"
         log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
