@@ -119,13 +119,13 @@ class Trainer:
             raise ValueError("--bf16 with --save/--load/--spindle-task-schedule needs Megatron-LM's loop (its "
                              "optimizer checkpoints the fp32 master weights); the built-in trainer does not")
         sub = self.graph.subset(self.schedule[0][1]) if len(self.schedule) > 1 else self.graph
-        self.plan = plan_for(args, sub, self.world)
         self.micro = self.graph.operators[0].batch
         glob = args.global_batch_size or self.micro
         if glob % self.micro:
             raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
                              f"(--micro-batch-size x {self.world} ranks)")
         self.accum = glob // self.micro
+        self.plan = plan_for(args, sub, self.world, passes=self.accum)
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
@@ -156,7 +156,7 @@ class Trainer:
         """The task mix changes at iteration ``it``: replan without restarting, keep weights and moments."""
         self.phase = self._phase_of(it)
         sub = self.graph.subset(self.schedule[self.phase][1])
-        self.plan = plan_for(self.args, sub, self.world)
+        self.plan = plan_for(self.args, sub, self.world, passes=self.accum)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
                                             seed=self.args.seed,
