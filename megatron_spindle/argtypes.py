@@ -37,6 +37,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "default: the most")
     p.add_argument("--size", default="full",
                    help="model size: full (the paper's) or one of the spec's [sizes] (tiny: tests, CPU demo)")
-    p.add_argument("--batch", type=int, default=None, help="global batch per task (default: the model's)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="global batch per task per optimizer step, Megatron's --global-batch-size (default: the "
+                        "model's, from the published recipe it stands for)")
+    p.add_argument("--passes", type=positive_int, default=None,
+                   help="passes per optimizer step (gradient accumulation): each pass plans --batch / --passes "
+                        "samples per task (default: the model's when --batch is not given, else 1)")
     p.add_argument("--curves", default=None, metavar="FILE",
                    help="JSON scaling curves / device constants (default: the analytic model)")

@@ -17,7 +17,7 @@ from .planner.analytic import CurvesFile
 from .planner.build import make_plan
 from .planner.cluster import load_cluster
 from .planner.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
-from .planner.workloads import build_graph
+from .planner.workloads import build_graph, resolve_passes
 from .profiler import cli as profiler_cli
 
 
@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(args) -> int:
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch)
+    passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
@@ -51,7 +52,7 @@ def cmd_plan(args) -> int:
         if path:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
-    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search)
+    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
@@ -68,7 +69,7 @@ def cmd_plan(args) -> int:
             "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
-            "plan": args.out, "gantt": args.gantt}))
+            "passes": passes, "plan": args.out, "gantt": args.gantt}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]

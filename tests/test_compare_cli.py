@@ -33,7 +33,7 @@ def test_table_and_plot(capsys, tmp_path):
     png = tmp_path / "fig8.png"
     rc, out, err = run(capsys, TINY + ["--gpus", "8", "--plot", str(png)])
     assert rc == 0, err
-    assert "multitask-clip (4 tasks) on 8 devices, cluster a800-8x8 (8 per island): lower bound ΣC* =" in out
+    assert "multitask-clip (4 tasks) on 8 devices, cluster a800-8x8 (8 per island), 1 pass per step: lower bound ΣC* =" in out
     for name in SYSTEMS:
         assert f"\n{name} " in out
     assert "Spindle / ΣC*: compute makespan" in out

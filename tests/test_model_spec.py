@@ -23,7 +23,7 @@ LLAVA = os.path.join(ROOT, "examples", "models", "llava.toml")
 # -- the reference models as specs ----------------------------------------------------------------------
 def test_shipped_specs_give_the_graphs_of_the_former_python_definitions():
     assert set(shipped_models()) == {"multitask-clip", "ofasys", "qwen-val"}
-    assert len(GOLDEN["graphs"]) == 37
+    assert len(GOLDEN["graphs"]) == 41
     for g in GOLDEN["graphs"]:
         got = build_graph(g["model"], tasks=g["tasks"], size=g["size"], batch=g["batch"])
         assert (got.fingerprint(), len(got.operators), got.total_params()) == (
@@ -44,7 +44,7 @@ def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, cap
 
 
 def test_workloads_table_and_spec_path_equal_the_name():
-    assert WORKLOADS["multitask-clip"] == ((4, 7, 10), 128) and dict(WORKLOADS)["qwen-val"] == ((3,), 8)
+    assert WORKLOADS["multitask-clip"] == ((4, 7, 10), 512) and dict(WORKLOADS)["qwen-val"] == ((3,), 4096)
     for name, path in shipped_models().items():
         assert build_graph(path, size="tiny").fingerprint() == build_graph(name, size="tiny").fingerprint()
 
@@ -205,6 +205,7 @@ BAD = [
     ("name = \"small\"", "name = \"small\"\nlayer_plugins = [\"nowhere.py\"]", "model.layer_plugins[0]",
      "'nowhere.py'"),
     ("batch = 8", "batch = 8\ntask_counts = [2]", "model.task_counts", "[2]"),
+    ("batch = 8", "batch = 8\npasses = 0", "model.passes", "0"),
     ("[model]", "[model\n", "(syntax)", "line 2"),
     ("causal = true", "causal = 1", "modules.txt.layers.causal", "1"),
 ]
@@ -244,6 +245,61 @@ def test_plugin_that_fails_to_import_is_one_line(tmp_path):
         load_spec(str(path))
     assert str(e.value) == (f"{path}: model.layer_plugins[0] = 'broken_layers.py': cannot import: "
                             f"ModuleNotFoundError: No module named 'torch_that_does_not_exist'")
+
+
+# -- global batch and passes per step (gradient accumulation) ------------------------------------------------
+def test_default_batches_are_the_recipes_global_batch_split_over_the_passes():
+    # Multitask-CLIP: ImageBind's 2048 (audio pairs) / 512 per step, 16 passes; Qwen-VAL: 4096 / 2048, 512 passes
+    clip = build_graph("multitask-clip")
+    per_pass = {op.task: op.batch for op in clip.operators}
+    assert per_pass == {t: 128 if "audio" in t else 32 for t in clip.tasks}
+    explicit = {t: 2048 if "audio" in t else 512 for t in clip.tasks}
+    assert build_graph("multitask-clip", batch=explicit, passes=16).fingerprint() == clip.fingerprint()
+    assert {op.task: op.batch for op in build_graph("qwen-val").operators} == {
+        "vision-language": 8, "audio-language": 8, "language": 4}
+    assert {op.batch for op in build_graph("ofasys").operators} == {64}
+    # an explicit batch without passes is one pass; tiny sizes keep one pass of their former batch
+    assert {op.batch for op in build_graph("qwen-val", batch=8).operators} == {8}
+    assert {op.batch for op in build_graph("multitask-clip", size="tiny").operators} == {128}
+    assert load_spec("qwen-val").default_passes("tiny") == 1 and load_spec("qwen-val").default_passes() == 512
+
+
+def test_passes_that_do_not_divide_the_batch_or_are_not_positive():
+    with pytest.raises(ValueError, match="global batch 100 of task 'vision-language' is not a multiple of the "
+                                         "passes per step 3"):
+        build_graph("qwen-val", batch=100, passes=3)
+    with pytest.raises(ValueError, match="passes per step must be a positive integer, got 0"):
+        build_graph("qwen-val", batch=100, passes=0)
+
+
+def test_size_overrides_model_batch_and_passes(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(SMALL.replace("batch = 8", "batch = 8\npasses = 2") + "\n[sizes.tiny.model]\nbatch = 4\n"
+                    "passes = 1\n")
+    spec = load_spec(str(path))
+    assert {op.batch for op in spec.build_graph().operators} == {8}         # task batch 16 over 2 passes
+    assert {op.batch for op in spec.build_graph(size="tiny").operators} == {4}  # the size's batch replaces it
+    path.write_text(SMALL + "\n[sizes.tiny.model]\nlayers = 4\n")
+    with pytest.raises(SpecError, match=r"sizes\.tiny\.model\.layers = 4: a size overrides model batch, passes"):
+        load_spec(str(path))
+
+
+def test_compare_cli_takes_batch_and_passes(capsys):
+    assert cli.main(["compare", "--model", "qwen-val", "--gpus", "16", "--batch", "64", "--passes", "8",
+                     "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"][0]
+    assert res["passes"] == 8
+    one = res["systems"]["sequential"]
+    assert cli.main(["compare", "--model", "qwen-val", "--gpus", "16", "--batch", "8", "--json"]) == 0
+    single = json.loads(capsys.readouterr().out)["results"][0]
+    assert single["passes"] == 1
+    # the same per-pass graph: 8 passes cost 8 passes of compute and one sync
+    b1, b8 = single["systems"]["sequential"]["breakdown"], one["breakdown"]
+    assert b8["compute_ms"] == pytest.approx(8 * b1["compute_ms"])
+    assert b8["sync_ms"] == pytest.approx(b1["sync_ms"])
+    assert cli.main(["compare", "--model", "qwen-val", "--gpus", "16", "--batch", "12", "--passes", "8"]) == 2
+    assert "global batch 12 of task 'vision-language' is not a multiple of the passes per step 8" in \
+        capsys.readouterr().err
 
 
 def test_bad_size_override_names_the_key(tmp_path):

@@ -69,27 +69,28 @@ def test_sync_serializes_on_shared_devices_and_nics():
     # two cross-island groups on different devices of the same two nodes share both NICs
     x, y = ((0, 8), 1e9), ((1, 9), 1e9)
     assert sync_time_ms([x], c) == pytest.approx(100.100)
-    assert sync_time_ms([x, y], c) == pytest.approx(200.0)
+    # y waits for x's bytes to leave the NICs (100 ms), then takes its own 100.1 ms
+    assert sync_time_ms([x, y], c) == pytest.approx(200.100)
 
 
 # -- plans built by hand --------------------------------------------------------------------------------
 BATCH, HIDDEN, SEQ, PARAMS = 8, 64, 16, 1000
 
 
-def toy_graph(layers=2):
+def toy_graph(layers=2, params=PARAMS):
     cfg = LayerConfig(hidden=HIDDEN, num_heads=4, ffn_hidden=4 * HIDDEN, seq_len=SEQ)
     ops, prev = [], ("data:t:x",)
     for i in range(layers):
         ops.append(Operator(name=f"t.enc.{i}", task="t", module="enc", op_type="transformer_layer",
                             batch=BATCH, layer=cfg, param_key=f"enc.layers.{i}", inputs=prev, fwd_flops=1e9,
-                            param_count=PARAMS, out_elems_per_sample=SEQ * HIDDEN, act_bytes_per_sample=1000.0))
+                            param_count=params, out_elems_per_sample=SEQ * HIDDEN, act_bytes_per_sample=1000.0))
         prev = (ops[-1].name,)
     return TaskGraph(model="toy", tasks=("t",), operators=tuple(ops))
 
 
-def hand_plan(cluster, slices):
+def hand_plan(cluster, slices, params=PARAMS):
     """``slices``: per wave one ``(layer_start, layers, ranks)``; one layer takes T(n) = 8/n ms."""
-    graph = toy_graph(sum(s[1] for s in slices))
+    graph = toy_graph(sum(s[1] for s in slices), params)
     (m,) = contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=8)
     curve = ScalingCurve(batch=BATCH, segments=(Segment(0.0, 1e-9, 1.0),), counts=m.valid_counts(cluster.num_devices))
     waves, ranks, clock = [], {}, 0.0
@@ -137,10 +138,71 @@ def test_transfer_between_waves_inside_and_across_islands():
     # gradients of layer 0 on 0,1 and layer 1 on 8,9: two groups, each inside its island, concurrent
     ar = 2 * 0.010 + PARAMS * GRAD_BYTES_PER_PARAM / (INTRA_GBPS * 1e9) * 1e3
     assert sim.breakdown.sync_ms == pytest.approx(ar)
-    # staying on the same devices is a local copy: free; both layers' gradients share one bucket
+    # staying on the same devices is a local copy: free; same rank set, but one bucket per backward wave
     sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))]), c)
     assert sim.breakdown.transfer_ms == 0.0
-    assert [col.bytes for col in sim.collectives] == [2 * PARAMS * GRAD_BYTES_PER_PARAM]
+    assert [(col.wave, col.bytes) for col in sim.collectives] == [(1, PARAMS * GRAD_BYTES_PER_PARAM),
+                                                                  (0, PARAMS * GRAD_BYTES_PER_PARAM)]
+
+
+# -- overlapped sync and accumulation: the module docstring's worked example ------------------------------
+BIG = 100_000_000  # parameters per layer: 400 MB of fp32 gradients, one all-reduce over 2 devices = 4.02 ms
+
+
+def test_sync_overlaps_the_remaining_backward():
+    c = toy_cluster(16)
+    plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))], params=BIG)
+    sim = simulate(plan, c, check_memory=False)
+    # one layer on 2 devices: 4 ms; forward 0 -> 8/3, backward of wave 1 8/3 -> 16/3, of wave 0 16/3 -> 8
+    assert sim.pass_ms == pytest.approx(8.0)
+    l1, l0 = sim.collectives
+    assert (l1.wave, l1.ready_ms, l1.start_ms, l1.end_ms) == (1, pytest.approx(16 / 3), pytest.approx(16 / 3),
+                                                              pytest.approx(16 / 3 + 4.02))
+    # layer 0's bucket is ready at 8 but devices 0-1 are busy with layer 1's until 9.353
+    assert (l0.wave, l0.ready_ms, l0.start_ms, l0.end_ms) == (0, pytest.approx(8.0), pytest.approx(16 / 3 + 4.02),
+                                                              pytest.approx(16 / 3 + 8.04))
+    assert sim.breakdown.sync_ms == pytest.approx(16 / 3 + 8.04 - 8.0)           # 5.373 exposed
+    assert sim.sync_standalone_ms == pytest.approx(8.04)
+    assert sim.step_ms == pytest.approx(8.0 + 16 / 3 + 8.04 - 8.0)
+    assert sim.breakdown.total_ms == pytest.approx(sim.step_ms)
+    # posted after the backward (the old hand-written sync): both buckets after t = 8
+    old = simulate(plan, c, check_memory=False, overlap_sync=False)
+    assert old.breakdown.sync_ms == pytest.approx(8.04)
+    assert old.step_ms == pytest.approx(16.04)
+    # bf16 gradients: 2.02 ms each; layer 1's is done (7.353) before layer 0's is ready (8)
+    bf16 = simulate(plan, c, check_memory=False, grad_bytes=2)
+    assert [col.end_ms for col in bf16.collectives] == [pytest.approx(16 / 3 + 2.02), pytest.approx(10.02)]
+    assert bf16.breakdown.sync_ms == pytest.approx(2.02)
+
+
+def test_sync_on_disjoint_devices_runs_side_by_side():
+    c = toy_cluster(16)
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))], params=BIG), c, check_memory=False)
+    hop = sim.waves[1].transfer_fwd_ms
+    assert hop > 0
+    assert sim.pass_ms == pytest.approx(8.0 + 2 * hop)
+    l1, l0 = sim.collectives
+    assert l1.ranks == (2, 3) and l1.end_ms == pytest.approx(hop + 16 / 3 + 4.02)
+    assert l0.ranks == (0, 1) and l0.start_ms == pytest.approx(8.0 + 2 * hop)
+    assert sim.breakdown.sync_ms == pytest.approx(4.02)
+
+
+def test_gradient_accumulation_syncs_once():
+    c = toy_cluster(16)
+    plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))], params=BIG)
+    one = simulate(plan, c, check_memory=False)
+    four = simulate(plan, c, check_memory=False, passes=4)
+    assert four.step_ms == pytest.approx(4 * 8.0 + 16 / 3 + 8.04 - 8.0)      # 37.373
+    assert four.breakdown.sync_ms == pytest.approx(one.breakdown.sync_ms)
+    assert four.breakdown.compute_ms == pytest.approx(4 * one.breakdown.compute_ms)
+    assert four.breakdown.idle_ms == pytest.approx(4 * one.breakdown.idle_ms)
+    assert four.breakdown.total_ms == pytest.approx(four.step_ms)
+    assert four.to_json()["passes"] == 4
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="passes"):
+            simulate(plan, c, check_memory=False, passes=bad)
+    with pytest.raises(ValueError, match="grad_bytes"):
+        simulate(plan, c, check_memory=False, grad_bytes=3)
 
 
 def test_step_adds_up_on_a_real_plan():
@@ -148,6 +210,8 @@ def test_step_adds_up_on_a_real_plan():
     sim = simulate(make_plan(build_graph("multitask-clip", tasks=4, size="tiny"), c), c)
     b = sim.breakdown
     assert sim.step_ms == pytest.approx(sim.makespan_ms + b.transfer_ms + b.sync_ms)
+    assert b.sync_ms <= sim.sync_standalone_ms + 1e-9
+    assert all(col.start_ms >= col.ready_ms - 1e-9 for col in sim.collectives)
     assert b.total_ms == pytest.approx(sim.step_ms)
     assert sum(b.shares().values()) == pytest.approx(1.0)
     assert min(b.compute_ms, b.idle_ms, b.transfer_ms, b.sync_ms) >= 0

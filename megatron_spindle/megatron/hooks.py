@@ -196,8 +196,10 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
         raise ValueError("Megatron settings a Spindle run cannot use:\n  " + "\n  ".join(problems))
     world = dist.get_world_size()
     graph = graph_for(args, world)
-    plan = plan_for(args, graph, world)
-    log_plan(args, plan, graph, world)
+    per_pass = (args.micro_batch_size or 1) * world
+    passes = max(1, (getattr(args, "global_batch_size", None) or per_pass) // per_pass)  # Megatron's microbatches
+    plan = plan_for(args, graph, world, passes=passes)
+    log_plan(args, plan, graph, world, passes=passes)
     model = build_model(args, plan, graph, device=device)
     return MegatronModelChunk(model, config=config, pg_collection=pg_collection,
                               clip_grad=getattr(args, "clip_grad", 0.0) or 0.0)

@@ -49,9 +49,11 @@ def make_cluster(args, world: int):
     return load_cluster(None, num_devices=world, gpus_per_node=per_node, memory_gib=mem), curves
 
 
-def plan_for(args, graph, world: int) -> Plan:
+def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     """The plan of this job: loaded (checked against the model and world) or made on rank 0 and broadcast.
 
+    ``passes``: the passes of the plan accumulated per optimizer step (Megatron's number of microbatches);
+    the planner chooses among its candidates by ``passes`` x pass + one gradient sync, the step the run takes.
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """
     if args.spindle_plan:
@@ -62,7 +64,8 @@ def plan_for(args, graph, world: int) -> Plan:
     if dist.get_rank() == 0:
         try:
             cluster, curves = make_cluster(args, world)
-            p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves)
+            p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
+                            passes=passes)
             box[0] = p.to_json()
         except ValueError as e:
             box[0] = {"error": str(e)}

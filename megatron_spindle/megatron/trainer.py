@@ -36,7 +36,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
-from .model import build_model, graph_for, log_plan, plan_for, run_device
+from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device
+from .prediction import grad_bytes_of, predict_step
 from .preflight import check_save_space, explain_init_error
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
@@ -118,13 +119,13 @@ class Trainer:
             raise ValueError("--bf16 with --save/--load/--spindle-task-schedule needs Megatron-LM's loop (its "
                              "optimizer checkpoints the fp32 master weights); the built-in trainer does not")
         sub = self.graph.subset(self.schedule[0][1]) if len(self.schedule) > 1 else self.graph
-        self.plan = plan_for(args, sub, self.world)
         self.micro = self.graph.operators[0].batch
         glob = args.global_batch_size or self.micro
         if glob % self.micro:
             raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
                              f"(--micro-batch-size x {self.world} ranks)")
         self.accum = glob // self.micro
+        self.plan = plan_for(args, sub, self.world, passes=self.accum)
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
@@ -155,7 +156,7 @@ class Trainer:
         """The task mix changes at iteration ``it``: replan without restarting, keep weights and moments."""
         self.phase = self._phase_of(it)
         sub = self.graph.subset(self.schedule[self.phase][1])
-        self.plan = plan_for(self.args, sub, self.world)
+        self.plan = plan_for(self.args, sub, self.world, passes=self.accum)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
                                             seed=self.args.seed,
@@ -197,17 +198,24 @@ class Trainer:
                  f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
 
     def _log_prediction(self, it: int) -> None:
-        pred, meas, rows = predicted_vs_measured(self.model, it)
+        _, _, rows = predicted_vs_measured(self.model, it)
         worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        scale = 1.0
         if self.device.type == "cpu" and local > (os.cpu_count() or 1):
+            scale = local / (os.cpu_count() or 1)
             note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
-                     f"{local / os.cpu_count():.0f}x slower]")
-        log.info(f"prediction | step predicted {pred:.1f} ms (compute), measured {meas:.1f} ms on rank {self.rank} "
-                 f"({(meas - pred) / pred:+.0%}) | largest MetaOp errors (predicted/measured, this rank): "
-                 f"{worst}{note}")
+                     f"{scale:.0f}x slower]")
+        try:
+            whole = predict_step(self.plan, make_cluster(self.args, self.world)[0], self.model.trace, it, self.rank,
+                                 passes=self.accum, grad_bytes=grad_bytes_of(self.args),
+                                 compute_scale=scale).format()
+        except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
+            whole = f"no step prediction ({' '.join(str(e).split())})"
+        log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
+                 f"ms per pass, this rank): {worst}{note}")
 
     def train(self) -> dict:
         """Run to ``--train-iters`` (or ``--exit-interval``); returns the summary rank 0 also logs as JSON."""

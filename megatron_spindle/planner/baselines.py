@@ -430,17 +430,18 @@ def lower_bound_ms(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFil
 
 
 def plan_system(system: str, graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
-                device: DeviceModel | None = None, validate: bool = True, report: dict | None = None) -> Plan:
+                device: DeviceModel | None = None, validate: bool = True, report: dict | None = None,
+                passes: int = 1) -> Plan:
     """The plan of ``system`` (one of :data:`SYSTEMS`) for ``graph`` on ``cluster``.
 
     ``report``, when given, receives ``ideal_makespan_ms`` for the baselines: the compute time with their
     concurrent lanes running freely instead of in aligned waves (the alignment loss is the difference).
     """
     kw = dict(curves_file=curves_file, device=device, validate=validate)
-    if system == "spindle":
-        return make_plan(graph, cluster, **kw)
+    if system == "spindle":  # Spindle's candidates are compared on a step of ``passes`` passes
+        return make_plan(graph, cluster, passes=passes, **kw)
     if system == "spindle-naive-placement":
-        return make_plan(graph, cluster, placement="sequential", **kw)
+        return make_plan(graph, cluster, placement="sequential", passes=passes, **kw)
     if system == "sequential":
         return plan_sequential(graph, cluster, report=report, **kw)
     if system == "task-level":

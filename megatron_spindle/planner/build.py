@@ -41,8 +41,9 @@ def schedule(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_
 
 def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
               device: DeviceModel | None = None, search: bool = True, placement: str = "spindle",
-              validate: bool = True) -> Plan:
-    """Plan one training step of ``graph`` on ``cluster``.
+              validate: bool = True, passes: int = 1) -> Plan:
+    """Plan one training step of ``graph`` (one pass) on ``cluster``; candidates are compared on a step of
+    ``passes`` passes and one gradient sync.
 
     ``search=False`` runs only the paper's pipeline per level; ``placement="sequential"`` is the naive
     placement ablation (consecutive devices in slice order).
@@ -69,7 +70,7 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
                               system="spindle")
         from .choose import choose_whole_step
         plan = choose_whole_step([("spindle", plan), ("spindle, naive placement", naive)], graph, cluster,
-                                 metaops, curves, baselines=search, level_schedules=sched)
+                                 metaops, curves, baselines=search, level_schedules=sched, passes=passes)
     if validate:
         check_plan(plan)
     return plan

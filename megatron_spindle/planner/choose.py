@@ -44,10 +44,10 @@ from .waves import Wave, WaveSlice
 MIN_LEVEL_SHARE = 0.05
 
 
-def step_ms(plan: Plan, cluster: Cluster) -> float:
-    """The simulated step of ``plan`` on ``cluster`` (memory not checked)."""
+def step_ms(plan: Plan, cluster: Cluster, passes: int = 1) -> float:
+    """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (memory not checked)."""
     from .simulate import simulate
-    return simulate(plan, cluster, check_memory=False).step_ms
+    return simulate(plan, cluster, check_memory=False, passes=passes).step_ms
 
 
 def _fits(plan: Plan, cluster: Cluster) -> bool:
@@ -116,7 +116,8 @@ def _restart(waves: Sequence[Wave]) -> list[Wave]:
 
 
 def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
-                      curves: Mapping[str, ScalingCurve], level_schedules: Sequence) -> list[tuple[str, Plan]]:
+                      curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
+                      passes: int = 1) -> list[tuple[str, Plan]]:
     """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
     on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
     combination beats the levels' shortest spans, it is returned placed both ways."""
@@ -132,14 +133,14 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
                        for lv, ls, orig in zip(own.levels, choice, level_schedules))
         return assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks_fn(waves), system="spindle")
 
-    best = step_ms(plan_of(pick, sequential_placement), cluster)
+    best = step_ms(plan_of(pick, sequential_placement), cluster, passes)
     total = sum(ls.span_ms for ls in level_schedules)
     for i, ls in enumerate(level_schedules):
         if ls.span_ms < MIN_LEVEL_SHARE * total:  # a short level moves the step little: not worth a trial
             continue
         for alt in ls.alternatives:
             trial = pick[:i] + [alt] + pick[i + 1:]
-            t = step_ms(plan_of(trial, sequential_placement), cluster)
+            t = step_ms(plan_of(trial, sequential_placement), cluster, passes)
             if t < best * (1 - 1e-9):
                 best, pick = t, trial
     if all(a is b for a, b in zip(pick, level_schedules)):
@@ -154,27 +155,28 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
 
 def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
                       metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
-                      baselines: bool = True, level_schedules: Sequence | None = None) -> Plan:
+                      baselines: bool = True, level_schedules: Sequence | None = None, passes: int = 1) -> Plan:
     """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
 
     ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
     unless ``baselines`` is false (``--no-search``: the paper's pipeline only), and, when the levels'
-    schedules are given, their alternatives chosen by the step and the waves across levels.
+    schedules are given, their alternatives chosen by the step and the waves across levels. The step is
+    ``passes`` passes of the plan and one gradient sync (gradient accumulation).
     """
     if level_schedules is not None and baselines:
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
-        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules) \
+        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, passes) \
             + _cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples)
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
-        scored.append((step_ms(p, cluster), i, name, p))
+        scored.append((step_ms(p, cluster, passes), i, name, p))
     extra = whole_step_candidates(graph, cluster, metaops, curves) if baselines else []
     for j, (name, build) in enumerate(extra):
         try:
             p = build()
         except ValueError:  # that baseline has no schedule here (too few devices for its shares)
             continue
-        scored.append((step_ms(p, cluster), len(plans) + j, name, p))
+        scored.append((step_ms(p, cluster, passes), len(plans) + j, name, p))
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
     t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     if best.system == "spindle":

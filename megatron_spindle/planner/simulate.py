@@ -2,13 +2,14 @@
 
 Pure Python. The same code times every system, so the comparison is only as biased as the plans.
 
-The model (nothing overlaps: every term below is on the critical path, as in the paper's runtime, where a
-wave forbids overlapping a MetaOp's compute with the next wave's communication):
+The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): waves run one after
+another, each boundary's transfers block (nothing overlaps compute but the gradient all-reduces, which
+megatron.core's DDP posts during the backward):
 
 1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
    scaling curve: forward + backward of one layer). A wave lasts as long as its longest slice. Of that,
-   :data:`FORWARD_SHARE` is forward (backward costs twice the forward FLOPs); the split only places the
-   boundaries on the timeline, the totals do not depend on it.
+   :data:`FORWARD_SHARE` is forward (backward costs twice the forward FLOPs); the split places the
+   boundaries on the timeline (so when gradients are complete, item 3), the totals do not depend on it.
 2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
    messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
    them again). A message that stays on its device is free. Inside an island a message uses the sender's and
@@ -20,29 +21,44 @@ wave forbids overlapping a MetaOp's compute with the next wave's communication):
    (each latency ``λ`` counted once, only when that kind of link is used). Backward: after wave ``w``'s
    backward pass the plan's backward messages of the same transfers return the gradients (as many bytes,
    each piece from one holder), timed the same way.
-3. **Parameter sync.** Parameter groups (:class:`.plan.ParamGroup`) with the same ranks are bucketed into one
-   ring all-reduce (Megatron's DDP buckets a process group's gradients) of fp32 gradients,
-   :data:`GRAD_BYTES_PER_PARAM` bytes per parameter. A ring over ``n`` devices sends and receives
-   ``2(n-1)/n · S`` bytes per member::
+3. **Parameter sync** (overlapped). A parameter group's (:class:`.plan.ParamGroup`) gradient is complete when
+   the last backward wave using it on one of its ranks ends: wave ``w* = min`` over its ranks of the first
+   wave using it, at the latest end of those of ``w*``'s slices that hold it on a member. Groups with the
+   same ranks and the same ``w*`` form one bucket (the runtime's DDP instance per rank set posts its buckets
+   in that order), reduced by one ring all-reduce of :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's
+   default for bf16 training) or 2 (bf16, ``grad_bytes=2``) bytes per parameter. A ring over ``n`` devices
+   sends and receives ``2(n-1)/n · S`` bytes per member::
 
        T_c = 2(n-1) · λ + 2(n-1)/n · S / B          (B = B_inter per node if the group spans islands, else B_intra)
 
-   All-reduces that share a device run one after another; those on disjoint devices run concurrently,
-   except that cross-island all-reduces touching one node share its NICs::
+   Buckets are posted in order of readiness; each starts when ready, when every one of its devices has
+   finished the all-reduces posted before it (all-reduces sharing a device run one after another; on
+   disjoint devices concurrently, and alongside compute and transfers: the model charges no contention
+   with them), and, if it spans islands, when its nodes' NICs have moved the cross-island bytes posted
+   before it (``2(n-1)/n · S / B_inter`` each). Only what runs past the end of the backward is exposed::
 
-       t_sync = max( max_d Σ_{c ∋ d} T_c,  max_node Σ_{c spans islands, touches node} 2(n-1)/n · S_c / B_inter )
+       t_sync = max(0, max_c end_c − t_pass)
 
-4. **Step.** ``Σ_w duration_w + Σ_w (forward + backward transfer before/after w) + t_sync``. The breakdown
-   (the paper's Figure 10): *compute* ``= Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *idle*
-   ``= Σ_w duration_w − compute`` (devices waiting for the wave's longest slice, or unused), *transfer*,
-   *sync*; the four add up to the step.
+   With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
+4. **Step.** One pass ``t_pass = Σ_w duration_w + Σ_w (forward + backward transfer before/after w)``: the
+   forwards of waves ``0..W-1`` (each after its forward transfer), then the backwards of ``W-1..0`` (each
+   followed by its gradient transfer back). With gradient accumulation over ``K`` passes (``passes=K``, one
+   sync after the last pass): ``step = K · t_pass + t_sync``. The breakdown (the paper's Figure 10):
+   *compute* ``= K · Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *idle* ``= K · Σ_w duration_w −
+   compute`` (devices waiting for the wave's longest slice, or unused), *transfer* (``K ×`` the boundaries),
+   *sync* (exposed); the four add up to the step.
 5. **Memory.** The plan's per-device estimate (:func:`.build.device_memory`: model states of every layer the
    device holds plus every stashed activation, since all forward waves run before any backward wave),
    checked against the cluster's usable memory.
 
-Worked example (one island of 8 devices at 160 GB/s and 8 µs): a 160 MB message between two devices takes
-``160e6 / 160e9 s + 8 µs = 1.008 ms``; an all-reduce of 160 MB over those two devices
-``2·8 µs + 2·(1/2)·160e6/160e9 s = 1.016 ms``.
+Worked example (one island at 100 GB/s and 10 µs; ``tests/test_simulate.py`` checks it): two waves, one
+layer each of 4 ms (forward + backward) on devices 0-1, 100 M parameters (400 MB of fp32 gradients) per
+layer, nothing to move between the waves. Forward 0 → 8/3 ms; backward of wave 1 8/3 → 16/3 ms, of wave 0
+16/3 → 8 ms = ``t_pass``. One all-reduce: ``2·10 µs + 1·400e6/100e9 s = 4.02 ms``. Layer 1's bucket is
+ready at 16/3 and ends at 9.353 ms; layer 0's is ready at 8 ms but shares devices 0-1, so it runs 9.353 →
+13.373 ms: exposed sync 5.373 ms (8.04 ms if posted after the backward). Layer 1 on devices 2-3 instead:
+its reduce runs beside layer 0's and ends before it; exposed 4.02 ms. bf16 gradients (2.02 ms each, on 0-1):
+5.333 → 7.353, then 8 → 10.02: exposed 2.02 ms. ``K = 4`` passes: step ``4 · 8 + 5.373 = 37.373`` ms.
 """
 from __future__ import annotations
 
@@ -110,20 +126,36 @@ def allreduce_time_ms(ranks: Sequence[int], nbytes: float, cluster: Cluster) -> 
     return 2 * (n - 1) * lat * 1e-3 + ring_bytes(n, nbytes) / (bw * 1e9) * 1e3
 
 
-def sync_time_ms(collectives: Iterable[tuple[Sequence[int], float]], cluster: Cluster) -> float:
-    """Time of all gradient all-reduces ``(ranks, bytes)`` (see the module docstring, item 3)."""
-    per_device: dict[int, float] = defaultdict(float)
-    per_node: dict[int, float] = defaultdict(float)
-    for ranks, nbytes in collectives:
+def schedule_collectives(collectives: Iterable[tuple[Sequence[int], float, float]],
+                         cluster: Cluster) -> list[tuple[float, float]]:
+    """``(start, end)`` of every gradient all-reduce ``(ranks, bytes, ready_ms)``, posted in the given order
+    (see the module docstring, item 3): each starts when it is ready, when every device of it has finished
+    the all-reduces posted before it, and, when it spans islands, when every NIC of its nodes has moved the
+    bytes of the cross-island all-reduces posted before it."""
+    dev_free: dict[int, float] = defaultdict(float)
+    nic_free: dict[int, float] = defaultdict(float)
+    out = []
+    for ranks, nbytes, ready in collectives:
         t = allreduce_time_ms(ranks, nbytes, cluster)
         if t == 0.0:
+            out.append((ready, ready))
             continue
-        for d in set(ranks):
-            per_device[d] += t
-        if cluster.spans_islands(ranks):
-            for node in {cluster.island(d) for d in ranks}:
-                per_node[node] += ring_bytes(len(set(ranks)), nbytes) / (cluster.inter_bandwidth_gbps * 1e9) * 1e3
-    return max(list(per_device.values()) + list(per_node.values()), default=0.0)
+        members = set(ranks)
+        nodes = {cluster.island(d) for d in members} if cluster.spans_islands(ranks) else set()
+        start = max([ready] + [dev_free[d] for d in members] + [nic_free[n] for n in nodes])
+        end = start + t
+        for d in members:
+            dev_free[d] = end
+        for n in nodes:
+            nic_free[n] = start + ring_bytes(len(members), nbytes) / (cluster.inter_bandwidth_gbps * 1e9) * 1e3
+        out.append((start, end))
+    return out
+
+
+def sync_time_ms(collectives: Iterable[tuple[Sequence[int], float]], cluster: Cluster) -> float:
+    """Time of gradient all-reduces ``(ranks, bytes)`` all ready at once, posted in the given order."""
+    return max((end for _, end in schedule_collectives(((r, b, 0.0) for r, b in collectives), cluster)),
+               default=0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,6 +212,12 @@ class Collective:
     bytes: float
     time_ms: float
     """Standalone time (:func:`allreduce_time_ms`)."""
+    wave: int | None = None
+    """The plan wave whose backward completes the bucket (None: no member uses it; ready at the pass end)."""
+    ready_ms: float = 0.0
+    """When the bucket is complete on every member, from the start of the step's last pass."""
+    start_ms: float = 0.0
+    end_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +237,13 @@ class StepSimulation:
     """Compute only: Σ wave durations."""
     lower_bound_ms: float
     """Σ over levels of C* (compute only; no schedule of these curves beats it)."""
+    passes: int = 1
+    """Passes of the plan per optimizer step (gradient accumulation)."""
+    grad_bytes_per_param: int = GRAD_BYTES_PER_PARAM
+    pass_ms: float = 0.0
+    """One pass: Σ wave durations + Σ transfers."""
+    sync_standalone_ms: float = 0.0
+    """What the sync would cost if every bucket were posted after the backward (no overlap)."""
 
     @property
     def max_memory_gib(self) -> float:
@@ -214,7 +259,9 @@ class StepSimulation:
                 "breakdown": self.breakdown.to_json(), "shares": self.breakdown.shares(),
                 "makespan_ms": self.makespan_ms, "lower_bound_ms": self.lower_bound_ms,
                 "peak_memory_gib": self.max_memory_gib, "peak_memory_spread_gib": self.memory_spread_gib,
-                "num_waves": len(self.waves), "num_collectives": len(self.collectives)}
+                "num_waves": len(self.waves), "num_collectives": len(self.collectives), "passes": self.passes,
+                "grad_bytes_per_param": self.grad_bytes_per_param, "pass_ms": self.pass_ms,
+                "sync_standalone_ms": self.sync_standalone_ms}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,24 +303,69 @@ def transfer_flows(plan: Plan, cluster: Cluster, *,
     return out
 
 
-def bucketed_collectives(plan: Plan) -> list[tuple[tuple[int, ...], float]]:
-    """``(ranks, gradient bytes)`` per distinct parameter device group, in sorted rank order."""
-    sizes: dict[tuple[int, ...], float] = defaultdict(float)
+@dataclass(frozen=True)
+class GradBucket:
+    """The gradients of one rank set completed by one backward wave: one all-reduce."""
+
+    ranks: tuple[int, ...]
+    wave: int | None
+    """The plan wave (first in forward, last in backward) at which a member still uses one of them."""
+    bytes: float
+    slices: tuple[str, ...]
+    """Slices of ``wave`` whose backward produces these gradients on a member (the bucket is complete when
+    the last of them ends)."""
+
+
+def gradient_buckets(plan: Plan, *, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> list[GradBucket]:
+    """One bucket per (parameter rank set, last backward wave using it), as the runtime posts them
+    (:mod:`megatron_spindle.runtime.grad_sync`), sorted by rank set then wave."""
+    metaops = {m.name: m for m in plan.metaops}
+    first_use: dict[tuple[int, str], int] = {}
+    users: dict[tuple[int, str], list[Slice]] = defaultdict(list)  # (wave, key) -> slices holding it
+    for w in plan.waves:
+        for s in w.slices:
+            for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
+                if not key:
+                    continue
+                users[(w.index, key)].append(s)
+                for r in s.ranks:
+                    first_use.setdefault((r, key), w.index)
+    sizes: dict[tuple[tuple[int, ...], int | None], float] = defaultdict(float)
+    producers: dict[tuple[tuple[int, ...], int | None], set] = defaultdict(set)
     for g in plan.param_groups:
-        sizes[tuple(sorted(g.ranks))] += g.params * GRAD_BYTES_PER_PARAM
-    return sorted(sizes.items())
+        ranks = tuple(sorted(g.ranks))
+        waves = [first_use[(r, g.param_key)] for r in ranks if (r, g.param_key) in first_use]
+        wave = min(waves) if waves else None
+        sizes[(ranks, wave)] += g.params * grad_bytes
+        if wave is not None:
+            producers[(ranks, wave)].update(s.name for s in users[(wave, g.param_key)]
+                                            if set(s.ranks) & set(ranks))
+    return [GradBucket(ranks=k[0], wave=k[1], bytes=b, slices=tuple(sorted(producers[k])))
+            for k, b in sorted(sizes.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
 
 
-def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> StepSimulation:
-    """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model)."""
+def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int = 1,
+             grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True) -> StepSimulation:
+    """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
+
+    ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last);
+    ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2: bf16); ``overlap_sync``: post
+    each bucket when its last backward wave ends (the runtime's default) rather than after the backward.
+    """
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive integer, got {passes!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
     check_fits(plan, cluster, check_memory=check_memory)
     N = plan.world_size
     curves = dict(plan.curves)
     flows = transfer_flows(plan, cluster)
     back = transfer_flows(plan, cluster, backward=True)
     waves = []
+    slice_ms: dict[str, float] = {}
     for w in plan.waves:
         times = [_slice_time(s, curves) for s in w.slices]
+        slice_ms.update((s.name, t) for s, t in zip(w.slices, times))
         duration = max(times, default=0.0)
         busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
         f = flows.get(w.index, [])
@@ -283,14 +375,36 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> Step
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f
                                                        if cluster.island(a) != cluster.island(b))))
-    colls = tuple(Collective(ranks=r, bytes=b, time_ms=allreduce_time_ms(r, b, cluster))
-                  for r, b in bucketed_collectives(plan))
-    sync = sync_time_ms(((c.ranks, c.bytes) for c in colls), cluster)
+    # one pass: forward transfer + forward of every wave, then backward of every wave in reverse, each followed
+    # by its gradients' transfer back
+    clock = sum(w.transfer_fwd_ms + FORWARD_SHARE * w.duration_ms for w in waves)
+    bwd_start: dict[int, float] = {}
+    for w in reversed(waves):
+        bwd_start[w.index] = clock
+        clock += (1 - FORWARD_SHARE) * w.duration_ms + w.transfer_bwd_ms
+    pass_ms = clock
+    buckets = gradient_buckets(plan, grad_bytes=grad_bytes)
+
+    def ready(b: GradBucket) -> float:
+        if not overlap_sync or b.wave is None:
+            return pass_ms
+        return max((bwd_start[b.wave] + (1 - FORWARD_SHARE) * slice_ms[s] for s in b.slices),
+                   default=bwd_start[b.wave])
+
+    posted = sorted(((ready(b), b) for b in buckets), key=lambda rb: (rb[0], rb[1].ranks))
+    spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
+    colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
+                             wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)
+                  for (r, b), (start, end) in zip(posted, spans))
+    sync = max([c.end_ms for c in colls] + [pass_ms]) - pass_ms
+    standalone = sync_time_ms(((c.ranks, c.bytes) for c in colls), cluster)
     makespan = sum(w.duration_ms for w in waves)
     compute = sum(w.busy_ms for w in waves)
     transfer = sum(w.transfer_fwd_ms + w.transfer_bwd_ms for w in waves)
-    bd = Breakdown(compute_ms=compute, transfer_ms=transfer, sync_ms=sync, idle_ms=makespan - compute)
-    return StepSimulation(system=plan.system, cluster=cluster.name, world_size=N, step_ms=makespan + transfer + sync,
+    bd = Breakdown(compute_ms=passes * compute, transfer_ms=passes * transfer, sync_ms=sync,
+                   idle_ms=passes * (makespan - compute))
+    return StepSimulation(system=plan.system, cluster=cluster.name, world_size=N, step_ms=passes * pass_ms + sync,
                           breakdown=bd, waves=tuple(waves), collectives=colls,
                           peak_memory_bytes=tuple(plan.device_memory_bytes), makespan_ms=makespan,
-                          lower_bound_ms=plan.lower_bound_ms)
+                          lower_bound_ms=plan.lower_bound_ms, passes=passes, grad_bytes_per_param=grad_bytes,
+                          pass_ms=pass_ms, sync_standalone_ms=standalone)

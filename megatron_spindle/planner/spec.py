@@ -2,7 +2,9 @@
 
 Read with the standard library's ``tomllib``; the schema is documented in ``docs/model_spec.md``. A spec has
 
-* ``[model]``: ``name``, the default global ``batch`` per task, optional ``task_counts`` (the allowed
+* ``[model]``: ``name``, the default global ``batch`` per task (samples per task per optimizer step, Megatron's
+  ``--global-batch-size``), optional ``passes`` (default 1: passes of the plan per optimizer step, gradient
+  accumulation; the planner plans one pass of ``batch / passes`` samples per task), ``task_counts`` (the allowed
   ``--tasks K``: the first K tasks) and ``layer_plugins`` (Python files or modules registering custom layer
   types, see :mod:`.layer_types`);
 * ``[modules.<component>.<part>]``: one stack of layers of one ``type`` with megatron.core-style
@@ -14,7 +16,8 @@ Read with the standard library's ``tomllib``; the schema is documented in ``docs
   ``flow``: lines ``"data:image -> vision.embed -> vision.layers"`` / ``"a.head + b.head -> loss"`` saying
   which modules the task's data flows through, in order (``+`` concatenates inputs in the order written);
 * ``[sizes.<size>]``: overrides of module and task keys for ``--size <size>`` (the shipped models have
-  ``tiny``).
+  ``tiny``), and of ``[model]`` ``batch`` / ``passes`` (``[sizes.<size>.model]``; a size's model ``batch``
+  replaces every full-size task ``batch``, its tasks may set their own).
 
 Operators and parameter keys follow the graph's naming: a stack module ``vision.layers`` gives operators
 ``<task>.vision.0 ...`` with keys ``vision.layers.0 ...``; a single-layer module ``vision.head`` gives
@@ -41,7 +44,8 @@ SPEC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 SIZE_FULL = "full"
 
 
-_MODEL_KEYS = {"name", "batch", "task_counts", "layer_plugins"}
+_MODEL_KEYS = {"name", "batch", "passes", "task_counts", "layer_plugins"}
+_SIZE_MODEL_KEYS = {"batch", "passes"}
 _TASK_KEYS = {"batch", "weight", "tokens", "flow"}
 
 
@@ -56,15 +60,31 @@ class ModelSpec:
     modules: dict[str, dict]
     tasks: dict[str, dict]
     sizes: dict[str, dict] = field(default_factory=dict)
+    passes: int = 1
+    """Default passes of the plan per optimizer step (gradient accumulation)."""
 
     # -- the graph ------------------------------------------------------------------------------------
     def task_names(self) -> tuple[str, ...]:
         return tuple(self.tasks)
 
+    def default_passes(self, size: str = SIZE_FULL) -> int:
+        """The spec's passes per optimizer step at ``size``."""
+        return self.sizes.get(size, {}).get("model", {}).get("passes", self.passes)
+
+    def resolve_passes(self, size: str = SIZE_FULL, batch=None, passes: int | None = None) -> int:
+        """``passes`` when given; else the spec's default when ``batch`` is not given, else 1 (an explicit
+        batch without passes is one pass: the callers that size a pass themselves)."""
+        if passes is None:
+            return self.default_passes(size) if batch is None else 1
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"passes per step must be a positive integer, got {passes!r}")
+        return passes
+
     def build_graph(self, *, tasks: int | None = None, size: str = SIZE_FULL,
-                    batch: int | Mapping[str, int] | None = None) -> TaskGraph:
-        """The task graph of the first ``tasks`` tasks at ``size``; ``batch`` overrides the global batch
-        per task (one number for all, or a mapping task -> batch)."""
+                    batch: int | Mapping[str, int] | None = None, passes: int | None = None) -> TaskGraph:
+        """The task graph of one pass of the first ``tasks`` tasks at ``size``: ``batch`` overrides the
+        global batch per task per optimizer step (one number for all, or a mapping task -> batch), each
+        task's pass holds ``batch / passes`` samples (:meth:`resolve_passes`)."""
         k = self.task_counts[-1] if tasks is None else tasks
         if k not in self.task_counts:
             raise ValueError(f"model {self.name!r} is defined for {self.task_counts} tasks, not {k}")
@@ -73,7 +93,12 @@ class ModelSpec:
                              f"{(SIZE_FULL, *self.sizes)}")
         modules, task_tables = self._sized(size)
         names = list(task_tables)[:k]
-        per_task = self._batches(names, task_tables, batch)
+        k = self.resolve_passes(size, batch, passes)
+        per_task = self._batches(names, task_tables, batch, self.sizes.get(size, {}).get("model", {}))
+        for t, v in per_task.items():
+            if v % k:
+                raise ValueError(f"global batch {v} of task {t!r} is not a multiple of the passes per step {k}")
+        per_task = {t: v // k for t, v in per_task.items()}
         ops: list[Operator] = []
         for t in names:
             ops += self._task_operators(t, task_tables[t], per_task[t], modules, size)
@@ -84,6 +109,9 @@ class ModelSpec:
         modules = {m: dict(v) for m, v in self.modules.items()}
         tasks = {t: dict(v) for t, v in self.tasks.items()}
         over = self.sizes.get(size, {})
+        if "batch" in over.get("model", {}):
+            for t in tasks:
+                tasks[t].pop("batch", None)
         for m, keys in over.get("modules", {}).items():
             modules[m].update(keys)
         for t, keys in over.get("tasks", {}).items():
@@ -101,8 +129,8 @@ class ModelSpec:
             check_module(self.file, f"{where}modules.{m}", mod)
         return modules, tasks
 
-    def _batches(self, names, task_tables, batch) -> dict[str, int]:
-        default = {t: task_tables[t].get("batch", self.batch) for t in names}
+    def _batches(self, names, task_tables, batch, size_model=None) -> dict[str, int]:
+        default = {t: task_tables[t].get("batch", (size_model or {}).get("batch", self.batch)) for t in names}
         if batch is None:
             per = default
         elif isinstance(batch, int) and not isinstance(batch, bool):
@@ -217,6 +245,9 @@ def parse_spec(text: str, file: str) -> ModelSpec:
     if type(batch) is not int or batch <= 0:
         raise SpecError(file, "model.batch", batch if batch is not None else NO_VALUE,
                         "must be a positive integer (the default global batch per task)")
+    passes = model.get("passes", 1)
+    if type(passes) is not int or passes <= 0:
+        raise SpecError(file, "model.passes", passes, "must be a positive integer (passes per optimizer step)")
     plugins = model.get("layer_plugins", [])
     if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
         raise SpecError(file, "model.layer_plugins", plugins, "must be a list of strings")
@@ -273,8 +304,14 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         if s == SIZE_FULL:
             raise SpecError(file, f"sizes.{s}", NO_VALUE, "'full' is the spec itself; name the other sizes")
         for k in over:
-            if k not in ("modules", "tasks"):
-                raise SpecError(file, f"sizes.{s}.{k}", NO_VALUE, "unknown key; keys: modules, tasks")
+            if k not in ("model", "modules", "tasks"):
+                raise SpecError(file, f"sizes.{s}.{k}", NO_VALUE, "unknown key; keys: model, modules, tasks")
+        size_model = _table(file, f"sizes.{s}.model", over.get("model", {}))
+        for k, v in size_model.items():
+            if k not in _SIZE_MODEL_KEYS:
+                raise SpecError(file, f"sizes.{s}.model.{k}", v, "a size overrides model batch, passes")
+            if type(v) is not int or v <= 0:
+                raise SpecError(file, f"sizes.{s}.model.{k}", v, "must be a positive integer")
         flat = _flatten_overrides(file, f"sizes.{s}.modules", over.get("modules", {}), modules)
         for t, keys in _table(file, f"sizes.{s}.tasks", over.get("tasks", {})).items():
             if t not in tasks:
@@ -284,9 +321,9 @@ def parse_spec(text: str, file: str) -> ModelSpec:
                 if k not in _TASK_KEYS - {"flow"}:
                     raise SpecError(file, f"sizes.{s}.tasks.{t}.{k}", v, "a size overrides batch, weight, tokens")
             _check_task_values(file, f"sizes.{s}.tasks.{t}", keys)
-        sizes[s] = {"modules": flat, "tasks": over.get("tasks", {})}
+        sizes[s] = {"modules": flat, "tasks": over.get("tasks", {}), "model": size_model}
     spec = ModelSpec(file=file, name=name, batch=batch, task_counts=tuple(counts), modules=modules,
-                     tasks=tasks, sizes=sizes)
+                     tasks=tasks, sizes=sizes, passes=passes)
     for s in (SIZE_FULL, *sizes):  # shapes must chain at every size, for every task
         mods, tables = spec._sized(s)
         ops = [op for t in tasks for op in spec._task_operators(t, tables[t], 1, mods, s)]

@@ -51,10 +51,17 @@ def task_counts(model: str) -> tuple[int, ...]:
 
 
 def build_graph(model: str, *, tasks: int | None = None, size: str = SIZE_FULL,
-                batch: int | Mapping[str, int] | None = None) -> TaskGraph:
-    """The task graph of a model: a shipped model's name (``multitask-clip``) or a spec file's path.
+                batch: int | Mapping[str, int] | None = None, passes: int | None = None) -> TaskGraph:
+    """The task graph of one pass of a model: a shipped model's name (``multitask-clip``) or a spec file's path.
 
     ``tasks`` picks how many tasks (default: the largest allowed; the first K are trained); ``batch`` is the
-    global batch per task, one number for all tasks or a mapping task -> batch (default: the spec's).
+    global batch per task per optimizer step, one number for all tasks or a mapping task -> batch (default:
+    the spec's); a pass holds ``batch / passes`` of it (``passes``: default the spec's when ``batch`` is not
+    given, else 1; see :func:`resolve_passes`).
     """
-    return load_spec(model).build_graph(tasks=tasks, size=size, batch=batch)
+    return load_spec(model).build_graph(tasks=tasks, size=size, batch=batch, passes=passes)
+
+
+def resolve_passes(model: str, *, size: str = SIZE_FULL, batch=None, passes: int | None = None) -> int:
+    """Passes per optimizer step that :func:`build_graph` uses for these arguments."""
+    return load_spec(model).resolve_passes(size, batch, passes)
