@@ -2,14 +2,26 @@
 
 A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :meth:`finalize_grads`):
 
-1. **forward**, for each wave ``w`` in order: post this rank's forward messages of the plan's transfers into
-   ``w`` (``plan.transfers``, computed by :mod:`..planner.dataflow`; the executor derives none of its own:
-   local copies need no communication, all sends and receives of the boundary go into one
-   ``batch_isend_irecv`` through :func:`post_p2p`), then run this rank's slices of ``w``. A slice's received
-   inputs are leaves that require grad, so each slice has its own autograd graph;
+1. **forward**, for each wave ``w`` in order: post this rank's receives of the plan's transfers into ``w``
+   (``plan.transfers``, computed by :mod:`..planner.dataflow`; the executor derives none of its own; local
+   copies need no communication), then run this rank's slices of ``w``, each waiting for exactly its own
+   inputs' receives; a slice's sends (to every later wave) are posted as soon as it has run. A slice's
+   received inputs are leaves that require grad, so each slice has its own autograd graph;
 2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
-   gradient 1, any other slice with the accumulated gradient of its output), then post the plan's backward
-   messages of the same transfers: every input's gradient goes back to its producer, one holder per sample;
+   gradient 1, any other slice with the accumulated gradient of its output, waiting for exactly the
+   receives that feed it), posting each slice's input gradients back to their producers as soon as they
+   exist, one holder per sample; then post the receives of the boundary before the wave;
+
+Transfers are asynchronous (:class:`_Transfers`): every point-to-point call goes through :func:`post_p2p`,
+sends are waited at the end of the pass (their tensors are never reused inside it). Under gloo an ``isend``
+is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags number the
+messages of a whole pass (forward, then backward), so no two outstanding messages of a pair share one.
+Under NCCL the point-to-point calls of a rank run in order on one communication stream and a separate send
+group could wait on a peer's send group (both blocked until received); there the sends of a boundary are
+posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and
+tags are ignored by NCCL but both ends post in the same order. The trace records, per message, a
+``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the
+time the host spent posting and blocked waiting (``w3 fwd transfer``: the exposed part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
@@ -77,6 +89,31 @@ class StepState:
     losses: dict[str, Tensor] = field(default_factory=dict)        # task -> local loss (counted once per TP)
 
 
+@dataclass
+class _Posted:
+    """One posted message: its work, what the timeout error names, its trace span and where it goes."""
+
+    work: object
+    desc: str
+    span: str
+    t0: float
+    wave: int
+    e: Transfer
+    msg: Message
+    buf: Tensor | None
+    tensor: Tensor  # kept alive until the wait
+
+
+@dataclass
+class _Transfers:
+    """A pass's outstanding messages: sends (waited at the end of the pass), receives by the slice that
+    consumes them, and per boundary the seconds the host spent posting and blocked waiting."""
+
+    sends: list[_Posted] = field(default_factory=list)
+    recvs: dict[str, list[_Posted]] = field(default_factory=dict)
+    blocked: dict[int, float] = field(default_factory=dict)
+
+
 class SpindleModel(nn.Module):
     """This rank's part of a multi-task model under a Spindle plan.
 
@@ -116,8 +153,29 @@ class SpindleModel(nn.Module):
         self.registry = ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
         self.slice_of = {s.name: s for s in plan.slices()}
         # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
+        bounds = boundaries(plan)
         self.messages = [(rank_messages(b, self.rank, backward=False), rank_messages(b, self.rank, backward=True))
-                         for b in boundaries(plan)]
+                         for b in bounds]
+        # wire tag = the message's 1-based position in the pass (forward boundaries, then backward ones)
+        counts = [(sum(len(t.forward) for t in b), sum(len(t.backward) for t in b)) for b in bounds]
+        n_fwd = sum(c[0] for c in counts)
+        self._tag_base = [(sum(c[0] for c in counts[:w]), n_fwd + sum(c[1] for c in counts[:w]))
+                          for w in range(len(bounds))]
+        # gloo: post each slice's sends as soon as its output (or input gradient) exists; see the module doc
+        self._early = comm.comm_device().type == "cpu"
+        self._fwd_sends_of: dict[str, list] = {}   # producer slice -> [(wave, its forward sends into wave)]
+        self._bwd_sends_of: dict[str, list] = {}   # consumer slice -> its backward sends (one boundary)
+        for w, (fwd, bwd) in enumerate(self.messages):
+            by_src: dict[str, list] = {}
+            for item in fwd:
+                if item[2].src == self.rank != item[2].dst:
+                    by_src.setdefault(item[1].src, []).append(item)
+            for name, items in by_src.items():
+                self._fwd_sends_of.setdefault(name, []).append((w, items))
+            for item in bwd:
+                if item[2].src == self.rank != item[2].dst:
+                    self._bwd_sends_of.setdefault(item[1].dst, []).append(item)
+        self._xfer = _Transfers()
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
@@ -180,27 +238,58 @@ class SpindleModel(nn.Module):
             if ok is False:
                 raise SpindleTimeout(f"rank {self.rank}: {desc} timed out after {self.timeout_s:g} s")
 
-    def _exchange(self, wave: int, backward: bool, send_of, recv_into) -> None:
-        """Post this rank's messages of the boundary before ``wave``, as the plan lists them, in one batch."""
-        phase = "backward" if backward else "forward"
-        ops, what, post = [], [], []
-        for tag, e, msg in self.messages[wave][backward]:
+    def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
+        """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
+        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later."""
+        phase = "bwd" if backward else "fwd"
+        ops, recs = [], []
+        for tag, e, msg in items:
+            wire = self._tag_base[wave][backward] + tag
             if msg.local:
                 recv_into(e, msg, send_of(e, msg))
             elif msg.src == self.rank:
-                ops.append(("send", send_of(e, msg), msg.dst, tag))
-                what.append(f"wave {wave} {phase}: send of {e.src} -> {e.dst} samples "
-                            f"[{msg.start}, {msg.stop}) to rank {msg.dst}")
+                ops.append(("send", send_of(e, msg), msg.dst, wire))
+                recs.append((None, f"wave {wave} {'backward' if backward else 'forward'}: send of {e.src} -> "
+                             f"{e.dst} samples [{msg.start}, {msg.stop}) to rank {msg.dst}",
+                             f"w{wave} {phase} send {e.src} -> {e.dst} to rank {msg.dst}", e, msg, None))
             else:
                 buf = comm.empty(self._msg_shape(e, msg), dtype=self.dtype)
-                ops.append(("recv", buf, msg.src, tag))
-                what.append(f"wave {wave} {phase}: receive for {e.dst} from {e.src} samples "
-                            f"[{msg.start}, {msg.stop}) from rank {msg.src}")
-                post.append((e, msg, buf))
-        if ops:
-            self._wait(post_p2p(ops), what)
-        for e, msg, buf in post:
-            recv_into(e, msg, buf.to(self.device))
+                ops.append(("recv", buf, msg.src, wire))
+                recs.append(((e.src if backward else e.dst), f"wave {wave} {'backward' if backward else 'forward'}: "
+                             f"receive for {e.dst} from {e.src} samples [{msg.start}, {msg.stop}) from rank "
+                             f"{msg.src}", f"w{wave} {phase} recv {e.src} -> {e.dst} from rank {msg.src}",
+                             e, msg, buf))
+        if not ops:
+            return
+        t0 = time.perf_counter()
+        works = post_p2p(ops)
+        for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
+            item = _Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
+            (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
+
+    def _complete(self, items: list["_Posted"], recv_into=None) -> None:
+        """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
+        blocked time per boundary, and hand received buffers to ``recv_into``."""
+        for it in items:
+            t0 = time.perf_counter()
+            self._wait([it.work], [it.desc])
+            t1 = time.perf_counter()
+            self.trace.span("transfer", it.span, it.t0, t1)
+            self._xfer.blocked[it.wave] = self._xfer.blocked.get(it.wave, 0.0) + (t1 - t0)
+            if recv_into is not None:
+                recv_into(it.e, it.msg, it.buf.to(self.device))
+
+    def _pass_end(self, backward: bool) -> None:
+        """Wait for this pass's sends; record each boundary's exposed (posting + blocked) time."""
+        self._complete(self._xfer.sends)
+        left = [it.desc for items in self._xfer.recvs.values() for it in items]
+        if left:
+            raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {left[:3]}")
+        phase = "bwd" if backward else "fwd"
+        now = time.perf_counter()
+        for w in range(len(self.plan.waves)):
+            self.trace.span("transfer", f"w{w} {phase} transfer", now - self._xfer.blocked.get(w, 0.0), now)
+        self._xfer = _Transfers()
 
     def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
         from ..models.layers import output_shape
@@ -230,14 +319,23 @@ class SpindleModel(nn.Module):
         def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
             pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
 
-        for w, wave in enumerate(self.plan.waves):
+        self._xfer = _Transfers()
+        for w in range(len(self.plan.waves)):
             t0 = time.perf_counter()
-            self._exchange(w, False, send_of, recv_into)
-            self.trace.span("transfer", f"w{w} fwd transfer", t0)
+            fwd = self.messages[w][0]
+            # the boundary's receives and local copies; its sends too where they were not posted early
+            self._post(w, False, [m for m in fwd if not (self._early and m[2].src == self.rank != m[2].dst)],
+                       send_of, recv_into)
+            self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t0
             for s in self.my_slices[w]:
+                self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
                 t1 = time.perf_counter()
                 self._run_slice(s, batch, pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
+                if self._early:  # its output exists: send it to every later wave now
+                    for v, items in self._fwd_sends_of.get(s.name, ()):
+                        self._post(v, False, items, send_of, recv_into)
+        self._pass_end(False)
         return st
 
     def _run_slice(self, s: Slice, batch, pieces, st: StepState) -> None:
@@ -293,8 +391,10 @@ class SpindleModel(nn.Module):
                 st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
             st.grads[e.src][msg.start - a:msg.stop - a] += t
 
+        self._xfer = _Transfers()
         for w in range(len(self.plan.waves) - 1, -1, -1):
             for s in reversed(self.my_slices[w]):
+                self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
                 t1 = time.perf_counter()
                 out = st.outputs[s.name]
                 if out.dim() == 0:
@@ -309,9 +409,14 @@ class SpindleModel(nn.Module):
                     if name == s.name and leaf.grad is None:
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
+                if self._early:  # its input gradients exist: send them back now
+                    self._post(w, True, self._bwd_sends_of.get(s.name, []), send_of, recv_into)
             t0 = time.perf_counter()
-            self._exchange(w, True, send_of, recv_into)
-            self.trace.span("transfer", f"w{w} bwd transfer", t0)
+            bwd = self.messages[w][1]
+            self._post(w, True, [m for m in bwd if not (self._early and m[2].src == self.rank != m[2].dst)],
+                       send_of, recv_into)
+            self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t0
+        self._pass_end(True)
         st.outputs.clear()
         st.inputs.clear()
 
