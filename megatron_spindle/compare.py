@@ -28,7 +28,8 @@ from typing import Sequence
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
 from .planner.analytic import CurvesFile, DeviceModel
-from .planner.baselines import SYSTEMS, lower_bound_ms, plan_system
+from .planner.baselines import SYSTEMS, lower_bound_ms
+from .planner.build import plan_system
 from .planner.cluster import DEFAULT_PRESET, load_cluster
 from .planner.graph import TaskGraph
 from .planner.simulate import StepSimulation, simulate

@@ -318,7 +318,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
 def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link."""
     from megatron_spindle.planner.analytic import CurvesFile
-    from megatron_spindle.planner.baselines import plan_system
+    from megatron_spindle.planner.build import plan_system
     from megatron_spindle.planner.build import make_plan
     from megatron_spindle.planner.cluster import Cluster
     from megatron_spindle.planner.render import grid, metaop_table

@@ -5,9 +5,9 @@ import pytest
 
 from megatron_spindle.compare import compare
 from megatron_spindle.planner.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
-                                                lower_bound_ms, marginal_gain_shares, plan_system, task_metaops)
+                                                lower_bound_ms, marginal_gain_shares, task_metaops)
 from megatron_spindle.planner.analytic import build_curves
-from megatron_spindle.planner.build import assemble_plan, make_metaops, schedule
+from megatron_spindle.planner.build import assemble_plan, make_metaops, plan_system, schedule
 from megatron_spindle.planner.placement import place, sequential_placement
 from megatron_spindle.planner.simulate import simulate
 from megatron_spindle.planner.cluster import load_cluster

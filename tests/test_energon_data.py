@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("megatron.energon")
 
 from megatron_spindle.data.sharding import lanes_for, rank_reads, stream_reads  # noqa: E402
-from megatron_spindle.planner.baselines import plan_system  # noqa: E402
+from megatron_spindle.planner.build import plan_system  # noqa: E402
 from megatron_spindle.planner.build import make_plan  # noqa: E402
 from megatron_spindle.planner.cluster import load_cluster  # noqa: E402
 from megatron_spindle.planner.manual import plan_from_waves  # noqa: E402

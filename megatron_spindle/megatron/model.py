@@ -21,7 +21,7 @@ from ..compat import apply_cpu_patches
 from ..log import get_logger
 from ..models.data import SyntheticData
 from ..planner.analytic import CurvesFile
-from ..planner.baselines import plan_system
+from ..planner.build import plan_system
 from ..planner.cluster import load_cluster
 from ..planner.plan import Plan
 from ..planner.render import gantt, grid, summary

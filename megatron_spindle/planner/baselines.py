@@ -41,12 +41,13 @@ from typing import Mapping, Sequence
 
 from .allocate import allocate_level
 from .analytic import CurvesFile, DeviceModel, build_curves
-from .build import assemble_plan, make_metaops, make_plan
+from .assemble import assemble_plan, make_metaops
 from .cluster import Cluster
 from .curves import ScalingCurve
 from .graph import TaskGraph
 from .metaops import MetaOp, levels
 from .plan import LevelInfo, Plan
+from .validate import check_plan
 from .waves import ALIGN_SLACK, Wave, WaveSlice
 
 #: Every system the comparison knows, Spindle first.
@@ -218,7 +219,6 @@ def _finish(builder: _Builder, graph: TaskGraph, cluster: Cluster, metaops, curv
     plan = assemble_plan(graph, cluster, metaops, curves, relaxed_levels(metaops, curves, cluster.num_devices, system),
                          builder.waves, builder.ranks, system=system)
     if validate:
-        from .validate import check_plan
         check_plan(plan)
     return plan
 
@@ -427,25 +427,3 @@ def lower_bound_ms(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFil
     """``Σ C*`` over the MetaLevels of ``graph`` on ``cluster`` (what every plan's ``lower_bound_ms`` holds)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device)
     return sum(lv.c_star_ms for lv in relaxed_levels(metaops, curves, cluster.num_devices, "bound"))
-
-
-def plan_system(system: str, graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
-                device: DeviceModel | None = None, validate: bool = True, report: dict | None = None,
-                passes: int = 1) -> Plan:
-    """The plan of ``system`` (one of :data:`SYSTEMS`) for ``graph`` on ``cluster``.
-
-    ``report``, when given, receives ``ideal_makespan_ms`` for the baselines: the compute time with their
-    concurrent lanes running freely instead of in aligned waves (the alignment loss is the difference).
-    """
-    kw = dict(curves_file=curves_file, device=device, validate=validate)
-    if system == "spindle":  # Spindle's candidates are compared on a step of ``passes`` passes
-        return make_plan(graph, cluster, passes=passes, **kw)
-    if system == "spindle-naive-placement":
-        return make_plan(graph, cluster, placement="sequential", passes=passes, **kw)
-    if system == "sequential":
-        return plan_sequential(graph, cluster, report=report, **kw)
-    if system == "task-level":
-        return plan_task_level(graph, cluster, report=report, **kw)
-    if system == "intra-task":
-        return plan_intra_task(graph, cluster, report=report, **kw)
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

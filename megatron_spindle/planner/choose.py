@@ -33,12 +33,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
+from . import baselines
+from .assemble import assemble_plan
+from .backfill import backfill
 from .cluster import Cluster
 from .curves import ScalingCurve
 from .graph import TaskGraph
 from .metaops import MetaOp
+from .placement import place, sequential_placement
 from .plan import Plan
-from .waves import Wave, WaveSlice
+from .simulate import simulate
+from .waves import Wave, WaveSlice, schedule_level
 
 #: Levels shorter than this share of the makespan keep their shortest-span waves (candidate 1').
 MIN_LEVEL_SHARE = 0.05
@@ -46,7 +51,6 @@ MIN_LEVEL_SHARE = 0.05
 
 def step_ms(plan: Plan, cluster: Cluster, passes: int = 1) -> float:
     """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (memory not checked)."""
-    from .simulate import simulate
     return simulate(plan, cluster, check_memory=False, passes=passes).step_ms
 
 
@@ -57,7 +61,6 @@ def _fits(plan: Plan, cluster: Cluster) -> bool:
 def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                           curves: Mapping[str, ScalingCurve]) -> list[tuple[str, Callable[[], Plan]]]:
     """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``)."""
-    from . import baselines
     prepared = (tuple(metaops), dict(curves))
     return [(name, lambda f=f: f(graph, cluster, validate=False, prepared=prepared))
             for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
@@ -67,7 +70,6 @@ def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[
 def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                       tuples: Mapping[str, list]) -> list:
     """Candidate 3: the shortest of Algorithm 1's propose/align variants over all MetaOps at once."""
-    from .waves import schedule_level
     best = None
     for propose in ("paper", "all"):
         for align in ("shortest", "finisher"):
@@ -81,9 +83,6 @@ def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCur
 
 def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                        curves: Mapping[str, ScalingCurve], tuples: Mapping[str, list]) -> list[tuple[str, Plan]]:
-    from .backfill import backfill
-    from .build import assemble_plan
-    from .placement import place, sequential_placement
     own_waves = [Wave(level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
                       slices=[WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.num_layers,
                                         devices=len(s.ranks), time_ms=s.time_ms) for s in w.slices])
@@ -121,8 +120,6 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
     """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
     on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
     combination beats the levels' shortest spans, it is returned placed both ways."""
-    from .build import assemble_plan
-    from .placement import place, sequential_placement
     if not any(ls.alternatives for ls in level_schedules):
         return []
     pick = [ls for ls in level_schedules]

@@ -15,10 +15,11 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from .analytic import build_curves
-from .build import assemble_plan, make_metaops
+from .assemble import assemble_plan, make_metaops
 from .cluster import Cluster, load_cluster
 from .graph import TaskGraph
 from .plan import LevelInfo, Plan
+from .validate import check_plan
 from .waves import Wave, WaveSlice
 
 SliceSpec = tuple[str, int, int, Sequence[int]]
@@ -59,6 +60,5 @@ def plan_from_waves(graph: TaskGraph, num_devices: int, waves: Sequence[Sequence
               for lv in sorted({m.level for m in metaops})]
     plan = assemble_plan(graph, cluster, metaops, curves, levels, out_waves, ranks, system=system)
     if not partial:
-        from .validate import check_plan
         check_plan(plan)
     return plan

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import comm
+from ..models.layers import build_layer, output_shape
 from ..planner.dataflow import boundaries, rank_messages, slice_layout
 from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Message, Plan, Slice, Transfer
@@ -138,8 +139,6 @@ class SpindleModel(nn.Module):
         ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
         :mod:`.grad_sync`."""
         super().__init__()
-        from ..models.layers import build_layer  # torch + megatron.core
-
         if not dist.is_initialized():
             raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
         self.rank, world = dist.get_rank(), dist.get_world_size()
@@ -292,7 +291,6 @@ class SpindleModel(nn.Module):
         self._xfer = _Transfers()
 
     def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
-        from ..models.layers import output_shape
         src = self.slice_of[e.src]
         return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
 

@@ -1,0 +1,75 @@
+"""Contraction, per-level scheduling and plan assembly: the pieces every planner of this package shares.
+
+:func:`make_metaops` contracts a task graph into MetaOps (inputs checked against the limits), :func:`schedule`
+plans each MetaLevel (allocation, discretization, waves), and :func:`assemble_plan` turns any wave schedule with
+ranks into a :class:`~.plan.Plan` (its data flow from :mod:`.dataflow`: transfers with their messages and
+parameter device groups; memory), so Spindle, the baselines and hand-made plans all emit the same format.
+:mod:`.build` is the front door that chooses among them.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from .cluster import Cluster
+from .curves import ScalingCurve
+from .dataflow import param_groups, transfers
+from .graph import TaskGraph
+from .limits import check_inputs
+from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
+from .metaops import MetaOp, contract, levels
+from .plan import LevelInfo, Plan, Slice, WavePlan
+from .scheduler import LevelSchedule, plan_level
+from .waves import Wave
+
+
+def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
+    check_inputs(sorted({(op.task, op.batch) for op in graph.operators}), cluster.num_devices)
+    return contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=cluster.gpus_per_node)
+
+
+def schedule(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
+             *, search: bool = True) -> list[LevelSchedule]:
+    out, clock = [], 0.0
+    for lv in levels(metaops):
+        ls = plan_level(lv, curves, num_devices, clock, search=search)
+        clock += ls.span_ms
+        out.append(ls)
+    return out
+
+
+def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                  curves: Mapping[str, ScalingCurve], level_info: Sequence[LevelInfo], waves: Sequence[Wave],
+                  ranks: Mapping[tuple[int, int], tuple[int, ...]], *, system: str) -> Plan:
+    by_name = {m.name: m for m in metaops}
+    wave_plans = []
+    for wi, w in enumerate(waves):
+        slices = tuple(Slice(wave=wi, metaop=s.metaop, layer_start=s.layer_start, num_layers=s.layers,
+                             ranks=tuple(ranks[(wi, si)]), tp=by_name[s.metaop].tp, time_ms=s.time_ms)
+                       for si, s in enumerate(w.slices))
+        wave_plans.append(WavePlan(index=wi, level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
+                                   slices=slices))
+    all_slices = [s for w in wave_plans for s in w.slices]
+    return Plan(
+        system=system, model=graph.model, graph_fingerprint=graph.fingerprint(), tasks=graph.tasks,
+        task_weights=graph.task_weights, world_size=cluster.num_devices, gpus_per_node=cluster.gpus_per_node,
+        memory_limit_bytes=cluster.memory_limit_bytes, metaops=tuple(metaops),
+        curves=tuple((m.name, curves[m.name]) for m in metaops), levels=tuple(level_info),
+        waves=tuple(wave_plans), transfers=tuple(transfers(metaops, all_slices, cluster.gpus_per_node)),
+        param_groups=tuple(param_groups(metaops, all_slices)),
+        device_memory_bytes=tuple(device_memory(by_name, all_slices, cluster.num_devices)),
+        makespan_ms=sum(w.duration_ms for w in wave_plans),
+        lower_bound_ms=sum(lv.c_star_ms for lv in level_info))
+
+
+def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int) -> list[float]:
+    """Estimated peak bytes per device; a device holding two TP shards of one weight pays for both."""
+    held: list[dict[tuple[str, int], float]] = [{} for _ in range(num_devices)]
+    act = [0.0] * num_devices
+    for s in slices:
+        m = by_name[s.metaop]
+        a = slice_activation_bytes(m, s.num_layers, len(s.ranks))
+        for pos, r in enumerate(s.ranks):
+            act[r] += a
+            for k in slice_param_keys(m, s.layer_start, s.num_layers):
+                held[r][(k, pos % m.tp)] = layer_state_bytes(m)
+    return [act[d] + sum(held[d].values()) for d in range(num_devices)]
