@@ -221,6 +221,11 @@ def cases(work: str):
     yield "6", "`spindle profile --out DIR` (before measuring)", cli(
         ["profile", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4", "--nproc", "1", "--out", work,
          "--no-cache"])
+    yield "7", "`spindle plan --gpus 1000000000`", cli(["plan", "--model", "multitask-clip", "--gpus", "1000000000"])
+    yield "7", "`spindle plan --batch 100000000`", cli(["plan", "--model", "multitask-clip", "--gpus", "64",
+                                                        "--batch", "100000000"])
+    yield "7", "`spindle plan --gpus 4096` (devices left idle: a warning, exit 0)", cli(
+        ["plan", "--model", "multitask-clip", "--tasks", "4", "--gpus", "4096", "--json"])
     for i, when in enumerate(("before", "during", "after")):
         yield "3", f"SIGKILL a rank {when} a save (torchrun, 2 ranks)", kill(i)
 
