@@ -126,6 +126,28 @@ def _cpu_synchronize(device=None) -> None:
     """No CUDA stream to wait for on a CPU-only process."""
 
 
+class _CpuStream:
+    """What megatron.core's gradient buckets ask of ``torch.cuda.current_stream()``: on a CPU-only process every
+    operation is already ordered, so waiting on an event or a stream is a no-op."""
+
+    def wait_event(self, event=None) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream=None) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device=None) -> _CpuStream:
+    """``torch.cuda.current_stream()`` (megatron-core 0.19's ``start_grad_sync`` waits on CUDA-graph events)."""
+    return _CPU_STREAM
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron.core for a CPU-only process; idempotent. Returns whether patches are in place.
 
@@ -156,6 +178,11 @@ def apply_cpu_patches() -> bool:
     # 4. Checkpoints: dist_checkpointing's file writer calls torch.cuda.synchronize() before staging
     #    tensors, unconditionally; without CUDA there is nothing to wait for.
     torch.cuda.synchronize = _cpu_synchronize
+
+    # 5. Gradient buckets: megatron-core 0.19's _ParamAndGradBucketGroup.start_grad_sync takes
+    #    torch.cuda.current_stream() to wait for CUDA-graph replay events before reducing (0.16.1 does not);
+    #    our DDP instances (runtime/grad_sync.py) reach it on every step.
+    torch.cuda.current_stream = _cpu_current_stream
 
     _PATCHED = True
     return True
