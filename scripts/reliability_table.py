@@ -60,12 +60,13 @@ def run_ranks(args: list[str], world: int = 2, port: int | None = None) -> list[
 
 def shown_lines(text: str) -> list[str]:
     """The error lines; without one, the last line naming a file written; else the last line (rank 0 only:
-    the other ranks of a successful run print nothing of their own)."""
+    the other ranks of a successful run print nothing of their own); a warning line outranks the last line."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("error:", "spindle ")) and "error:" in line]
     written = [line for line in lines if "written to" in line or line.startswith("saved checkpoint")]
     killed = [line for line in lines if line.startswith("killed ")]  # the kill rows' own summary
-    return killed or errors or written[-1:] or [line for line in lines if "Warning" not in line and "warn(" not in line][-1:]
+    warned = [line for line in lines if line.startswith("warning:")]  # e.g. devices left idle
+    return killed or errors or warned or written[-1:] or [line for line in lines if "Warning" not in line and "warn(" not in line][-1:]
 
 
 def summarize(results: list[tuple[int, str]]) -> tuple[str, str, str]:
