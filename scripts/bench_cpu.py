@@ -236,9 +236,9 @@ class MegatronSequential:
 class SpindleRunner:
     """The Spindle runtime on a plan, with the same step interface as :class:`MegatronSequential`."""
 
-    def __init__(self, plan, graph: TaskGraph, *, seed: int = 0) -> None:
+    def __init__(self, plan, graph: TaskGraph, *, seed: int = 0, overlap: bool = True) -> None:
         from megatron_spindle.runtime.executor import SpindleModel
-        self.model = SpindleModel(plan, graph, seed=seed, timeout_s=300)
+        self.model = SpindleModel(plan, graph, seed=seed, timeout_s=300, overlap_grad_reduce=overlap)
 
     def parameters(self):
         return self.model.unique_parameters()
@@ -284,7 +284,8 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     n_steps = opts["warmup"] + opts["steps"]
     batches = [data.batch(s) for s in range(n_steps)]
     systems = {"sequential": MegatronSequential(graph, seed=opts["seed"]),
-               "spindle": SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"])}
+               "spindle": SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"],
+                                        overlap=opts.get("overlap", True))}
     opt = {k: torch.optim.SGD(list(s.parameters()), lr=opts["lr"]) for k, s in systems.items()}
     times = {k: {"step": [], "optimizer": []} for k in systems}
     losses = {k: [] for k in systems}
@@ -485,6 +486,8 @@ def parse_args(argv=None):
     p.add_argument("--plan", action="store_true", help="print the Spindle plan (MetaOps and wave grid)")
     p.add_argument("--waves", action="store_true", help="print predicted and measured times of every Spindle wave")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="reduce gradient buckets only after the whole backward (megatron DDP overlap_grad_reduce off)")
     return p.parse_args(argv)
 
 
@@ -498,7 +501,7 @@ def main(argv=None) -> int:
     opts = {"model": args.model, "tasks": args.tasks, "batch": args.batch, "nproc": args.nproc,
             "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "seed": args.seed,
             "curves_out": args.curves_out, "cache": args.cache or default_cache_path(), "fresh": args.fresh,
-            "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True}
+            "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True, "overlap": not args.no_overlap}
     if args.curves:
         with open(args.curves) as fh:
             opts["curves_doc"] = json.load(fh)
