@@ -54,6 +54,9 @@ class _OptionalPackageFilter(logging.Filter):
         return not any(p.lower() in msg.lower() for p in OPTIONAL_PACKAGE_WARNINGS)
 
 
+_OPTIONAL_FILTER = _OptionalPackageFilter()
+
+
 def quiet_optional_package_warnings() -> str:
     """Silence the repeated "not installed" warnings of optional packages; returns the one line to show."""
     for prefix in OPTIONAL_PACKAGE_WARNINGS:
@@ -62,9 +65,8 @@ def quiet_optional_package_warnings() -> str:
     extra = [f"ignore:{p}" for p in OPTIONAL_PACKAGE_WARNINGS]
     have = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
     os.environ["PYTHONWARNINGS"] = ",".join(have + [w for w in extra if w not in have])
-    f = _OptionalPackageFilter()
     for name in ("megatron", "megatron.core"):
-        logging.getLogger(name).addFilter(f)
+        logging.getLogger(name).addFilter(_OPTIONAL_FILTER)  # one instance: adding it again is a no-op
     have_te = importlib.util.find_spec("transformer_engine") is not None
     have_apex = importlib.util.find_spec("apex") is not None
     te = ("TransformerEngine importable: TE layer specs on CUDA" if have_te
@@ -80,10 +82,10 @@ def setup_logging(level: int = logging.INFO, *, stream=None, announce: bool = Tr
     """Entry points only: rank-0 ``%(message)s`` handler on ``stream`` (stdout) and quiet optional-package
     warnings, announced in one line. Idempotent."""
     global _CONFIGURED
-    line = quiet_optional_package_warnings()
     if _CONFIGURED:
         return
     _CONFIGURED = True
+    line = quiet_optional_package_warnings()
     handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(RankZeroFilter())

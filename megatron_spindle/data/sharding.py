@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..planner.dataflow import slice_layout
+from ..planner.dataflow import Layout, slice_layout
 from ..planner.graph import DATA_PREFIX, TaskGraph
 from ..planner.plan import Plan
 
@@ -39,10 +39,8 @@ class StreamRead:
     batch: int
 
     def samples(self, rank: int) -> tuple[int, int]:
-        """``[start, stop)`` of the global batch that ``rank`` holds for this read."""
-        i = self.ranks.index(rank) // (len(self.ranks) // self.dp)
-        per = self.batch // self.dp
-        return i * per, (i + 1) * per
+        """``[start, stop)`` of the global batch that ``rank`` holds for this read (the data-flow layout's rule)."""
+        return Layout(self.ranks, len(self.ranks) // self.dp, self.batch).rank_samples(rank)
 
 
 def stream_reads(plan: Plan, graph: TaskGraph) -> list[StreamRead]:

@@ -82,11 +82,10 @@ def make_scheduler(optimizer, args) -> OptimizerParamScheduler:
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
 
-def predicted_vs_measured(model, step: int) -> tuple[float, float, list[tuple[str, float, float]]]:
-    """(predicted ms, measured ms, [(MetaOp, predicted ms, measured ms)] worst first) for this rank's view.
+def metaop_errors(model, step: int) -> list[tuple[str, float, float]]:
+    """``[(MetaOp, predicted ms, measured ms)]``, largest error first, for this rank's slices in ``step``.
 
-    Measured: this rank's forward + backward span of each slice it ran in ``step``; predicted: the slice's
-    time in the plan. The step's measured time is the wall time of the step on this rank.
+    Measured: this rank's forward + backward span of each slice it ran; predicted: the slice's time in the plan.
     """
     times = model.trace.wave_times(step)
     per: dict[str, list[float]] = {}
@@ -95,9 +94,7 @@ def predicted_vs_measured(model, step: int) -> tuple[float, float, list[tuple[st
         acc = per.setdefault(s.metaop, [0.0, 0.0])
         acc[0] += s.time_ms
         acc[1] += got * 1e3
-    rows = sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]))
-    measured = model.trace.totals(step)["step"] * 1e3
-    return model.plan.makespan_ms, measured, rows
+    return sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]))
 
 
 class Trainer:
@@ -148,6 +145,7 @@ class Trainer:
             raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
         self.step_times: list[float] = []
         self.last: dict[str, float] = {}
+        self._cluster = None  # the run's cluster, for the prediction line
 
     def _phase_of(self, it: int) -> int:
         return max(i for i, (s0, _) in enumerate(self.schedule) if s0 <= it)
@@ -198,18 +196,18 @@ class Trainer:
                  f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
 
     def _log_prediction(self, it: int) -> None:
-        _, _, rows = predicted_vs_measured(self.model, it)
+        rows = metaop_errors(self.model, it)
         worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        scale = 1.0
+        scale = 1.0  # CPU ranks sharing cores compute that much slower (the prediction line says so)
         if self.device.type == "cpu" and local > (os.cpu_count() or 1):
             scale = local / (os.cpu_count() or 1)
-            note += (f" [{local} ranks share {os.cpu_count()} cores: compute runs about "
-                     f"{scale:.0f}x slower]")
         try:
-            whole = predict_step(self.plan, make_cluster(self.args, self.world)[0], self.model.trace, it, self.rank,
+            if self._cluster is None:  # read the curves file once, not every prediction line
+                self._cluster = make_cluster(self.args, self.world)[0]
+            whole = predict_step(self.plan, self._cluster, self.model.trace, it, self.rank,
                                  passes=self.accum, grad_bytes=grad_bytes_of(self.args),
                                  compute_scale=scale).format()
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
