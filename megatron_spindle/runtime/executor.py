@@ -229,13 +229,11 @@ class SpindleModel(nn.Module):
 
     # -- communication helpers --------------------------------------------------------------------------
     def _wait(self, works, what: list[str]) -> None:
-        for work, desc in zip(works, what):
-            try:
-                ok = work.wait(self.timeout)
-            except RuntimeError as e:
-                raise SpindleTimeout(f"rank {self.rank}: {desc} failed: {str(e).splitlines()[0]}") from e
-            if ok is False:
-                raise SpindleTimeout(f"rank {self.rank}: {desc} timed out after {self.timeout_s:g} s")
+        """:func:`comm.wait_all`, its failure raised as :class:`SpindleTimeout` naming this rank."""
+        try:
+            comm.wait_all(works, what, self.timeout)
+        except TimeoutError as e:
+            raise SpindleTimeout(f"rank {self.rank}: {e}") from e.__cause__
 
     def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
         """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
