@@ -111,6 +111,11 @@ class CurvesFile:
     device: DeviceModel
     by_name: Mapping[str, object]
     by_signature: Sequence[tuple[dict, object]]
+    measured: Mapping = dataclasses.field(default_factory=dict)
+    """How the profile ran (``spindle profile``: backend, device type, processes, the link and optimizer
+    measurements); empty for a hand-written file."""
+    cluster: Mapping | None = None
+    """The measured link as :class:`~.cluster.Cluster` fields (one island), if the profile measured one."""
 
     @classmethod
     def load(cls, path: str) -> "CurvesFile":
@@ -145,7 +150,10 @@ class CurvesFile:
                 by_sig.append((dict(c["signature"]), c))
             else:
                 raise ValueError(f"curves file {origin!r}: entry {i} names neither 'metaop' nor 'signature'")
-        return cls(device=device, by_name=by_name, by_signature=by_sig)
+        measured, cluster = obj.get("measured", {}), obj.get("cluster")
+        if not isinstance(measured, dict) or not (cluster is None or isinstance(cluster, dict)):
+            raise ValueError(f"curves file {origin!r}: 'measured' and 'cluster' must be objects")
+        return cls(device=device, by_name=by_name, by_signature=by_sig, measured=measured, cluster=cluster)
 
 
 def build_curves(metaops: Sequence[MetaOp], num_devices: int, *, curves_file: CurvesFile | None = None,

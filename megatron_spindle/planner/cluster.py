@@ -76,6 +76,10 @@ class Cluster:
     """Latency of one message (one ring step) inside an island, µs."""
     inter_latency_us: float = IB_LATENCY_US
     """Latency of one message (one ring step) between islands, µs."""
+    allreduce_latency_us: float | None = None
+    """Latency of one ring step of an all-reduce inside an island, µs, where it was measured apart from a
+    message's (``spindle profile`` fits both: gloo's all-reduce is not a ring of its own point-to-point
+    messages); ``None``: ``intra_latency_us``."""
     memory_gib: float = A800_MEMORY_GIB
     """Memory of one device, GiB."""
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
@@ -86,6 +90,8 @@ class Cluster:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "allreduce_latency_us" and v is None:
+                continue
             if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"cluster field {f.name}={v!r} must be a positive number")
         for f in ("num_devices", "gpus_per_node"):

@@ -3,8 +3,8 @@
 Pure Python. The same code times every system, so the comparison is only as biased as the plans.
 
 The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): waves run one after
-another, each boundary's transfers block (nothing overlaps compute but the gradient all-reduces, which
-megatron.core's DDP posts during the backward):
+another, each boundary's transfers block (under NCCL; on gloo sends leave early, item 2b) and the gradient
+all-reduces, which megatron.core's DDP posts during the backward, overlap compute:
 
 1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
    scaling curve: forward + backward of one layer). A wave lasts as long as its longest slice. Of that,
@@ -21,6 +21,11 @@ megatron.core's DDP posts during the backward):
    (each latency ``λ`` counted once, only when that kind of link is used). Backward: after wave ``w``'s
    backward pass the plan's backward messages of the same transfers return the gradients (as many bytes,
    each piece from one holder), timed the same way.
+
+   2b. **Early sends** (``early_sends=True``: the runtime on gloo, :mod:`megatron_spindle.runtime.executor`).
+   A producer slice's messages leave when its forward ends (its gradient messages when the consumer's
+   backward ends) and only the wait where they are consumed is exposed (:func:`_early_exposure`). Under
+   NCCL the runtime posts a boundary's sends with its receives, as timed above.
 3. **Parameter sync** (overlapped). A parameter group's (:class:`.plan.ParamGroup`) gradient is complete when
    the last backward wave using it on one of its ranks ends: wave ``w* = min`` over its ranks of the first
    wave using it, at the latest end of those of ``w*``'s slices that hold it on a member. Groups with the
@@ -30,6 +35,9 @@ megatron.core's DDP posts during the backward):
    sends and receives ``2(n-1)/n · S`` bytes per member::
 
        T_c = 2(n-1) · λ + 2(n-1)/n · S / B          (B = B_inter per node if the group spans islands, else B_intra)
+
+   (``λ``: the cluster's ``allreduce_latency_us`` inside an island where a profile measured it, else the link's
+   latency.)
 
    Buckets are posted in order of readiness; each starts when ready, when every one of its devices has
    finished the all-reduces posted before it (all-reduces sharing a device run one after another; on
@@ -62,6 +70,7 @@ its reduce runs beside layer 0's and ends before it; exposed 4.02 ms. bf16 gradi
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -122,7 +131,8 @@ def allreduce_time_ms(ranks: Sequence[int], nbytes: float, cluster: Cluster) -> 
     if cluster.spans_islands(ranks):
         bw, lat = cluster.inter_bandwidth_gbps, cluster.inter_latency_us
     else:
-        bw, lat = cluster.intra_bandwidth_gbps, cluster.intra_latency_us
+        bw = cluster.intra_bandwidth_gbps
+        lat = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
     return 2 * (n - 1) * lat * 1e-3 + ring_bytes(n, nbytes) / (bw * 1e9) * 1e3
 
 
@@ -344,13 +354,64 @@ def gradient_buckets(plan: Plan, *, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> l
             for k, b in sorted(sizes.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
 
 
+def _early_exposure(plan: Plan, cluster: Cluster, duration: Mapping[int, float],
+                    slice_ms: Mapping[str, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Exposed transfer time per wave when sends leave as soon as their data exists (item 2b).
+
+    Forward: the messages of one producer slice into one wave are sent together when that slice's forward
+    ends and take :func:`boundary_time_ms` of their flows; wave ``w`` starts when the previous wave's forward
+    has ended and every message into it has arrived; the wait is ``w``'s forward transfer. Backward: a
+    consumer slice's gradient messages to one producer wave leave when its backward ends; the wait before
+    wave ``p``'s backward is charged to the wave just before it in backward order (``p + 1``: "after that
+    wave's backward", as in the blocking model). Messages posted at different times do not share link time.
+    """
+    wave_of = {s.name: w.index for w in plan.waves for s in w.slices}
+    fwd: dict[tuple[int, str], list] = defaultdict(list)
+    bwd: dict[tuple[int, str], list] = defaultdict(list)
+    for t in plan.transfers:
+        fwd[(t.wave, t.src)].extend((m.src, m.dst, m.bytes) for m in t.forward)
+        bwd[(wave_of[t.src], t.dst)].extend((m.src, m.dst, m.bytes) for m in t.backward)
+    into_f: dict[int, list] = defaultdict(list)
+    into_b: dict[int, list] = defaultdict(list)
+    for (w, src), flows in fwd.items():
+        into_f[w].append((src, boundary_time_ms(flows, cluster)))
+    for (p, dst), flows in bwd.items():
+        into_b[p].append((dst, boundary_time_ms(flows, cluster)))
+    order = [w.index for w in plan.waves]
+    exposed_f, exposed_b, start = {}, {w: 0.0 for w in order}, {}
+    clock = 0.0
+    for w in order:
+        need = max((start[wave_of[src]] + FORWARD_SHARE * slice_ms[src] + t for src, t in into_f[w]), default=0.0)
+        exposed_f[w] = max(0.0, need - clock)
+        clock += exposed_f[w]
+        start[w] = clock
+        clock += FORWARD_SHARE * duration[w]
+    prev = None
+    for w in reversed(order):
+        need = max((start[wave_of[dst]] + (1 - FORWARD_SHARE) * slice_ms[dst] + t for dst, t in into_b[w]),
+                   default=0.0)
+        wait = max(0.0, need - clock)
+        if prev is not None:
+            exposed_b[prev] = wait
+        clock += wait
+        start[w] = clock
+        clock += (1 - FORWARD_SHARE) * duration[w]
+        prev = w
+    return exposed_f, exposed_b
+
+
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int = 1,
-             grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True) -> StepSimulation:
+             grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
+             compute_scale: float = 1.0, early_sends: bool = False) -> StepSimulation:
     """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
 
     ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last);
     ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2: bf16); ``overlap_sync``: post
-    each bucket when its last backward wave ends (the runtime's default) rather than after the backward.
+    each bucket when its last backward wave ends (the runtime's default) rather than after the backward;
+    ``compute_scale``: every slice takes that many times its curve's time (CPU ranks sharing cores, as the live
+    prediction of :mod:`megatron_spindle.megatron.prediction` sees them), so buckets become ready later too;
+    ``early_sends``: the runtime's gloo path, which posts each slice's sends when its output exists (item 2b
+    of the module docstring) instead of at the consumer's boundary (NCCL, the default here).
     """
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a positive integer, got {passes!r}")
@@ -364,7 +425,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     waves = []
     slice_ms: dict[str, float] = {}
     for w in plan.waves:
-        times = [_slice_time(s, curves) for s in w.slices]
+        times = [compute_scale * _slice_time(s, curves) for s in w.slices]
         slice_ms.update((s.name, t) for s, t in zip(w.slices, times))
         duration = max(times, default=0.0)
         busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
@@ -375,6 +436,10 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f
                                                        if cluster.island(a) != cluster.island(b))))
+    if early_sends:
+        exposed_f, exposed_b = _early_exposure(plan, cluster, {w.index: w.duration_ms for w in waves}, slice_ms)
+        waves = [dataclasses.replace(w, transfer_fwd_ms=exposed_f[w.index], transfer_bwd_ms=exposed_b[w.index])
+                 for w in waves]
     # one pass: forward transfer + forward of every wave, then backward of every wave in reverse, each followed
     # by its gradients' transfer back
     clock = sum(w.transfer_fwd_ms + FORWARD_SHARE * w.duration_ms for w in waves)
