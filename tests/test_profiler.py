@@ -86,7 +86,8 @@ def test_cache_round_trips_and_is_keyed_by_where_it_was_measured(tmp_path):
     assert again.get(t, 4, CPU) is None
     for other in (Where(backend="gloo", device_type="cpu", threads=2),
                   Where(backend="nccl", device_type="NVIDIA H200", dtype="bfloat16"),
-                  Where(backend="gloo", device_type="cpu", dtype="bfloat16", threads=1)):
+                  Where(backend="gloo", device_type="cpu", dtype="bfloat16", threads=1),
+                  Where(backend="gloo", device_type="cpu", threads=1, procs=4)):  # 4 processes at once
         assert again.get(t, 2, other) is None
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON.*--fresh"):
@@ -217,12 +218,15 @@ def test_live_profile_measures_data_and_tensor_parallel_points_and_shows_progres
     assert "[17/17] " in out and "remaining ~" in out
     assert "n=2   (local batch 4, tp 2)" in out  # a tensor-parallel point: 2 processes, one replica of 4
     doc = json.load(open(files["curves"]))
-    assert doc["measured"]["backend"] == "gloo" and doc["measured"]["nproc"] == 2
+    assert doc["measured"]["backend"] == "gloo" and doc["measured"]["nproc"] == doc["measured"]["procs"] == 2
+    opt = doc["measured"]["optimizer"]  # both processes timed AdamW at once; the fit is what predictions read
+    assert "optimizer step (AdamW): " in out and len(opt["measurements"]) >= 3
+    assert min(opt["fixed_ms"], opt["per_tensor_ms"], opt["per_melement_ms"]) >= 0 and opt["per_melement_ms"] > 0
     assert {c["signature"]["tp"] for c in doc["curves"]} == {1, 2}
     for c in doc["curves"]:
         assert all(ms > 0 for _, ms in c["points"]) and c["detail"][0]["repeats"] == 2
     cl = json.load(open(files["cluster"]))
-    assert cl["intra_bandwidth_gbps"] > 0 and cl["intra_latency_us"] > 0
+    assert cl["intra_bandwidth_gbps"] > 0 and cl["intra_latency_us"] > 0 and cl["allreduce_latency_us"] > 0
     assert load_cluster(files["cluster"], num_devices=2).intra_latency_us == cl["intra_latency_us"]
 
 

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Time forward+backward of one layer of every MetaOp at several device counts (data "
                     "parallel: one process at local batch B/n; tensor parallel: tp processes), fit the "
                     "piecewise curves and write them for `spindle plan/compare --curves`. Points already "
-                    "in the cache (same backend, device type, dtype, threads) are not measured again.")
+                    "in the cache (same backend, device type, dtype, threads, processes per machine) are not measured again.")
     p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
                    help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")

@@ -91,14 +91,18 @@ def fit_link(measurements: Sequence[Mapping]) -> dict:
 
 
 def cluster_fields(link: Mapping, *, name: str, gpus_per_node: int, memory_gib: float) -> dict:
-    """:class:`~megatron_spindle.planner.cluster.Cluster` fields for the measured link (one island)."""
+    """:class:`~megatron_spindle.planner.cluster.Cluster` fields for the measured link (one island): the
+    link's latency and bandwidth, and the all-reduce's own ring-step latency when both kinds were measured."""
     bw = float(link["bandwidth_gbps"])
     lat = max(float(link["latency_us"]), 1e-3)
     if not (math.isfinite(bw) and bw > 0):
         raise ValueError(f"measured bandwidth {bw} GB/s is not a positive number")
-    return {"name": name, "gpus_per_node": gpus_per_node, "intra_bandwidth_gbps": bw,
-            "inter_bandwidth_gbps": bw, "intra_latency_us": lat, "inter_latency_us": lat,
-            "memory_gib": memory_gib}
+    out = {"name": name, "gpus_per_node": gpus_per_node, "intra_bandwidth_gbps": bw,
+           "inter_bandwidth_gbps": bw, "intra_latency_us": lat, "inter_latency_us": lat, "memory_gib": memory_gib}
+    ar = (link.get("by_kind") or {}).get("allreduce")
+    if ar is not None and "exchange" in link.get("by_kind", {}):  # both measured: the ring step's own latency
+        out["allreduce_latency_us"] = max(float(ar["latency_us"]), 1e-3)
+    return out
 
 
 def measure_link(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float | None = None,

@@ -181,10 +181,14 @@ class Where:
     dtype: str = "float32"
     threads: int = 0
     """CPU threads per process (0 on GPUs)."""
+    procs: int = 0
+    """CPU processes measuring at once on this machine (0 on GPUs, where each has its own device): processes
+    that share cores slow each other down, so a point measured beside 3 others is not reused for a run of
+    2 (and the prediction of a training run compares its ranks per core with this)."""
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "device_type": self.device_type, "dtype": self.dtype,
-                "threads": self.threads}
+                "threads": self.threads, "procs": self.procs}
 
 
 def _key(target: Target, devices: int, where: Where) -> str:
@@ -198,7 +202,7 @@ def _entry_key(e: Mapping) -> str:
     return json.dumps({"signature": dict(e["signature"]), "layer": dict(e["layer"]),
                        "batch_splittable": e["batch_splittable"], "devices": e["devices"],
                        "backend": e["backend"], "device_type": e["device_type"], "dtype": e["dtype"],
-                       "threads": e["threads"]}, sort_keys=True)
+                       "threads": e["threads"], "procs": e.get("procs", -1)}, sort_keys=True)
 
 
 @dataclass
@@ -206,7 +210,8 @@ class ProfileCache:
     """Measured points on disk: ``{"schema_version", "kind", "entries": [...]}``, one entry per point.
 
     An entry holds the key fields (``signature``, ``layer``, ``batch_splittable``, ``devices``, ``backend``,
-    ``device_type``, ``dtype``, ``threads``) and the measurement (``local_batch``, ``tp``, ``ms`` the median,
+    ``device_type``, ``dtype``, ``threads``, ``procs``; an entry written before ``procs`` existed never matches)
+    and the measurement (``local_batch``, ``tp``, ``ms`` the median,
     ``samples_ms`` every repeat, ``warmup``, ``measured_at``). Writes are atomic (temp file + rename), so an
     interrupted profile keeps every point measured before the interruption.
     """

@@ -9,7 +9,8 @@ How a run goes (every process runs :func:`profile_rank`; process 0 keeps the boo
    point at once (a tensor-parallel point takes ``tp`` processes); after the round the results are gathered
    on process 0, written to the cache, and one progress line per point is printed (MetaOp, devices, time,
    elapsed, remaining);
-4. with two or more processes, measure the link (:mod:`.link`);
+4. with two or more processes, measure the link (:mod:`.link`); every process times the optimizer step at
+   once (:mod:`.step_costs`);
 5. fit every target's curve and write the curves file (:mod:`.fit`) and, if asked, a cluster file.
 
 Launching: under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process runs the profile;
@@ -38,6 +39,7 @@ from ..planner.workloads import build_graph
 from . import launch
 from .fit import curves_document, summary_table
 from .link import cluster_fields, fit_link, measure_link
+from .step_costs import fit_optimizer, measure_optimizer
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
 from .timing import time_layer
 
@@ -123,7 +125,8 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     else:
         apply_cpu_patches()
         device, dtype = torch.device("cpu"), torch.float32
-        where = Where(backend=backend, device_type="cpu", dtype="float32", threads=torch.get_num_threads())
+        where = Where(backend=backend, device_type="cpu", dtype="float32", threads=torch.get_num_threads(),
+                      procs=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         memory_gib = cfg.memory_gib or _host_memory_gib() / world
 
     graph = build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)
@@ -147,7 +150,8 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     say(f"profiling {graph.model} ({len(graph.tasks)} tasks, {cfg.size}): {len(metaops)} MetaOps, "
         f"{len(targets)} distinct, {len(points)} points up to {cfg.max_devices} devices "
         f"({len(points) - len(pending)} cached, {len(pending)} to measure) on {world} {backend} process(es), "
-        f"{where.device_type}" + (f", {where.threads} thread(s) each" if where.threads else ""))
+        f"{where.device_type}" + (f", {where.threads} thread(s) each, {where.procs} process(es) on this machine"
+                                         if where.threads else ""))
 
     groups = {}
     for tp in sorted({p.tp for p in pending if p.tp > 1}):
@@ -196,6 +200,11 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                               f"(fit error {v['fit_error']:.0%})" for k, v in link["by_kind"].items())
             say(f"link ({backend}): latency {link['latency_us']:.0f} us (exchange), bandwidth "
                 f"{link['bandwidth_gbps']:.2f} GB/s (all-reduce); {kinds}")
+    comm.barrier()  # every process times the optimizer at once, as the ranks of a run step together
+    opt = fit_optimizer(measure_optimizer(device))
+    if rank == 0:
+        say(f"optimizer step (AdamW): {opt['fixed_ms']:.3f} ms + {opt['per_tensor_ms'] * 1e3:.1f} us per tensor "
+            f"+ {opt['per_melement_ms']:.2f} ms per million elements (fit error {opt['fit_error']:.0%})")
     if rank != 0:
         comm.barrier()
         return None
@@ -218,6 +227,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                 "torch": torch.__version__, "profile_s": round(time.perf_counter() - t_start, 3)}
     if link is not None:
         measured["link"] = link
+    measured["optimizer"] = opt
     doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
     if cfg.out:
         write_json(cfg.out, doc, "curves file")
