@@ -25,12 +25,16 @@ $(VENV)/.installed: requirements.txt setup.py
 
 .venv: $(VENV)/.installed
 
-# The demo: profile the tiny Multitask-CLIP on this machine (cached after the first run), then train it
-# for 30 steps on 4 CPU ranks with the plan made from those curves (a GPU machine trains the full model).
+# The demo: profile the tiny Multitask-CLIP on this machine (points cached after the first run), then train
+# it for 30 steps on DEMO_RANKS CPU ranks (default: one per core, 2 to 4) with the plan made from those
+# curves. Profile and training use the same ranks: processes that share cores slow each other down, which a
+# profile of fewer processes does not see (a GPU machine trains the full model: scripts/run_multitask_clip.sh).
+DEMO_RANKS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
 demo: $(VENV)/.installed
-	$(VENV)/bin/spindle profile --model multitask-clip --tasks 4 --size tiny --batch 16 --nproc 2 \
-		--max-devices 4 --gpus-per-node 4 --out out/curves_tiny.json --quiet
-	PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
+	$(VENV)/bin/spindle profile --model multitask-clip --tasks 4 --size tiny --batch $$((4 * $(DEMO_RANKS))) \
+		--nproc $(DEMO_RANKS) --max-devices $(DEMO_RANKS) --gpus-per-node $(DEMO_RANKS) \
+		--out out/curves_tiny.json --quiet
+	GPUS_PER_NODE=$(DEMO_RANKS) PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests

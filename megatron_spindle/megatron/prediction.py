@@ -1,9 +1,10 @@
 """The live prediction of a whole training step, part by part, against what this rank measured.
 
-Predicted: :func:`..planner.simulate.simulate` of the run's plan (its curves) on the run's cluster
-(:func:`.model.make_cluster`), with the step's passes (gradient accumulation) and the gradient bytes the
-runtime reduces (2 for a bf16 model unless ``--accumulate-allreduce-grads-in-fp32``, else 4). Measured: the
-:class:`..runtime.trace.StepTrace` spans of that step on this rank. The parts, seen from one rank:
+Predicted: :func:`..planner.simulate.simulate` of the run's plan (its curves) on the run's cluster, with the
+step's passes (gradient accumulation) and the gradient bytes the runtime reduces (2 for a bf16 model unless
+``--accumulate-allreduce-grads-in-fp32``, else 4), plus the step's end from the profile's measurements
+(:class:`StepCosts`). Measured: the :class:`..runtime.trace.StepTrace` spans of that step on this rank. The
+parts, seen from one rank:
 
 * **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``); measured: its forward and
   backward spans;
@@ -12,28 +13,62 @@ runtime reduces (2 for a bf16 model unless ``--accumulate-allreduce-grads-in-fp3
   blocking transfer); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
   past its end); measured: the ``gradient sync wait`` span (the time :meth:`GradSync.finish` blocks);
-* **optimizer**: not predicted (the planner has no cost model of the optimizer step): measured only, and the
-  step comparison leaves it out;
-* **other**: the rest of the measured step (data, loss reduction, gradient clipping): measured only.
+* **norm + loss all-reduce**: the two all-reduces over every rank at the step's end (the gradient norm for
+  clipping, the task losses for the log); predicted: two all-reduces of a few bytes over all ranks
+  (:func:`..planner.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
+* **optimizer**: predicted from the profile's optimizer measurement
+  (:mod:`megatron_spindle.profiler.step_costs`) for this rank's parameter tensors and elements; measured: the
+  ``optimizer`` span;
+* **data** (fetching the batch: the ``data`` span) and **other** (the rest: Python between the parts):
+  measured only.
 
-``compute_scale`` (the trainer passes ranks per core when CPU ranks outnumber the cores) stretches the
-predicted compute, wave time included: ``n`` ranks time-sharing ``c < n`` cores each compute about ``n / c``
-times slower than the profile, which ran with fewer ranks than cores. Load from other processes is not seen.
+The step comparison is the predicted total of the five parts against the whole measured step (so "other"
+counts against the prediction). A part the run cannot predict (a curves file without the optimizer
+measurement, analytic curves) is shown as measured only and left out of both sides.
 
-The step comparison is the predicted total of the first three parts against the measured step minus the
-optimizer (so "other" counts against the prediction).
+``compute_scale`` stretches the predicted compute, wave time included, when CPU ranks share cores:
+``r`` ranks on ``c < r`` cores compute about ``r / c`` times slower than the profile's points say
+(:func:`compute_scale`). A point's time is the median of many short repeats, and a repeat of a millisecond
+mostly runs within one time slice of the operating system, so even a profile taken with ``r`` processes at
+once measures the uncontended speed (seen here: 4 processes on 2 cores give the medians of 2). The link and
+the optimizer, timed as means after compute, do see the sharing, so the demo profiles with the rank count
+it trains with.
 """
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
+from typing import Mapping
 
-from ..planner.simulate import simulate
-
+from ..planner.cluster import Cluster
+from ..planner.simulate import allreduce_time_ms, simulate
+from ..profiler.step_costs import optimizer_ms
 
 #: The executor's per-boundary span: time this rank spent posting and blocked on transfers (the exposed part).
 EXPOSED_TRANSFER = re.compile(r"^w\d+ (fwd|bwd) transfer$")
+#: All-reduces at the step's end over every rank: the gradient norm and the task losses.
+STEP_END_ALLREDUCES = 2
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the profile measured beyond the curves, for the parts of a step that have no curve."""
+
+    optimizer_fit: Mapping | None = None
+    """:func:`..profiler.step_costs.fit_optimizer`'s result, or ``None`` (not measured)."""
+    tensors: int = 0
+    """This rank's parameter tensors and elements (what its optimizer steps over)."""
+    elements: int = 0
+
+    @classmethod
+    def from_measured(cls, measured: Mapping | None, *, tensors: int, elements: int) -> "StepCosts":
+        measured = measured or {}
+        return cls(optimizer_fit=measured.get("optimizer"), tensors=tensors, elements=elements)
+
+
+def compute_scale(ranks_here: int, cores: int) -> float:
+    """How much slower CPU ranks sharing cores compute than the profile's medians (see the module docstring)."""
+    return max(1.0, ranks_here / max(1, cores))
 
 
 @dataclass(frozen=True)
@@ -42,7 +77,10 @@ class StepPrediction:
     """(predicted, measured) ms."""
     transfer: tuple[float, float]
     sync: tuple[float, float]
-    optimizer_ms: float
+    step_end: tuple[float, float]
+    optimizer: tuple[float | None, float]
+    """Predicted ``None`` when the profile did not measure the optimizer."""
+    data_ms: float
     other_ms: float
     step_measured_ms: float
     passes: int
@@ -50,29 +88,36 @@ class StepPrediction:
 
     @property
     def predicted_ms(self) -> float:
-        return self.compute[0] + self.transfer[0] + self.sync[0]
+        return (self.compute[0] + self.transfer[0] + self.sync[0] + self.step_end[0]
+                + (self.optimizer[0] or 0.0))
 
     @property
-    def measured_without_optimizer_ms(self) -> float:
-        return self.step_measured_ms - self.optimizer_ms
+    def measured_ms(self) -> float:
+        """The measured step, less the optimizer when it is not predicted."""
+        return self.step_measured_ms - (self.optimizer[1] if self.optimizer[0] is None else 0.0)
 
     @property
     def error(self) -> float:
-        """Relative error of the prediction against the measured step without the optimizer."""
+        """Relative error of the prediction against the measured step."""
         p = self.predicted_ms
-        return (self.measured_without_optimizer_ms - p) / p if p > 0 else float("inf")
+        return (self.measured_ms - p) / p if p > 0 else float("inf")
 
     def format(self) -> str:
         def part(name, pm):
             return f"{name} {pm[0]:.1f}/{pm[1]:.1f}"
-        return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_without_optimizer_ms:.1f} ms measured "
-                f"without the optimizer ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''}"
-                + (f", predicted compute x{self.compute_scale:g} for shared cores" if self.compute_scale != 1 else "")
-                + " | "
-                f"predicted/measured ms: {part('compute', self.compute)}, "
-                f"{part('transfer + wave wait', self.transfer)}, {part('exposed sync', self.sync)} | "
-                f"measured only: optimizer {self.optimizer_ms:.1f} ms (not predicted: no optimizer cost model), "
-                f"other {self.other_ms:.1f} ms (data, loss, clipping)")
+        opt = self.optimizer[0] is not None
+        return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_ms:.1f} ms measured"
+                + ("" if opt else " without the optimizer")
+                + f" ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''}"
+                + (f", predicted compute x{self.compute_scale:.3g} for shared cores" if self.compute_scale != 1 else "")
+                + " | predicted/measured ms: "
+                + ", ".join([part("compute", self.compute), part("transfer + wave wait", self.transfer),
+                             part("exposed sync", self.sync), part("norm + loss all-reduce", self.step_end)]
+                            + ([part("optimizer", self.optimizer)] if opt else []))
+                + " | measured only: "
+                + ("" if opt else f"optimizer {self.optimizer[1]:.1f} ms (not predicted: the curves file has no "
+                                  f"optimizer measurement; run `spindle profile`), ")
+                + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms")
 
 
 def grad_bytes_of(args) -> int:
@@ -80,14 +125,24 @@ def grad_bytes_of(args) -> int:
     return 2 if getattr(args, "bf16", False) and not getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 4
 
 
-def predict_step(plan, cluster, trace, step: int, rank: int, *, passes: int, grad_bytes: int,
-                 compute_scale: float = 1.0) -> StepPrediction:
-    """Predicted against measured parts of step ``step`` on ``rank`` (see the module docstring)."""
-    sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes)
+def predict_step(plan, cluster: Cluster, trace, step: int, rank: int, *, passes: int, grad_bytes: int,
+                 compute_scale: float = 1.0, costs: StepCosts = StepCosts(),
+                 early_sends: bool = False) -> StepPrediction:
+    """Predicted against measured parts of step ``step`` on ``rank`` (see the module docstring).
+
+    ``early_sends``: the runtime posts sends as soon as their data exists (gloo; see
+    :func:`..planner.simulate.simulate`)."""
+    sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
+                   compute_scale=compute_scale, early_sends=early_sends)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
-    waves = compute_scale * passes * sim.makespan_ms
+    waves = passes * sim.makespan_ms
     transfer = sim.breakdown.transfer_ms + max(0.0, waves - busy)
-    meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "optimizer": 0.0, "step": 0.0}
+    n = plan.world_size
+    step_end = STEP_END_ALLREDUCES * allreduce_time_ms(range(n), 8.0, cluster)
+    opt = (optimizer_ms(costs.optimizer_fit, tensors=costs.tensors, elements=costs.elements)
+           if costs.optimizer_fit else None)
+    meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "step end": 0.0, "optimizer": 0.0, "data": 0.0,
+            "step": 0.0}
     for s in trace.spans:
         if s.step != step:
             continue
@@ -98,10 +153,10 @@ def predict_step(plan, cluster, trace, step: int, rank: int, *, passes: int, gra
             meas["transfer"] += ms  # the boundary's exposed part; per-message spans overlap compute
         elif s.cat == "sync" and s.name == "gradient sync wait":
             meas["sync"] += ms
-        elif s.cat in ("optimizer", "step"):
+        elif s.cat in ("step end", "optimizer", "data", "step"):
             meas[s.cat] += ms
-    other = meas["step"] - meas["compute"] - meas["transfer"] - meas["sync"] - meas["optimizer"]
+    other = meas["step"] - sum(meas[k] for k in ("compute", "transfer", "sync", "step end", "optimizer", "data"))
     return StepPrediction(compute=(busy, meas["compute"]), transfer=(transfer, meas["transfer"]),
-                          sync=(sim.breakdown.sync_ms, meas["sync"]), optimizer_ms=meas["optimizer"],
-                          other_ms=max(0.0, other), step_measured_ms=meas["step"], passes=passes,
-                          compute_scale=compute_scale)
+                          sync=(sim.breakdown.sync_ms, meas["sync"]), step_end=(step_end, meas["step end"]),
+                          optimizer=(opt, meas["optimizer"]), data_ms=meas["data"], other_ms=max(0.0, other),
+                          step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale)

@@ -18,6 +18,7 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
 from __future__ import annotations
 
 import contextlib
+import time
 from functools import partial
 
 import torch
@@ -28,7 +29,11 @@ from .. import comm
 
 def forward_step(data_iterator, model):
     """Megatron-style forward step of a Spindle model: one multi-task batch through every wave."""
+    t0 = time.perf_counter()
     batch = next(data_iterator)
+    trace = getattr(model, "trace", None)
+    if trace is not None:
+        trace.span("data", "next batch", t0)
     state = model(batch)
     return state, partial(loss_func, model)
 

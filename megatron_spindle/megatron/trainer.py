@@ -15,6 +15,7 @@ ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from .. import comm
 from ..log import get_logger, setup_logging
 from ..planner.render import grid
 from ..planner.validate import PlanError
@@ -37,7 +39,7 @@ from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
 from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device
-from .prediction import grad_bytes_of, predict_step
+from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
 from .preflight import check_save_space, explain_init_error
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
@@ -145,7 +147,7 @@ class Trainer:
             raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
         self.step_times: list[float] = []
         self.last: dict[str, float] = {}
-        self._cluster = None  # the run's cluster, for the prediction line
+        self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
 
     def _phase_of(self, it: int) -> int:
         return max(i for i, (s0, _) in enumerate(self.schedule) if s0 <= it)
@@ -176,8 +178,10 @@ class Trainer:
         t0 = time.perf_counter()
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=self.data, model=[model],
                                            num_microbatches=self.accum, seq_length=None, micro_batch_size=self.micro)
+        t_end = time.perf_counter()
         norm = model.clip_grads(self.args.clip_grad)
         losses = reduce_reports(reports)
+        model.trace.span("step end", "gradient norm + loss all-reduce", t_end)
         t_opt = time.perf_counter()
         if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
             self.optimizer.step()
@@ -200,20 +204,42 @@ class Trainer:
         worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        scale = 1.0  # CPU ranks sharing cores compute that much slower (the prediction line says so)
-        if self.device.type == "cpu" and local > (os.cpu_count() or 1):
-            scale = local / (os.cpu_count() or 1)
         try:
-            if self._cluster is None:  # read the curves file once, not every prediction line
-                self._cluster = make_cluster(self.args, self.world)[0]
-            whole = predict_step(self.plan, self._cluster, self.model.trace, it, self.rank,
-                                 passes=self.accum, grad_bytes=grad_bytes_of(self.args),
-                                 compute_scale=scale).format()
+            if self._prediction is None:  # read the curves file once, not every prediction line
+                self._prediction = self._prediction_setup()
+            cluster, scale, costs = self._prediction
+            whole = predict_step(self.plan, cluster, self.model.trace, it, self.rank, passes=self.accum,
+                                 grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs,
+                                 early_sends=comm.comm_device().type == "cpu").format()  # as the executor
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
             whole = f"no step prediction ({' '.join(str(e).split())})"
         log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
                  f"ms per pass, this rank): {worst}{note}")
+
+    def _prediction_setup(self):
+        """The prediction line's cluster, compute scale and step costs (see :mod:`.prediction`).
+
+        A curves file from ``spindle profile`` on this backend, with at least as many processes as the run has
+        ranks, carries the link it measured (latency, bandwidth): the prediction uses it instead of the preset's
+        (a profile of one node says nothing about the links between nodes, so a larger run keeps the preset's).
+        CPU ranks sharing cores: the compute scale is the run's ranks per core.
+        """
+        cluster, curves = make_cluster(self.args, self.world)
+        measured = curves.measured if curves is not None else {}
+        backend = dist.get_backend()
+        if (curves is not None and curves.cluster and measured.get("backend") == backend
+                and self.world <= int(measured.get("nproc", 0))):
+            link = {k: curves.cluster[k] for k in ("intra_bandwidth_gbps", "inter_bandwidth_gbps",
+                                                   "intra_latency_us", "inter_latency_us", "allreduce_latency_us")
+                    if k in curves.cluster}
+            cluster = dataclasses.replace(cluster, **link)
+        scale = 1.0
+        if self.device.type == "cpu":
+            scale = compute_scale(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), os.cpu_count() or 1)
+        params = self.model.unique_parameters()
+        costs = StepCosts.from_measured(measured if measured.get("backend") == backend else None,
+                                        tensors=len(params), elements=sum(p.numel() for p in params))
+        return cluster, scale, costs
 
     def train(self) -> dict:
         """Run to ``--train-iters`` (or ``--exit-interval``); returns the summary rank 0 also logs as JSON."""

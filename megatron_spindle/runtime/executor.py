@@ -21,7 +21,8 @@ group could wait on a peer's send group (both blocked until received); there the
 posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and
 tags are ignored by NCCL but both ends post in the same order. The trace records, per message, a
 ``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the
-time the host spent posting and blocked waiting (``w3 fwd transfer``: the exposed part);
+time the host spent posting (early sends included) and blocked waiting (``w3 fwd transfer``: the exposed
+part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
@@ -329,8 +330,10 @@ class SpindleModel(nn.Module):
                 self._run_slice(s, batch, pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
                 if self._early:  # its output exists: send it to every later wave now
+                    t2 = time.perf_counter()
                     for v, items in self._fwd_sends_of.get(s.name, ()):
                         self._post(v, False, items, send_of, recv_into)
+                    self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t2
         self._pass_end(False)
         return st
 
@@ -406,7 +409,9 @@ class SpindleModel(nn.Module):
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
                 if self._early:  # its input gradients exist: send them back now
+                    t2 = time.perf_counter()
                     self._post(w, True, self._bwd_sends_of.get(s.name, []), send_of, recv_into)
+                    self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t2
             t0 = time.perf_counter()
             bwd = self.messages[w][1]
             self._post(w, True, [m for m in bwd if not (self._early and m[2].src == self.rank != m[2].dst)],
