@@ -111,18 +111,23 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
         variants.append(("minmax", minmax_tuples(metaops, curves, N)))
     best: LevelSchedule | None = None
     cands: list[LevelSchedule] = []
+    seen: dict[tuple, float] = {}  # a schedule is a function of its tuples and variant: build each once
     for tag, tuples in variants:
         for propose in (PROPOSE if search else ("paper",)):
             for align in (ALIGN if search else ("shortest",)):
+                key = (propose, align, _tuple_key(metaops, tuples))
+                if key in seen:  # the same waves as an earlier candidate, which wins every tie
+                    continue
                 waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align)
                 cand = LevelSchedule(level=level, allocation=alloc, tuples=tuples, waves=waves,
                                      variant=f"{tag}/{propose}/{align}")
                 cands.append(cand)
+                seen[key] = cand.span_ms
                 if best is None or (cand.span_ms, len(cand.waves)) < (best.span_ms * (1 - 1e-12), len(best.waves)):
                     best = cand
     if not search:
         return best
-    searched = _local_search(metaops, curves, N, start_ms, best)
+    searched = _local_search(metaops, curves, N, start_ms, best, seen)
     if solver_budget_s > 0:
         searched = _solve(metaops, curves, N, start_ms, searched, solver_budget_s)
     fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
@@ -133,6 +138,11 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
             seen.add(_signature(c.waves))
             alts.append(c)
     return dataclasses.replace(searched, alternatives=tuple(alts))
+
+
+def _tuple_key(metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]]) -> tuple:
+    """What :func:`.waves.schedule_level` reads of the tuples (it ignores ``layers_exact``)."""
+    return tuple(tuple((t.devices, t.layers) for t in tuples[m.name]) for m in metaops)
 
 
 def _signature(waves) -> tuple:
@@ -150,7 +160,9 @@ def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int
 
 
 def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
-                  best: LevelSchedule) -> LevelSchedule:
+                  best: LevelSchedule, seen: dict[tuple, float]) -> LevelSchedule:
+    """``seen``: spans already known by ``(propose, align, tuples)``; a known trial cannot beat the best (the
+    best only shortens), so it is not scheduled again."""
     rng = random.Random(1000 + best.level)
     _, propose, align = best.variant.split("/")
     tuples = dict(best.tuples)
@@ -164,8 +176,11 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
             options.append([AllocTuple(valid[i + 1], k, float(k)),
                             AllocTuple(valid[i], m.num_layers - k, float(m.num_layers - k))])
         trial = {**tuples, m.name: rng.choice(options)}
+        key = (propose, align, _tuple_key(metaops, trial))
+        if key in seen:
+            continue
         waves = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose, align=align)
-        span = sum(w.duration_ms for w in waves)
+        span = seen[key] = sum(w.duration_ms for w in waves)
         if span < best.span_ms * (1 - 1e-12):
             tuples = trial
             best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,

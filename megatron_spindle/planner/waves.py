@@ -76,9 +76,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     next_layer = {m.name: 0 for m in metaops}
     table = {name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
     T = {name: table[name].__getitem__ for name in by_name}
-
-    def remaining_work(name: str) -> float:
-        return sum(l * T[name](n) for n, l in queue[name])
+    has_producers = any(producers.values())
 
     waves: list[Wave] = []
     clock = start_ms
@@ -90,7 +88,12 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
         # (a) propose: every waiting MetaOp at the smallest count of its remaining tuples, then
         # upgrades to its larger tuple, longest remaining work first
-        heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
+        if has_producers:
+            heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
+        else:
+            heads = [n for n in order if queue[n]]
+        # remaining work (all of a MetaOp's tuples) does not change before the commit step
+        work = {n: sum(l * table[n][d] for d, l in queue[n]) for n in heads}
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
@@ -100,13 +103,13 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                     cand[n], pick[n] = queue[n][0][0], 0
                     free -= queue[n][0][0]
         else:
-            for n in sorted(heads, key=lambda n: -remaining_work(n)):
+            for n in sorted(heads, key=lambda n: -work[n]):
                 i = min(range(len(queue[n])), key=lambda j: queue[n][j][0])
                 d = queue[n][i][0]
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
-            for n in sorted(cand, key=lambda n: -remaining_work(n)):
+            for n in sorted(cand, key=lambda n: -work[n]):
                 i = max(range(len(queue[n])), key=lambda j: queue[n][j][0])
                 d = queue[n][i][0]
                 if d > cand[n] and d - cand[n] <= free:
@@ -114,7 +117,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                     cand[n], pick[n] = d, i
         # (b) extend
         while free > 0:
-            ext = [(remaining_work(n), n) for n in cand if _next_valid(valid[n], cand[n], cand[n] + free)]
+            ext = [(work[n], n) for n in cand if _next_valid(valid[n], cand[n], cand[n] + free)]
             if ext:
                 _, n = max(ext)
                 v = _next_valid(valid[n], cand[n], cand[n] + free)
@@ -122,7 +125,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 cand[n] = v
                 continue
             waiting = [n for n in heads if n not in cand]
-            fill = [(remaining_work(n), n) for n in waiting
+            fill = [(work[n], n) for n in waiting
                     if any(v <= free for v in valid[n])]
             if not fill:
                 break
@@ -162,26 +165,35 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
     choice with the least idle device-time per unit of work done (ties: the shortest wave).
     """
-    best = None
-    shortest = min(t1 * left for t1, left, _ in cands.values())
-    for f, (tf, lf, _) in cands.items():
-        span = tf * lf
-        if shortest_only and span > shortest:
+    items = list(cands.items())
+    spans = [t1 * left for _, (t1, left, _) in items]
+    shortest = min(spans)
+    best_key, best_layers = None, None
+    tried = set()
+    floor = math.floor
+    for span in spans:
+        # candidates finishing at the same span give the same wave: try each span once
+        if (shortest_only and span > shortest) or span in tried:
             continue
+        tried.add(span)
+        hi = span * (1 + ALIGN_SLACK)
         layers = {}
-        for n, (t1, left, d) in cands.items():
-            k = min(left, int(math.floor(span / t1 * (1 + 1e-9))))
-            if k < left and (k + 1) * t1 <= span * (1 + ALIGN_SLACK):
+        dur = 0.0
+        work = 0.0
+        for n, (t1, left, d) in items:
+            k = min(left, int(floor(span / t1 * (1 + 1e-9))))
+            if k < left and (k + 1) * t1 <= hi:
                 k += 1
             if k > 0:
                 layers[n] = k
-        dur = max(layers[n] * cands[n][0] for n in layers)
-        work = sum(layers[n] * cands[n][0] * cands[n][2] for n in layers)
-        idle = num_devices * dur - work
-        key = (idle / work, dur)
-        if best is None or key < best[0]:
-            best = (key, layers)
-    return best[1]
+                t = k * t1
+                if t > dur:
+                    dur = t
+                work += t * d
+        key = ((num_devices * dur - work) / work, dur)
+        if best_key is None or key < best_key:
+            best_key, best_layers = key, layers
+    return best_layers
 
 
 def merge_waves(waves: list[Wave]) -> list[Wave]:
