@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         for r in rows:
             print("  ".join(v.rjust(width[i]) for i, v in enumerate(r[:-1])) + (f"  {r[-1][:110]}" if r[-1] else ""))
     print()
-    print(f"solver: {'HiGHS (highspy)' if solver.available() else 'not installed (bounds are C*)'}")
+    print(f"solver: {'HiGHS (highspy)' if solver.available() else 'not installed (bounds: C* and the area model)'}")
     print(f"makespan / ΣC*: max {max(r_star):.3f}, median {statistics.median(r_star):.3f}, "
           f"{sum(r <= 1.07 for r in r_star)}/{len(r_star)} within 1.07")
     print(f"makespan / certified bound: max {max(r_bound):.3f}, median {statistics.median(r_bound):.3f}, "

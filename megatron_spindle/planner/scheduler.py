@@ -17,9 +17,9 @@ Candidates:
 * **align**: the paper's (the shortest candidate ends the wave) or *finisher* (whichever candidate's end
   leaves the least idle device-time per unit of work).
 
-Finally :func:`.solver.solve_level` (HiGHS, a fixed number of branch-and-bound nodes per model) certifies an
-integer-aware lower bound of the level and, where the heuristic is far enough above it, searches for a
-better wave schedule (warm-started from the heuristic's, so never worse).
+Finally :func:`.solver.solve_level` certifies an integer-aware lower bound of the level (the area model,
+solved exactly) and, where the heuristic is far enough above it, searches for a better wave schedule with
+HiGHS (a fixed number of branch-and-bound nodes, warm-started from the heuristic's, so never worse).
 
 Before that, a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
 reproducible) changes one MetaOp's tuples at a time (a single valid count, or a random layer split between
