@@ -21,9 +21,13 @@ Finally :func:`.solver.solve_level` certifies an integer-aware lower bound of th
 solved exactly) and, where the heuristic is far enough above it, searches for a better wave schedule with
 HiGHS (a fixed number of branch-and-bound nodes, warm-started from the heuristic's, so never worse).
 
-Before that, a short local search (:data:`LOCAL_SEARCH_STEPS` steps, a fixed seed per level so plans are
-reproducible) changes one MetaOp's tuples at a time (a single valid count, or a random layer split between
-two neighbouring counts) and keeps changes that shorten the level.
+Before that, a short local search (:data:`LOCAL_SEARCH_STEPS` steps, :data:`LOCAL_SEARCH_STEPS_SMALL` on
+levels of at most :data:`SMALL_LEVEL` MetaOps; a fixed seed per level so plans are reproducible) changes one
+MetaOp's tuples at a time (a single valid count, or a random layer split between two neighbouring counts)
+and keeps changes that shorten the level. A second one (:data:`POLISH_SEARCH_STEPS` steps) does the same on
+*polished* waves (:mod:`.polish`: layers moved between waves while that shortens the level), starting from
+the candidate whose polished waves are shortest; the shorter of its result and the first search's result,
+polished, wins. A schedule is built once per (variant, tuples), so revisited trials cost nothing.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from . import solver
 from .allocate import AllocTuple, LevelAllocation, allocate_level, bipoint
 from .curves import ScalingCurve
 from .metaops import MetaOp
+from .polish import polish
 from .waves import Wave, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
@@ -45,6 +50,8 @@ SMALL_LEVEL = 16
 #: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
 ALT_SLACK = 0.03
 LOCAL_SEARCH_STEPS_SMALL = 400
+#: Steps of the second local search, on polished spans (:mod:`.polish`).
+POLISH_SEARCH_STEPS = 400
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
@@ -115,7 +122,7 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     for tag, tuples in variants:
         for propose in (PROPOSE if search else ("paper",)):
             for align in (ALIGN if search else ("shortest",)):
-                key = (propose, align, _tuple_key(metaops, tuples))
+                key = (propose, align, False, _tuple_key(metaops, tuples))
                 if key in seen:  # the same waves as an earlier candidate, which wins every tie
                     continue
                 waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align)
@@ -127,7 +134,20 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
                     best = cand
     if not search:
         return best
-    searched = _local_search(metaops, curves, N, start_ms, best, seen)
+    searched = _local_search(metaops, curves, N, start_ms, best, seen,
+                             LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL)
+    # the same on polished spans, from the candidate whose polished waves are shortest
+    start = None
+    for c in cands:
+        p = dataclasses.replace(c, waves=polish(c.waves, metaops, curves, N), variant=c.variant + "+polish")
+        if start is None or p.span_ms < start.span_ms * (1 - 1e-12):
+            start = p
+    polished = _local_search(metaops, curves, N, start_ms, start, seen, POLISH_SEARCH_STEPS, polished=True)
+    final = polish(searched.waves, metaops, curves, N)  # the first search's result, polished
+    if sum(w.duration_ms for w in final) < searched.span_ms * (1 - 1e-12):
+        searched = dataclasses.replace(searched, waves=final, variant=searched.variant + "+polish")
+    if polished.span_ms < searched.span_ms * (1 - 1e-12):
+        searched = polished
     if solver_budget_s > 0:
         searched = _solve(metaops, curves, N, start_ms, searched, solver_budget_s)
     fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
@@ -160,13 +180,20 @@ def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int
 
 
 def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
-                  best: LevelSchedule, seen: dict[tuple, float]) -> LevelSchedule:
-    """``seen``: spans already known by ``(propose, align, tuples)``; a known trial cannot beat the best (the
-    best only shortens), so it is not scheduled again."""
+                  best: LevelSchedule, seen: dict[tuple, float], steps: int, polished: bool = False) -> LevelSchedule:
+    """``steps`` random changes of one MetaOp's tuples, each kept when it shortens the level; ``polished``:
+    every trial's waves are polished (:func:`.polish.polish`) and the polished span is what counts.
+
+    ``seen``: spans already known by ``(propose, align, polished, tuples)``; a known trial cannot beat the best
+    (the best only shortens), so it is not scheduled again. ``best.waves`` must be Algorithm 1's waves of
+    ``best.tuples`` (polished, when ``polished``)."""
     rng = random.Random(1000 + best.level)
     _, propose, align = best.variant.split("/")
+    align = align.split("+")[0]
+    tag = "+polish" if polished else "+search"
     tuples = dict(best.tuples)
-    for _ in range(LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL):
+    seen[(propose, align, polished, _tuple_key(metaops, tuples))] = best.span_ms
+    for _ in range(steps):
         m = rng.choice(list(metaops))
         valid = m.valid_counts(N)
         options = [[AllocTuple(c, m.num_layers, float(m.num_layers))] for c in valid]
@@ -176,13 +203,15 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
             options.append([AllocTuple(valid[i + 1], k, float(k)),
                             AllocTuple(valid[i], m.num_layers - k, float(m.num_layers - k))])
         trial = {**tuples, m.name: rng.choice(options)}
-        key = (propose, align, _tuple_key(metaops, trial))
+        key = (propose, align, polished, _tuple_key(metaops, trial))
         if key in seen:
             continue
         waves = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose, align=align)
+        if polished:
+            waves = polish(waves, metaops, curves, N)
         span = seen[key] = sum(w.duration_ms for w in waves)
         if span < best.span_ms * (1 - 1e-12):
             tuples = trial
             best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,
-                                 variant=best.variant.split("+search")[0] + "+search")
+                                 variant=best.variant.split(tag)[0] + tag)
     return best
