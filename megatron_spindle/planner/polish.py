@@ -29,14 +29,15 @@ _EPS = 1e-9
 
 
 def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
-           num_devices: int) -> list[Wave]:
-    """A schedule of the same level no longer than ``waves`` (new objects; the input is not changed)."""
+           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+    """A schedule of the same level no longer than ``waves`` (new objects; the input is not changed);
+    ``times`` as for :func:`.waves.schedule_level`."""
     if len(waves) < 2:
         return list(waves)
     N = num_devices
     order = [m.name for m in metaops]
     valid = {m.name: m.valid_counts(N) for m in metaops}
-    T = {n: {c: curves[n].count_time(c) for c in valid[n]} for n in order}
+    T = times if times is not None else {n: {c: curves[n].count_time(c) for c in valid[n]} for n in order}
     # state: per wave, MetaOp -> [devices, layers]
     state = [{s.metaop: [s.devices, s.layers] for s in w.slices} for w in waves]
 

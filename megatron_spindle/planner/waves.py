@@ -52,21 +52,16 @@ class Wave:
     slices: list[WaveSlice] = field(default_factory=list)
 
 
-def _next_valid(valid: Sequence[int], n: int, limit: int) -> int | None:
-    for v in valid:
-        if n < v <= limit:
-            return v
-    return None
-
-
 def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],
                    curves: Mapping[str, ScalingCurve], num_devices: int, start_ms: float = 0.0,
-                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False) -> list[Wave]:
+                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False,
+                   times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
     """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``.
 
     ``across_levels=True`` schedules MetaOps of several levels together (the paper's readiness rule: a
     MetaOp is proposed only once all its producers among ``metaops`` finished in earlier waves); a wave's
-    ``level`` is then the highest level it has reached so far (so levels never go back).
+    ``level`` is then the highest level it has reached so far (so levels never go back). ``times``: the
+    curves' ``count_time`` of every MetaOp on every valid count, when the caller has them already.
     """
     N = num_devices
     by_name = {m.name: m for m in metaops}
@@ -74,8 +69,10 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     valid = {m.name: m.valid_counts(N) for m in metaops}
     queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
     next_layer = {m.name: 0 for m in metaops}
-    table = {name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
-    T = {name: table[name].__getitem__ for name in by_name}
+    table = times if times is not None else {
+        name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
+    # the next larger valid count of each valid count (infinite for the largest)
+    nextv = {n: {c: (v[i + 1] if i + 1 < len(v) else math.inf) for i, c in enumerate(v)} for n, v in valid.items()}
     has_producers = any(producers.values())
 
     waves: list[Wave] = []
@@ -98,35 +95,41 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
         if propose == "paper":
-            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * T[n](queue[n][0][0]))):
+            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * table[n][queue[n][0][0]])):
                 if queue[n][0][0] <= free:
                     cand[n], pick[n] = queue[n][0][0], 0
                     free -= queue[n][0][0]
         else:
             for n in sorted(heads, key=lambda n: -work[n]):
-                i = min(range(len(queue[n])), key=lambda j: queue[n][j][0])
-                d = queue[n][i][0]
+                q = queue[n]
+                i = 0  # the first tuple with the fewest devices
+                for j in range(1, len(q)):
+                    if q[j][0] < q[i][0]:
+                        i = j
+                d = q[i][0]
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
             for n in sorted(cand, key=lambda n: -work[n]):
-                i = max(range(len(queue[n])), key=lambda j: queue[n][j][0])
-                d = queue[n][i][0]
+                q = queue[n]
+                i = 0  # the first tuple with the most devices
+                for j in range(1, len(q)):
+                    if q[j][0] > q[i][0]:
+                        i = j
+                d = q[i][0]
                 if d > cand[n] and d - cand[n] <= free:
                     free -= d - cand[n]
                     cand[n], pick[n] = d, i
         # (b) extend
         while free > 0:
-            ext = [(work[n], n) for n in cand if _next_valid(valid[n], cand[n], cand[n] + free)]
+            ext = [(work[n], n) for n in cand if nextv[n][cand[n]] <= cand[n] + free]
             if ext:
                 _, n = max(ext)
-                v = _next_valid(valid[n], cand[n], cand[n] + free)
+                v = nextv[n][cand[n]]
                 free -= v - cand[n]
                 cand[n] = v
                 continue
-            waiting = [n for n in heads if n not in cand]
-            fill = [(work[n], n) for n in waiting
-                    if any(v <= free for v in valid[n])]
+            fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
             if not fill:
                 break
             _, n = max(fill)
@@ -134,7 +137,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             cand[n], pick[n] = v, 0
             free -= v
         # (c) align
-        layers = _align({n: (T[n](cand[n]), queue[n][pick[n]][1], cand[n]) for n in cand}, N,
+        layers = _align({n: (table[n][cand[n]], queue[n][pick[n]][1], cand[n]) for n in cand}, N,
                         shortest_only=(align == "shortest"))
         # (d) commit
         if across_levels:
@@ -144,7 +147,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             if n not in layers:
                 continue
             k, d = layers[n], cand[n]
-            t = k * T[n](d)
+            t = k * table[n][d]
             wave.slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
             wave.duration_ms = max(wave.duration_ms, t)
             next_layer[n] += k
