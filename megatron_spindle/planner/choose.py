@@ -7,7 +7,7 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
 
 1. Spindle's wave schedule with island-aware placement, each level's waves the shortest span found; and
    1': the same with some levels' waves replaced by an alternative candidate of that level (the paper's
-   pipeline, the best before the local search, the fewest waves within 3% of the shortest span) where
+   pipeline, the best before the local searches, the fewest waves within 3% of the shortest span) where
    that shortens the whole step (one pass over the levels that take at least :data:`MIN_LEVEL_SHARE` of
    the makespan, each trial timed with the naive placement);
 2. the same waves with the naive placement (consecutive devices in slice order);

@@ -23,7 +23,7 @@ from .curves import ScalingCurve
 from .metaops import MetaOp
 from .waves import Wave, WaveSlice, merge_waves
 
-#: Work limit: moves made per level.
+#: Work limit: moves made per call.
 MAX_MOVES = 200
 _EPS = 1e-9
 

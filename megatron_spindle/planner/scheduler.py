@@ -92,7 +92,7 @@ class LevelSchedule:
     bound_kind: str = "C*"
     alternatives: tuple["LevelSchedule", ...] = ()
     """Other candidates worth timing on the whole step (:mod:`.choose`): the paper's pipeline, the best before
-    the local search, and the one with the fewest waves within :data:`ALT_SLACK` of the shortest span."""
+    the local searches, and the one with the fewest waves within :data:`ALT_SLACK` of the shortest span."""
 
     @property
     def span_ms(self) -> float:
