@@ -35,7 +35,8 @@ neighbouring counts) and keep changes that shorten the level:
    :data:`POLISH_SEARCH_STEPS_2_LARGE` steps).
 
 The shortest of their results wins, so the level is never longer than search 1's result. On levels of at
-most :data:`KNAPSACK_MAX_WORK` MetaOps × devices, polished *throughput waves* (:mod:`.knapsack`) compete too.
+most a few hundred MetaOps × devices (:data:`KNAPSACK_VARIANTS`), polished *throughput waves*
+(:mod:`.knapsack`) compete too.
 A schedule is built once per (variant, tuples); a revisited trial is only rebuilt where it could win.
 """
 from __future__ import annotations
@@ -71,10 +72,9 @@ POLISH_SEARCH_STEPS_2 = 200
 POLISH_SEARCH_STEPS_2_LARGE = 100
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
-#: Throughput waves (:mod:`.knapsack`) are tried on levels of at most this many MetaOps × devices, with
-#: these ``(max_durations, finishing)``.
-KNAPSACK_MAX_WORK = 256
-KNAPSACK_VARIANTS = ((20, True), (80, False))
+#: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
+#: only on levels no larger than its last number (its cost grows with MetaOps × devices).
+KNAPSACK_VARIANTS = ((20, True, 640), (80, False, 640))
 #: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
 SOLVER_BUDGET_S = 2.0
 
@@ -181,8 +181,8 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
                              polished=True, fine=True, times=times)
     if polished.span_ms < searched.span_ms * (1 - 1e-12):
         searched = polished
-    if len(metaops) * N <= KNAPSACK_MAX_WORK:  # throughput waves (:mod:`.knapsack`), polished
-        for max_durations, finishing in KNAPSACK_VARIANTS:
+    for max_durations, finishing, most in KNAPSACK_VARIANTS:  # throughput waves (:mod:`.knapsack`), polished
+        if len(metaops) * N <= most:
             waves = polish(throughput_waves(metaops, times, N, start_ms, max_durations=max_durations,
                                             finishing=finishing), metaops, curves, N, times)
             if sum(w.duration_ms for w in waves) < searched.span_ms * (1 - 1e-12):
