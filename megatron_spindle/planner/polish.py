@@ -9,7 +9,10 @@ another, as long as every wave keeps at most one slice of ``m``, whole layers on
 * **shed**: every slice that ends wave ``w`` gives up one layer (so ``w`` gets shorter), each to the wave
   where it lengthens the schedule least: into ``m``'s slice there, or as a new slice of ``m`` on free devices
   (the valid count that fits and adds least);
-* **widen**: a slice that ends wave ``w`` moves to a larger valid count that fits the wave's free devices.
+* **widen**: the one slice that ends wave ``w`` moves to a larger valid count that fits the wave's free
+  devices.
+
+The polished waves are returned longest first (any order of a level's waves is valid).
 
 A move is made only when it shortens the level's span (``Σ`` wave durations) by more than a relative
 ``1e-9``; it stops when no move does or after :data:`MAX_MOVES` moves, so it never lengthens a schedule
@@ -30,8 +33,8 @@ _EPS = 1e-9
 
 def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
            num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
-    """A schedule of the same level no longer than ``waves`` (new objects; the input is not changed);
-    ``times`` as for :func:`.waves.schedule_level`."""
+    """A schedule of the same level no longer than ``waves`` (the input is not changed; fewer than two waves
+    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`."""
     if len(waves) < 2:
         return list(waves)
     N = num_devices

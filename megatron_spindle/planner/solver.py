@@ -275,10 +275,11 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
     The wave model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on
     any machine) or ``time_limit_s`` seconds, whichever comes first (a safety net on a slow or busy machine).
 
-    1. Model 1 (area, solved exactly by :mod:`.area`, HiGHS or not) gives a bound; 2. when the exact wave model (``K = Σ L``) is small, it is solved,
-    warm-started from the heuristic: its dual bound is certified, and its schedule is optimal when HiGHS
-    proves it; 3. otherwise, when the heuristic is more than ``gap_worth`` above the bound, model 2 with
-    one wave more than the heuristic searches for a better schedule in the time left.
+    1. Model 1 (area, solved exactly by :mod:`.area`, HiGHS or not) gives a bound; 2. when the exact wave
+    model (``K = Σ L``) is small, it is solved, warm-started from the heuristic: its dual bound is certified,
+    and its schedule is optimal when HiGHS proves it; 3. otherwise, when the heuristic is more than
+    ``gap_worth`` above the bound, model 2 with one wave more than the heuristic searches for a better
+    schedule in the time left. Without HiGHS only step 1 runs.
     """
     best, kind = c_star_ms, "C*"
     span = sum(w.duration_ms for w in heuristic) if heuristic else math.inf
