@@ -59,6 +59,8 @@ def schedule_of(plan) -> str:
     v = plan.levels[0].variant if plan.levels else ""
     if "whole step" in v:
         return v.split(" schedule")[0]
+    if any("(first search)" in lv.variant for lv in plan.levels):
+        return "first-search waves"
     return "per-level by step" if any("(by step)" in lv.variant for lv in plan.levels) else "spindle"
 
 

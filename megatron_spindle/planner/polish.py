@@ -12,7 +12,7 @@ another, as long as every wave keeps at most one slice of ``m``, whole layers on
 * **widen**: the one slice that ends wave ``w`` moves to a larger valid count that fits the wave's free
   devices.
 
-The polished waves are returned longest first (any order of a level's waves is valid).
+The polished waves keep the order of the waves they came from (an emptied wave drops out).
 
 A move is made only when it shortens the level's span (``Σ`` wave durations) by more than a relative
 ``1e-9``; it stops when no move does or after :data:`MAX_MOVES` moves, so it never lengthens a schedule
@@ -52,11 +52,14 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     for _ in range(MAX_MOVES):
         if not _move(state, D, F, T, valid, sum(D) * _EPS, dur):
             break
-    state = [w for w in state if w]
-    state.sort(key=lambda w: -dur(w))  # any order is valid: longest first, like the solver's waves
-    out, nxt, clock = [], {n: 0 for n in order}, waves[0].start_ms
+    return _assemble([w for w in state if w], order, T, waves[0].level, waves[0].start_ms)
+
+
+def _assemble(state, order, T, level: int, start_ms: float) -> list[Wave]:
+    """Waves from per-wave ``{MetaOp: [devices, layers]}``, in the given order, layers numbered in it."""
+    out, nxt, clock = [], {n: 0 for n in order}, start_ms
     for w in state:
-        wave = Wave(level=waves[0].level, start_ms=clock, duration_ms=0.0)
+        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
         for n in order:
             if n in w:
                 c, k = w[n]

@@ -35,7 +35,7 @@ neighbouring counts) and keep changes that shorten the level:
    :data:`POLISH_SEARCH_STEPS_2_LARGE` steps).
 
 The shortest of their results wins, so the level is never longer than search 1's result. On levels of at
-most a few hundred MetaOps × devices (:data:`KNAPSACK_VARIANTS`), polished *throughput waves*
+most a few hundred MetaOps × devices (:data:`KNAPSACK_VARIANTS`) and 32 devices, polished *throughput waves*
 (:mod:`.knapsack`) compete too.
 A schedule is built once per (variant, tuples); a revisited trial is only rebuilt where it could win.
 """
@@ -73,8 +73,10 @@ POLISH_SEARCH_STEPS_2_LARGE = 100
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
-#: only on levels no larger than its last number (its cost grows with MetaOps × devices).
+#: only on levels no larger than its last number (its cost grows with MetaOps × devices) and on at most
+#: :data:`KNAPSACK_MAX_DEVICES` devices.
 KNAPSACK_VARIANTS = ((20, True, 640), (80, False, 640))
+KNAPSACK_MAX_DEVICES = 32
 #: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
 SOLVER_BUDGET_S = 2.0
 
@@ -90,9 +92,13 @@ class LevelSchedule:
     bound_ms: float = 0.0
     """Certified lower bound of the level (:func:`.solver.solve_level`; 0 when the solver did not run)."""
     bound_kind: str = "C*"
+    first_search: "LevelSchedule | None" = None
+    """The first local search's result (Algorithm 1's waves, not polished) when the level kept other waves:
+    :mod:`.choose` times every level's first-search waves together on the whole step."""
     alternatives: tuple["LevelSchedule", ...] = ()
     """Other candidates worth timing on the whole step (:mod:`.choose`): the paper's pipeline, the best before
-    the local searches, and the one with the fewest waves within :data:`ALT_SLACK` of the shortest span."""
+    the local searches, the one with the fewest waves within :data:`ALT_SLACK` of the shortest span and the
+    first local search's result (before polishing)."""
 
     @property
     def span_ms(self) -> float:
@@ -160,7 +166,8 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     searched = _local_search(metaops, curves, N, start_ms, best, seen,
                              LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL,
                              times=times)
-    # the same on polished spans, from the candidate whose polished waves are shortest
+    raw = searched
+    # the same on polished spans, from the POLISH_STARTS candidates whose polished waves are shortest
     starts = sorted((dataclasses.replace(c, waves=polish(c.waves, metaops, curves, N, times),
                                          variant=c.variant + "+polish") for c in cands),
                     key=lambda c: c.span_ms)[:POLISH_STARTS]
@@ -182,7 +189,7 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     if polished.span_ms < searched.span_ms * (1 - 1e-12):
         searched = polished
     for max_durations, finishing, most in KNAPSACK_VARIANTS:  # throughput waves (:mod:`.knapsack`), polished
-        if len(metaops) * N <= most:
+        if len(metaops) * N <= most and N <= KNAPSACK_MAX_DEVICES:
             waves = polish(throughput_waves(metaops, times, N, start_ms, max_durations=max_durations,
                                             finishing=finishing), metaops, curves, N, times)
             if sum(w.duration_ms for w in waves) < searched.span_ms * (1 - 1e-12):
@@ -193,11 +200,13 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
                  key=lambda c: (len(c.waves), c.span_ms), default=None)
     alts, seen = [], {_signature(searched.waves)}
-    for c in (cands[0], best, fewest):  # cands[0]: the paper's pipeline (bipoint+0/paper/shortest)
+    # cands[0]: the paper's pipeline (bipoint+0/paper/shortest); raw: the first search's result
+    for c in (cands[0], best, fewest, raw):
         if c is not None and _signature(c.waves) not in seen:
             seen.add(_signature(c.waves))
             alts.append(c)
-    return dataclasses.replace(searched, alternatives=tuple(alts))
+    first = raw if _signature(raw.waves) != _signature(searched.waves) else None
+    return dataclasses.replace(searched, alternatives=tuple(alts), first_search=first)
 
 
 def _fine_moves(m: MetaOp, cur: list[AllocTuple], valid: Sequence[int], rng: random.Random) -> list:
