@@ -59,6 +59,8 @@ def schedule_of(plan) -> str:
     v = plan.levels[0].variant if plan.levels else ""
     if "whole step" in v:
         return v.split(" schedule")[0]
+    if any("(first search)" in lv.variant for lv in plan.levels):
+        return "first-search waves"
     return "per-level by step" if any("(by step)" in lv.variant for lv in plan.levels) else "spindle"
 
 
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
         for r in rows:
             print("  ".join(v.rjust(width[i]) for i, v in enumerate(r[:-1])) + (f"  {r[-1][:110]}" if r[-1] else ""))
     print()
-    print(f"solver: {'HiGHS (highspy)' if solver.available() else 'not installed (bounds are C*)'}")
+    print(f"solver: {'HiGHS (highspy)' if solver.available() else 'not installed (bounds: C* and the area model)'}")
     print(f"makespan / ΣC*: max {max(r_star):.3f}, median {statistics.median(r_star):.3f}, "
           f"{sum(r <= 1.07 for r in r_star)}/{len(r_star)} within 1.07")
     print(f"makespan / certified bound: max {max(r_bound):.3f}, median {statistics.median(r_bound):.3f}, "

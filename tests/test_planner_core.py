@@ -167,3 +167,54 @@ def test_planner_never_imports_torch():
             "assert not any(k.startswith(('torch', 'megatron.')) and sys.modules[k] is not None for k in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("model,tasks,gpus", [("multitask-clip", 7, 32), ("ofasys", 7, 8), ("qwen-val", 3, 16)])
+def test_polish_keeps_a_valid_schedule_and_never_lengthens_it(model, tasks, gpus):
+    """:func:`.polish.polish` on Algorithm 1's waves of every level: whole layers in order, every layer once,
+    one slice per MetaOp per wave, valid counts within the devices, times that match the curves, no longer
+    span, and the same result on a second run (deterministic); and so are throughput waves."""
+    from megatron_spindle.planner.allocate import bipoint as bp
+    from megatron_spindle.planner.analytic import build_curves
+    from megatron_spindle.planner.build import make_metaops
+    from megatron_spindle.planner.cluster import load_cluster
+    from megatron_spindle.planner.knapsack import throughput_waves
+    from megatron_spindle.planner.polish import polish
+    from megatron_spindle.planner.waves import schedule_level
+    metaops = make_metaops(build_graph(model, tasks=tasks), load_cluster(None, num_devices=gpus))
+    curves = build_curves(metaops, gpus)
+    for lv in levels(metaops):
+        alloc = allocate_level({m.name: m.num_layers for m in lv}, curves, gpus)
+        tuples = {m.name: bp(m.num_layers, curves[m.name], alloc.n_star[m.name], alloc.c_star_ms,
+                             m.valid_counts(gpus)) for m in lv}
+        waves = schedule_level(lv[0].level, lv, tuples, curves, gpus, 5.0)
+        span = sum(w.duration_ms for w in waves)
+        out = polish(waves, lv, curves, gpus)
+        assert sum(w.duration_ms for w in waves) == span  # the input is not changed
+        assert sum(w.duration_ms for w in out) <= span * (1 + 1e-12)
+        _check_level_schedule(out, lv, curves, gpus, 5.0)
+        # throughput waves (:mod:`.knapsack`) are a valid schedule of the level too
+        times = {m.name: {c: curves[m.name].count_time(c) for c in m.valid_counts(gpus)} for m in lv}
+        for max_durations, finishing in ((20, True), (80, False)):
+            _check_level_schedule(throughput_waves(lv, times, gpus, 5.0, max_durations=max_durations,
+                                                   finishing=finishing), lv, curves, gpus, 5.0)
+        again = polish(waves, lv, curves, gpus)
+        assert [[(s.metaop, s.layers, s.devices) for s in w.slices] for w in again] == \
+               [[(s.metaop, s.layers, s.devices) for s in w.slices] for w in out]
+
+
+def _check_level_schedule(waves, lv, curves, gpus, start_ms):
+    """Whole layers in order, every layer once, one slice per MetaOp per wave, valid counts within the devices,
+    times that match the curves, waves back to back from ``start_ms``."""
+    nxt, clock = {m.name: 0 for m in lv}, start_ms
+    for w in waves:
+        assert w.start_ms == pytest.approx(clock) and w.level == lv[0].level
+        assert sum(s.devices for s in w.slices) <= gpus and len({s.metaop for s in w.slices}) == len(w.slices)
+        for s in w.slices:
+            m = next(x for x in lv if x.name == s.metaop)
+            assert s.devices in m.valid_counts(gpus) and s.layers >= 1 and s.layer_start == nxt[s.metaop]
+            assert s.time_ms == pytest.approx(s.layers * curves[s.metaop].count_time(s.devices))
+            nxt[s.metaop] += s.layers
+        assert w.duration_ms == pytest.approx(max(s.time_ms for s in w.slices))
+        clock += w.duration_ms
+    assert nxt == {m.name: m.num_layers for m in lv}

@@ -7,9 +7,11 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
 
 1. Spindle's wave schedule with island-aware placement, each level's waves the shortest span found; and
    1': the same with some levels' waves replaced by an alternative candidate of that level (the paper's
-   pipeline, the best before the local search, the fewest waves within 3% of the shortest span) where
-   that shortens the whole step (one pass over the levels that take at least :data:`MIN_LEVEL_SHARE` of
-   the makespan, each trial timed with the naive placement);
+   pipeline, the best before the local searches, the fewest waves within 3% of the shortest span, the first
+   local search's result) where that shortens the whole step (one pass over the
+   levels that take at least :data:`MIN_LEVEL_SHARE` of the makespan, each trial timed with the naive
+   placement); and 1'': every level's first-search waves (Algorithm 1's, before polishing) together, placed
+   both ways (the order and shape of a level's waves move transfers and gradient syncs);
 2. the same waves with the naive placement (consecutive devices in slice order);
 3. waves across levels, with the paper's readiness rule (a MetaOp may run once its producers have
    finished) instead of a barrier after every level, so a task's next MetaOp need not wait for the slowest
@@ -104,6 +106,27 @@ def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: S
     return out
 
 
+def first_search_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence) -> list[tuple[str, Plan]]:
+    """Candidate 1'': every level's first-search waves (:attr:`.scheduler.LevelSchedule.first_search`, not
+    polished) together, placed both ways; none when no level has them."""
+    firsts = [ls.first_search or ls for ls in level_schedules]
+    if all(f is ls for f, ls in zip(firsts, level_schedules)):
+        return []
+    waves = _restart([w for f in firsts for w in f.waves])
+    levels = tuple(dataclasses.replace(lv, variant=f.variant + ("" if f is ls else " (first search)"))
+                   for lv, f, ls in zip(own.levels, firsts, level_schedules))
+    out = []
+    for name, placer in (("spindle, first-search waves", lambda: place(metaops, waves, cluster)),
+                         ("spindle, first-search waves, naive placement", lambda: sequential_placement(waves))):
+        try:
+            ranks = placer()
+        except ValueError:  # no placement fits memory
+            continue
+        out.append((name, assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks, system="spindle")))
+    return out
+
+
 def _restart(waves: Sequence[Wave]) -> list[Wave]:
     """Copies of ``waves`` laid end to end from time 0."""
     out, clock = [], 0.0
@@ -163,6 +186,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
     if level_schedules is not None and baselines:
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
         plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, passes) \
+            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules) \
             + _cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples)
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):

@@ -228,7 +228,11 @@ class TaskGraph:
                    operators=tuple(Operator.from_json(o) for o in obj["operators"]))
 
     def fingerprint(self) -> str:
-        """A short stable hash of the graph, stored in plans so a plan for another model is refused."""
-        blob = json.dumps(self.to_json(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """A short stable hash of the graph, stored in plans so a plan for another model is refused (computed
+        once per graph: the graph is frozen)."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            blob = json.dumps(self.to_json(), sort_keys=True).encode()
+            fp = self.__dict__["_fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
+        return fp
 

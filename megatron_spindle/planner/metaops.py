@@ -94,10 +94,17 @@ class MetaOp:
         return tuple(i for i in self.inputs if not i.startswith(DATA_PREFIX))
 
     def valid_counts(self, num_devices: int) -> tuple[int, ...]:
-        """Device counts this MetaOp may run on: ``tp · d`` with ``d | batch`` (or ``d = 1``), ``≤ N``."""
-        if not self.batch_splittable:
-            return (self.tp,) if self.tp <= num_devices else ()
-        return tuple(self.tp * d for d in divisors(self.batch) if self.tp * d <= num_devices)
+        """Device counts this MetaOp may run on: ``tp · d`` with ``d | batch`` (or ``d = 1``), ``≤ N``
+        (ascending; remembered per ``N``: the MetaOp is frozen)."""
+        cache = self.__dict__.setdefault("_valid_counts", {})
+        out = cache.get(num_devices)
+        if out is None:
+            if not self.batch_splittable:
+                out = (self.tp,) if self.tp <= num_devices else ()
+            else:
+                out = tuple(self.tp * d for d in divisors(self.batch) if self.tp * d <= num_devices)
+            cache[num_devices] = out
+        return out
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

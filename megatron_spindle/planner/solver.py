@@ -13,8 +13,8 @@ lasts as long as its longest slice. Two mixed-integer models of it:
        Σ_m Σ_c c·T_m(c)·x_{m,c} ≤ N·C                   (device-time: Σ_w Σ_s c_s·t_s ≤ Σ_w N·D_w)
 
    so ``min C`` is a lower bound of the level. Its LP relaxation is ``C*`` (time-sharing two counts is the
-   concave envelope of the rates); the integer layers and counts are what make it tighter. HiGHS's dual
-   bound is valid even when the node or time limit stops it early.
+   concave envelope of the rates); the integer layers and counts are what make it tighter. It decomposes
+   by MetaOp and :mod:`.area` solves it exactly in milliseconds, without HiGHS.
 
 2. **Wave model** (small levels). ``K`` waves; ``y_{w,m,c} ∈ {0,1}`` (MetaOp ``m`` runs on ``c`` devices in
    wave ``w``), ``l_{w,m,c} ∈ ℤ`` its layers, ``D_w`` the wave's duration::
@@ -36,8 +36,8 @@ Work is limited by branch-and-bound nodes (:data:`MAX_NODES`), so a plan does no
 load; a wall-clock limit per model is only a safety net (if it strikes on a very slow machine every bound
 stays valid, but the schedule may differ; training plans on rank 0 and broadcasts the plan, so ranks agree).
 
-``highspy`` is optional: without it :func:`available` is false, :func:`level_bound` returns ``C*`` and the
-planner keeps its heuristic schedules.
+``highspy`` is optional: without it :func:`available` is false, :func:`level_bound` returns the area bound
+(or ``C*``) and the planner keeps its heuristic schedules.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .area import area_bound  # noqa: F401 - model 1, solved exactly without HiGHS
 from .curves import ScalingCurve
 from .metaops import MetaOp
 from .waves import Wave, WaveSlice, merge_waves
@@ -150,29 +151,6 @@ class _Model:
 
 def _counts(metaops: Sequence[MetaOp], N: int) -> dict[str, tuple[int, ...]]:
     return {m.name: m.valid_counts(N) for m in metaops}
-
-
-def area_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               *, time_limit_s: float = 0.2, max_nodes: int | None = None) -> float:
-    """Model 1 of the module docstring: a lower bound of any wave schedule of the level (ms)."""
-    if highspy is None:
-        return 0.0
-    N = num_devices
-    counts = _counts(metaops, N)
-    mdl = _Model()
-    C = mdl.var(0.0, math.inf, cost=1.0)
-    area: dict[int, float] = {C: -float(N)}
-    for m in metaops:
-        xs = {c: mdl.var(0.0, m.num_layers, integer=True) for c in counts[m.name]}
-        mdl.row(m.num_layers, m.num_layers, {x: 1.0 for x in xs.values()})
-        chain = {x: curves[m.name].count_time(c) for c, x in xs.items()}
-        chain[C] = -1.0
-        mdl.row(-math.inf, 0.0, chain)
-        for c, x in xs.items():
-            area[x] = c * curves[m.name].count_time(c)
-    mdl.row(-math.inf, 0.0, area)
-    sol = mdl.solve(time_limit_s, max_nodes=max_nodes)
-    return max(0.0, sol.bound)
 
 
 @dataclass(frozen=True)
@@ -294,24 +272,25 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
                 exact_max_cells: int = EXACT_MAX_CELLS) -> LevelSolve:
     """Bound one level and try to beat the heuristic's schedule.
 
-    Each model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on any
-    machine) or ``time_limit_s`` seconds, whichever comes first (a safety net on a slow or busy machine).
+    The wave model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on
+    any machine) or ``time_limit_s`` seconds, whichever comes first (a safety net on a slow or busy machine).
 
-    1. Model 1 (area) gives a bound; 2. when the exact wave model (``K = Σ L``) is small, it is solved,
-    warm-started from the heuristic: its dual bound is certified, and its schedule is optimal when HiGHS
-    proves it; 3. otherwise, when the heuristic is more than ``gap_worth`` above the bound, model 2 with
-    one wave more than the heuristic searches for a better schedule in the time left.
+    1. Model 1 (area, solved exactly by :mod:`.area`, HiGHS or not) gives a bound; 2. when the exact wave
+    model (``K = Σ L``) is small, it is solved, warm-started from the heuristic: its dual bound is certified,
+    and its schedule is optimal when HiGHS proves it; 3. otherwise, when the heuristic is more than
+    ``gap_worth`` above the bound, model 2 with one wave more than the heuristic searches for a better
+    schedule in the time left. Without HiGHS only step 1 runs.
     """
     best, kind = c_star_ms, "C*"
     span = sum(w.duration_ms for w in heuristic) if heuristic else math.inf
-    if highspy is None:
-        return LevelSolve(best, kind, [])
-    a = area_bound(metaops, curves, num_devices, time_limit_s=time_limit_s, max_nodes=max_nodes)
+    a = area_bound(metaops, curves, num_devices)
     if a > best * (1 + 1e-9):
         best, kind = a, "area"
     better: list[Wave] = []
     if span <= best * (1 + 1e-9):
         return LevelSolve(best, "optimal", [])
+    if highspy is None:
+        return LevelSolve(best, kind, [])
     total = sum(m.num_layers for m in metaops)
     exact = model_cells(metaops, num_devices, total) <= exact_max_cells
     K = None if exact else len(heuristic) + 1

@@ -52,21 +52,16 @@ class Wave:
     slices: list[WaveSlice] = field(default_factory=list)
 
 
-def _next_valid(valid: Sequence[int], n: int, limit: int) -> int | None:
-    for v in valid:
-        if n < v <= limit:
-            return v
-    return None
-
-
 def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],
                    curves: Mapping[str, ScalingCurve], num_devices: int, start_ms: float = 0.0,
-                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False) -> list[Wave]:
+                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False,
+                   times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
     """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``.
 
     ``across_levels=True`` schedules MetaOps of several levels together (the paper's readiness rule: a
     MetaOp is proposed only once all its producers among ``metaops`` finished in earlier waves); a wave's
-    ``level`` is then the highest level it has reached so far (so levels never go back).
+    ``level`` is then the highest level it has reached so far (so levels never go back). ``times``: the
+    curves' ``count_time`` of every MetaOp on every valid count, when the caller has them already.
     """
     N = num_devices
     by_name = {m.name: m for m in metaops}
@@ -74,11 +69,11 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     valid = {m.name: m.valid_counts(N) for m in metaops}
     queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
     next_layer = {m.name: 0 for m in metaops}
-    table = {name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
-    T = {name: table[name].__getitem__ for name in by_name}
-
-    def remaining_work(name: str) -> float:
-        return sum(l * T[name](n) for n, l in queue[name])
+    table = times if times is not None else {
+        name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
+    # the next larger valid count of each valid count (infinite for the largest)
+    nextv = {n: {c: (v[i + 1] if i + 1 < len(v) else math.inf) for i, c in enumerate(v)} for n, v in valid.items()}
+    has_producers = any(producers.values())
 
     waves: list[Wave] = []
     clock = start_ms
@@ -90,40 +85,51 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
         # (a) propose: every waiting MetaOp at the smallest count of its remaining tuples, then
         # upgrades to its larger tuple, longest remaining work first
-        heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
+        if has_producers:
+            heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
+        else:
+            heads = [n for n in order if queue[n]]
+        # remaining work (all of a MetaOp's tuples) does not change before the commit step
+        work = {n: sum(l * table[n][d] for d, l in queue[n]) for n in heads}
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
         if propose == "paper":
-            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * T[n](queue[n][0][0]))):
+            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * table[n][queue[n][0][0]])):
                 if queue[n][0][0] <= free:
                     cand[n], pick[n] = queue[n][0][0], 0
                     free -= queue[n][0][0]
         else:
-            for n in sorted(heads, key=lambda n: -remaining_work(n)):
-                i = min(range(len(queue[n])), key=lambda j: queue[n][j][0])
-                d = queue[n][i][0]
+            for n in sorted(heads, key=lambda n: -work[n]):
+                q = queue[n]
+                i = 0  # the first tuple with the fewest devices
+                for j in range(1, len(q)):
+                    if q[j][0] < q[i][0]:
+                        i = j
+                d = q[i][0]
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
-            for n in sorted(cand, key=lambda n: -remaining_work(n)):
-                i = max(range(len(queue[n])), key=lambda j: queue[n][j][0])
-                d = queue[n][i][0]
+            for n in sorted(cand, key=lambda n: -work[n]):
+                q = queue[n]
+                i = 0  # the first tuple with the most devices
+                for j in range(1, len(q)):
+                    if q[j][0] > q[i][0]:
+                        i = j
+                d = q[i][0]
                 if d > cand[n] and d - cand[n] <= free:
                     free -= d - cand[n]
                     cand[n], pick[n] = d, i
         # (b) extend
         while free > 0:
-            ext = [(remaining_work(n), n) for n in cand if _next_valid(valid[n], cand[n], cand[n] + free)]
+            ext = [(work[n], n) for n in cand if nextv[n][cand[n]] <= cand[n] + free]
             if ext:
                 _, n = max(ext)
-                v = _next_valid(valid[n], cand[n], cand[n] + free)
+                v = nextv[n][cand[n]]
                 free -= v - cand[n]
                 cand[n] = v
                 continue
-            waiting = [n for n in heads if n not in cand]
-            fill = [(remaining_work(n), n) for n in waiting
-                    if any(v <= free for v in valid[n])]
+            fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
             if not fill:
                 break
             _, n = max(fill)
@@ -131,7 +137,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             cand[n], pick[n] = v, 0
             free -= v
         # (c) align
-        layers = _align({n: (T[n](cand[n]), queue[n][pick[n]][1], cand[n]) for n in cand}, N,
+        layers = _align({n: (table[n][cand[n]], queue[n][pick[n]][1], cand[n]) for n in cand}, N,
                         shortest_only=(align == "shortest"))
         # (d) commit
         if across_levels:
@@ -141,7 +147,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             if n not in layers:
                 continue
             k, d = layers[n], cand[n]
-            t = k * T[n](d)
+            t = k * table[n][d]
             wave.slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
             wave.duration_ms = max(wave.duration_ms, t)
             next_layer[n] += k
@@ -162,26 +168,35 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
     choice with the least idle device-time per unit of work done (ties: the shortest wave).
     """
-    best = None
-    shortest = min(t1 * left for t1, left, _ in cands.values())
-    for f, (tf, lf, _) in cands.items():
-        span = tf * lf
-        if shortest_only and span > shortest:
+    items = list(cands.items())
+    spans = [t1 * left for _, (t1, left, _) in items]
+    shortest = min(spans)
+    best_key, best_layers = None, None
+    tried = set()
+    floor = math.floor
+    for span in spans:
+        # candidates finishing at the same span give the same wave: try each span once
+        if (shortest_only and span > shortest) or span in tried:
             continue
+        tried.add(span)
+        hi = span * (1 + ALIGN_SLACK)
         layers = {}
-        for n, (t1, left, d) in cands.items():
-            k = min(left, int(math.floor(span / t1 * (1 + 1e-9))))
-            if k < left and (k + 1) * t1 <= span * (1 + ALIGN_SLACK):
+        dur = 0.0
+        work = 0.0
+        for n, (t1, left, d) in items:
+            k = min(left, int(floor(span / t1 * (1 + 1e-9))))
+            if k < left and (k + 1) * t1 <= hi:
                 k += 1
             if k > 0:
                 layers[n] = k
-        dur = max(layers[n] * cands[n][0] for n in layers)
-        work = sum(layers[n] * cands[n][0] * cands[n][2] for n in layers)
-        idle = num_devices * dur - work
-        key = (idle / work, dur)
-        if best is None or key < best[0]:
-            best = (key, layers)
-    return best[1]
+                t = k * t1
+                if t > dur:
+                    dur = t
+                work += t * d
+        key = ((num_devices * dur - work) / work, dur)
+        if best_key is None or key < best_key:
+            best_key, best_layers = key, layers
+    return best_layers
 
 
 def merge_waves(waves: list[Wave]) -> list[Wave]:
