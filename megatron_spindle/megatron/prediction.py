@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..planner.cluster import Cluster
 from ..planner.simulate import allreduce_time_ms, simulate
@@ -85,6 +85,8 @@ class StepPrediction:
     step_measured_ms: float
     passes: int
     compute_scale: float = 1.0
+    steps: int = 1
+    """Measured parts are means over this many steps."""
 
     @property
     def predicted_ms(self) -> float:
@@ -107,6 +109,7 @@ class StepPrediction:
             return f"{name} {pm[0]:.1f}/{pm[1]:.1f}"
         opt = self.optimizer[0] is not None
         return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_ms:.1f} ms measured"
+                + (f" (mean of {self.steps} steps)" if self.steps > 1 else "")
                 + ("" if opt else " without the optimizer")
                 + f" ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''}"
                 + (f", predicted compute x{self.compute_scale:.3g} for shared cores" if self.compute_scale != 1 else "")
@@ -125,10 +128,12 @@ def grad_bytes_of(args) -> int:
     return 2 if getattr(args, "bf16", False) and not getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 4
 
 
-def predict_step(plan, cluster: Cluster, trace, step: int, rank: int, *, passes: int, grad_bytes: int,
+def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank: int, *, passes: int,
+                 grad_bytes: int,
                  compute_scale: float = 1.0, costs: StepCosts = StepCosts(),
                  early_sends: bool = False) -> StepPrediction:
-    """Predicted against measured parts of step ``step`` on ``rank`` (see the module docstring).
+    """Predicted against measured parts of a step on ``rank`` (see the module docstring): the mean of each
+    part over ``steps`` (one step number or several: one step of a CPU run is noisy).
 
     ``early_sends``: the runtime posts sends as soon as their data exists (gloo; see
     :func:`..planner.simulate.simulate`)."""
@@ -141,10 +146,14 @@ def predict_step(plan, cluster: Cluster, trace, step: int, rank: int, *, passes:
     step_end = STEP_END_ALLREDUCES * allreduce_time_ms(range(n), 8.0, cluster)
     opt = (optimizer_ms(costs.optimizer_fit, tensors=costs.tensors, elements=costs.elements)
            if costs.optimizer_fit else None)
+    asked = {steps} if isinstance(steps, int) else set(steps)
+    wanted = asked & {s.step for s in trace.spans if s.cat == "step"}  # a replanned model traces anew
+    if not wanted:
+        raise ValueError(f"no traced step among {sorted(asked)} to compare the prediction with")
     meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "step end": 0.0, "optimizer": 0.0, "data": 0.0,
             "step": 0.0}
     for s in trace.spans:
-        if s.step != step:
+        if s.step not in wanted:
             continue
         ms = s.dur_s * 1e3
         if s.cat in ("forward", "backward"):
@@ -155,8 +164,10 @@ def predict_step(plan, cluster: Cluster, trace, step: int, rank: int, *, passes:
             meas["sync"] += ms
         elif s.cat in ("step end", "optimizer", "data", "step"):
             meas[s.cat] += ms
+    meas = {k: v / len(wanted) for k, v in meas.items()}
     other = meas["step"] - sum(meas[k] for k in ("compute", "transfer", "sync", "step end", "optimizer", "data"))
     return StepPrediction(compute=(busy, meas["compute"]), transfer=(transfer, meas["transfer"]),
                           sync=(sim.breakdown.sync_ms, meas["sync"]), step_end=(step_end, meas["step end"]),
                           optimizer=(opt, meas["optimizer"]), data_ms=meas["data"], other_ms=max(0.0, other),
-                          step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale)
+                          step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale,
+                          steps=len(wanted))

@@ -167,6 +167,7 @@ class Trainer:
         if it:
             self.scheduler.step(it)
         self.data.tasks = self.plan.tasks
+        self._prediction = None  # this rank's parameters changed
         log.info(f"iteration {it}: tasks now {', '.join(self.plan.tasks)}; replanned ({len(self.plan.waves)} "
                  f"waves), weights and optimizer state kept")
         log.info(grid(self.plan))
@@ -208,7 +209,9 @@ class Trainer:
             if self._prediction is None:  # read the curves file once, not every prediction line
                 self._prediction = self._prediction_setup()
             cluster, scale, costs = self._prediction
-            whole = predict_step(self.plan, cluster, self.model.trace, it, self.rank, passes=self.accum,
+            since = max(self.start + 1, it + 1 - self.args.spindle_predict_interval)  # the run's first step warms up
+            whole = predict_step(self.plan, cluster, self.model.trace, range(min(since, it), it + 1), self.rank,
+                                 passes=self.accum,
                                  grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs,
                                  early_sends=comm.comm_device().type == "cpu").format()  # as the executor
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
