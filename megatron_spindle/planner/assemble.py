@@ -8,6 +8,7 @@ parameter device groups; memory), so Spindle, the baselines and hand-made plans 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from .cluster import Cluster
@@ -17,6 +18,7 @@ from .graph import TaskGraph
 from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
+from .patterns import pattern_bound
 from .plan import LevelInfo, Plan, Slice, WavePlan
 from .scheduler import LevelSchedule, plan_level
 from .waves import Wave
@@ -29,11 +31,36 @@ def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
 
 def schedule(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
              *, search: bool = True) -> list[LevelSchedule]:
-    out, clock = [], 0.0
+    """Every level's schedule (:func:`.scheduler.plan_level`); with ``search``, then the pattern bound
+    (:mod:`.patterns`) on the levels whose gap to their bound is largest (:func:`tighten_bounds`)."""
+    out, clock, by_level = [], 0.0, []
     for lv in levels(metaops):
         ls = plan_level(lv, curves, num_devices, clock, search=search)
         clock += ls.span_ms
         out.append(ls)
+        by_level.append(lv)
+    return tighten_bounds(out, by_level, curves, num_devices) if search else out
+
+
+#: A level whose span is within this share of the plan's makespan of its bound is not worth a pattern bound.
+BOUND_WORTH = 0.002
+
+
+def tighten_bounds(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
+                   curves: Mapping[str, ScalingCurve], num_devices: int) -> list[LevelSchedule]:
+    """Raise level bounds with :func:`.patterns.pattern_bound`, largest gap first, while a level's gap is
+    more than :data:`BOUND_WORTH` of the makespan (the small levels of embeddings, heads and losses move the
+    plan's certified gap by less than that)."""
+    out = list(scheds)
+    total = sum(ls.span_ms for ls in scheds)
+    for i in sorted(range(len(out)), key=lambda i: -(out[i].span_ms - out[i].bound_ms)):
+        ls = out[i]
+        if ls.span_ms - ls.bound_ms <= BOUND_WORTH * total:
+            break
+        b = pattern_bound(by_level[i], curves, num_devices, heuristic=ls.waves, max_span=ls.span_ms)
+        if b > ls.bound_ms * (1 + 1e-9):
+            out[i] = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
+                                         bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "patterns")
     return out
 
 

@@ -260,7 +260,8 @@ class LevelSolve:
     bound_ms: float
     """Certified lower bound of every wave schedule of the level."""
     bound_kind: str
-    """``C*`` (relaxed), ``area`` (model 1), ``waves`` (dual bound of the exact model 2) or ``optimal``
+    """``C*`` (relaxed), ``area`` (model 1), ``patterns`` (:mod:`.patterns`, set by
+    :func:`.assemble.schedule`), ``waves`` (dual bound of the exact model 2) or ``optimal``
     (model 2 solved: the level's best wave schedule is known)."""
     waves: list[Wave]
     """A schedule better than the heuristic's, or empty."""
