@@ -47,8 +47,8 @@ ROUNDS = 60
 COLUMNS = 24
 #: Pricing over every candidate duration every FULL_EVERY rounds (and the last, which gives the bound); in
 #: between over the PARTIAL durations that gained most at the last full pricing.
-FULL_EVERY = 4
-PARTIAL = 256
+FULL_EVERY = 8
+PARTIAL = 128
 #: Largest pricing table (candidate durations × (devices + 1)) worth building, and the most work of one full
 #: pricing (table cells × valid counts of all MetaOps) worth spending rounds on.
 MAX_CELLS = 400_000
