@@ -25,6 +25,12 @@ def instance(rng: random.Random):
     n = rng.randint(2, 8)
     specs = [(rng.randint(1, 4), rng.choice((4, 8)), rng.uniform(1.0, 20.0), rng.uniform(0.3, 0.95))
              for _ in range(rng.randint(2, 3))]
+    return (*level_of(specs, n), n)
+
+
+def level_of(specs, n):
+    """MetaOps (one chain of ``layers`` per task, batch ``batch``) and power-law curves ``t1 · shrink^log2(k)``
+    on ``n`` devices, from ``(layers, batch, t1, shrink)`` per MetaOp."""
     ops = []
     for j, (layers, batch, _, _) in enumerate(specs):
         for i in range(layers):
@@ -39,7 +45,7 @@ def instance(rng: random.Random):
     for m, (_, _, t1, shrink) in zip(metaops, specs):
         c = m.valid_counts(n)
         curves[m.name] = fit_piecewise([(k, t1 * shrink ** math.log2(k)) for k in c], batch=m.batch, counts=c)
-    return metaops, curves, n
+    return metaops, curves
 
 
 def brute_force(metaops, curves, n):
@@ -120,20 +126,7 @@ def test_area_bound_is_the_area_models_optimum_on_larger_levels(seed):
     n = rng.choice((8, 16, 32, 64))
     specs = [(rng.randint(1, 24), rng.choice((8, 16, 64)), rng.uniform(1.0, 20.0), rng.uniform(0.3, 0.95))
              for _ in range(rng.randint(2, 6))]
-    ops = []
-    for j, (layers, batch, _, _) in enumerate(specs):
-        for i in range(layers):
-            ops.append(Operator(name=f"t{j}.m.{i}", task=f"t{j}", module="m", op_type="transformer_layer",
-                                batch=batch, layer=LayerConfig(hidden=8, num_heads=1, ffn_hidden=8, seq_len=2),
-                                param_key=f"t{j}.{i}",
-                                inputs=(f"t{j}.m.{i - 1}",) if i else (data_input(f"t{j}", "x"),),
-                                fwd_flops=1e9, param_count=1, out_elems_per_sample=1, act_bytes_per_sample=1.0))
-    metaops = contract(TaskGraph(model="bf", tasks=tuple(f"t{j}" for j in range(len(specs))),
-                                 operators=tuple(ops)))
-    curves = {}
-    for m, (_, _, t1, shrink) in zip(metaops, specs):
-        c = m.valid_counts(n)
-        curves[m.name] = fit_piecewise([(k, t1 * shrink ** math.log2(k)) for k in c], batch=m.batch, counts=c)
+    metaops, curves = level_of(specs, n)
     a = solver.area_bound(metaops, curves, n)
     assert a == pytest.approx(area_milp(metaops, curves, n), rel=1e-6)
     c_star = allocate_level({m.name: m.num_layers for m in metaops}, curves, n).c_star_ms

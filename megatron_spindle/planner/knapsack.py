@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 from .allocate import AllocTuple
 from .metaops import MetaOp
-from .waves import Wave, WaveSlice, merge_waves
+from .waves import Wave, build_waves
 
 
 def _knapsack(left: Mapping[str, int], valid, T, a_min, N: int, D: float):
@@ -85,17 +85,7 @@ def throughput_waves(metaops: Sequence[MetaOp], times: Mapping[str, Mapping[int,
         for n, _, k in best[1]:
             left[n] -= k
     order = {m.name: i for i, m in enumerate(metaops)}
-    out, nxt, clock = [], {m.name: 0 for m in metaops}, start_ms
-    for ch in chosen:
-        wave = Wave(level=metaops[0].level, start_ms=clock, duration_ms=0.0)
-        for n, c, k in sorted(ch, key=lambda e: order[e[0]]):
-            t = k * T[n][c]
-            wave.slices.append(WaveSlice(metaop=n, layer_start=nxt[n], layers=k, devices=c, time_ms=t))
-            nxt[n] += k
-            wave.duration_ms = max(wave.duration_ms, t)
-        clock += wave.duration_ms
-        out.append(wave)
-    return merge_waves(out)
+    return build_waves(metaops[0].level, [sorted(ch, key=lambda e: order[e[0]]) for ch in chosen], T, start_ms)
 
 
 def tuples_of(waves: Sequence[Wave], metaops: Sequence[MetaOp]) -> dict[str, list[AllocTuple]]:

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 from .curves import ScalingCurve
 from .metaops import MetaOp
-from .waves import Wave, WaveSlice, merge_waves
+from .waves import Wave, build_waves
 
 #: Work limit: moves made per call.
 MAX_MOVES = 200
@@ -57,19 +57,7 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
 
 def _assemble(state, order, T, level: int, start_ms: float) -> list[Wave]:
     """Waves from per-wave ``{MetaOp: [devices, layers]}``, in the given order, layers numbered in it."""
-    out, nxt, clock = [], {n: 0 for n in order}, start_ms
-    for w in state:
-        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
-        for n in order:
-            if n in w:
-                c, k = w[n]
-                t = k * T[n][c]
-                wave.slices.append(WaveSlice(metaop=n, layer_start=nxt[n], layers=k, devices=c, time_ms=t))
-                nxt[n] += k
-                wave.duration_ms = max(wave.duration_ms, t)
-        clock += wave.duration_ms
-        out.append(wave)
-    return merge_waves(out)
+    return build_waves(level, [[(n, *w[n]) for n in order if n in w] for w in state], T, start_ms)
 
 
 def _move(state, D, F, T, valid, eps, dur) -> bool:

@@ -199,6 +199,23 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     return best_layers
 
 
+def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
+                times: Mapping[str, Mapping[int, float]], start_ms: float) -> list[Wave]:
+    """Waves back to back from ``start_ms``, one per entry of ``choices`` (its ``(MetaOp, devices, layers)``
+    slices in the given order), each MetaOp's layers numbered from 0 in time order; merged (:func:`merge_waves`)."""
+    out, nxt, clock = [], {}, start_ms
+    for ch in choices:
+        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        for n, c, k in ch:
+            t = k * times[n][c]
+            wave.slices.append(WaveSlice(metaop=n, layer_start=nxt.get(n, 0), layers=k, devices=c, time_ms=t))
+            nxt[n] = nxt.get(n, 0) + k
+            wave.duration_ms = max(wave.duration_ms, t)
+        clock += wave.duration_ms
+        out.append(wave)
+    return merge_waves(out)
+
+
 def merge_waves(waves: list[Wave]) -> list[Wave]:
     """Merge consecutive waves whose MetaOps and device counts are identical and whose layers continue."""
     out: list[Wave] = []
