@@ -21,8 +21,8 @@ group could wait on a peer's send group (both blocked until received); there the
 posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and
 tags are ignored by NCCL but both ends post in the same order. The trace records, per message, a
 ``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the
-time the host spent posting (early sends included) and blocked waiting (``w3 fwd transfer``: the exposed
-part);
+time the host spent posting (early sends count at the boundary they are for) and blocked waiting
+(``w3 fwd transfer``: the exposed part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
@@ -238,7 +238,13 @@ class SpindleModel(nn.Module):
 
     def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
         """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
-        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later."""
+        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later. The time it
+        takes counts as that boundary's exposed transfer."""
+        t_start = time.perf_counter()
+        self._post_batch(wave, backward, items, send_of, recv_into)
+        self._xfer.blocked[wave] = self._xfer.blocked.get(wave, 0.0) + time.perf_counter() - t_start
+
+    def _post_batch(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
         phase = "bwd" if backward else "fwd"
         ops, recs = [], []
         for tag, e, msg in items:
@@ -318,22 +324,18 @@ class SpindleModel(nn.Module):
 
         self._xfer = _Transfers()
         for w in range(len(self.plan.waves)):
-            t0 = time.perf_counter()
             fwd = self.messages[w][0]
             # the boundary's receives and local copies; its sends too where they were not posted early
             self._post(w, False, [m for m in fwd if not (self._early and m[2].src == self.rank != m[2].dst)],
                        send_of, recv_into)
-            self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t0
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
                 t1 = time.perf_counter()
                 self._run_slice(s, batch, pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
                 if self._early:  # its output exists: send it to every later wave now
-                    t2 = time.perf_counter()
                     for v, items in self._fwd_sends_of.get(s.name, ()):
                         self._post(v, False, items, send_of, recv_into)
-                    self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t2
         self._pass_end(False)
         return st
 
@@ -409,14 +411,10 @@ class SpindleModel(nn.Module):
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
                 if self._early:  # its input gradients exist: send them back now
-                    t2 = time.perf_counter()
                     self._post(w, True, self._bwd_sends_of.get(s.name, []), send_of, recv_into)
-                    self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t2
-            t0 = time.perf_counter()
             bwd = self.messages[w][1]
             self._post(w, True, [m for m in bwd if not (self._early and m[2].src == self.rank != m[2].dst)],
                        send_of, recv_into)
-            self._xfer.blocked[w] = self._xfer.blocked.get(w, 0.0) + time.perf_counter() - t0
         self._pass_end(True)
         st.outputs.clear()
         st.inputs.clear()
