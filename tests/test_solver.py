@@ -133,6 +133,56 @@ def test_area_bound_is_the_area_models_optimum_on_larger_levels(seed):
     assert c_star * (1 - 1e-6) <= a <= plan_level(metaops, curves, n, solver_budget_s=0).span_ms * (1 + 1e-9)
 
 
+def assert_schedule(waves, metaops, n):
+    """Whole layers, every layer once, at most one slice per MetaOp per wave, devices within ``n``, valid counts."""
+    for w in waves:
+        assert sum(s.devices for s in w.slices) <= n
+        assert len({s.metaop for s in w.slices}) == len(w.slices)
+        assert w.duration_ms == pytest.approx(max(s.time_ms for s in w.slices))
+    for m in metaops:
+        mine = sorted((s.layer_start, s.layers, s.devices) for w in waves for s in w.slices if s.metaop == m.name)
+        assert all(d in m.valid_counts(n) for _, _, d in mine)
+        assert [a for a, _, _ in mine] == list(itertools.accumulate([0] + [k for _, k, _ in mine[:-1]]))
+        assert sum(k for _, k, _ in mine) == m.num_layers
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pattern_dives_are_real_schedules_and_the_bound_stays_below_the_optimum(seed):
+    """:func:`.patterns.improve` on small instances: its bound is at most the brute-force optimum, and its
+    schedule (when it returns one) is a valid wave schedule, shorter than the heuristic's it started from,
+    and no shorter than the optimum."""
+    metaops, curves, n = instance(random.Random(200 + seed))
+    opt = brute_force(metaops, curves, n)
+    heuristic = plan_level(metaops, curves, n, solver_budget_s=0)
+    bound, waves = patterns.improve(metaops, curves, n, heuristic.waves)
+    assert bound <= opt * (1 + 1e-6)
+    if waves:
+        assert_schedule(waves, metaops, n)
+        span = sum(w.duration_ms for w in waves)
+        assert opt * (1 - 1e-6) <= span < heuristic.span_ms
+
+
+@pytest.mark.parametrize("model, tasks, devices, level", [("ofasys", 7, 8, 3), ("multitask-clip", 4, 8, 1)])
+def test_pattern_dives_shorten_the_big_levels(model, tasks, devices, level):
+    """On these levels (deterministic) the LP's dives find a schedule shorter than the level's heuristics
+    (Algorithm 1 variants, local searches, throughput waves, polish): 3.6% on OFASys-7's third level on 8
+    devices, 0.3% on Multitask-CLIP-4's encoders."""
+    from megatron_spindle.planner.analytic import build_curves
+    from megatron_spindle.planner.assemble import make_metaops
+    from megatron_spindle.planner.cluster import load_cluster
+    from megatron_spindle.planner.metaops import levels
+    from megatron_spindle.planner.workloads import build_graph
+    metaops = make_metaops(build_graph(model, tasks=tasks), load_cluster(None, num_devices=devices))
+    curves = build_curves(metaops, devices)
+    lv = levels(metaops)[level]
+    heuristic = plan_level(lv, curves, devices)
+    bound, waves = patterns.improve(lv, curves, devices, heuristic.waves, level=level)
+    assert waves, "no dive beat the heuristic"
+    assert_schedule(waves, lv, devices)
+    span = sum(w.duration_ms for w in waves)
+    assert bound <= span < heuristic.span_ms * (1 - 1e-3)
+
+
 def test_planner_levels_carry_a_certified_bound():
     from megatron_spindle.planner.build import make_plan
     from megatron_spindle.planner.cluster import load_cluster

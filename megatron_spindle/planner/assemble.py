@@ -18,7 +18,8 @@ from .graph import TaskGraph
 from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
-from .patterns import pattern_bound
+from .knapsack import tuples_of
+from .patterns import improve
 from .plan import LevelInfo, Plan, Slice, WavePlan
 from .scheduler import LevelSchedule, plan_level
 from .waves import Wave
@@ -31,36 +32,46 @@ def make_metaops(graph: TaskGraph, cluster: Cluster) -> tuple[MetaOp, ...]:
 
 def schedule(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
              *, search: bool = True) -> list[LevelSchedule]:
-    """Every level's schedule (:func:`.scheduler.plan_level`); with ``search``, then the pattern bound
-    (:mod:`.patterns`) on the levels whose gap to their bound is largest (:func:`tighten_bounds`)."""
+    """Every level's schedule (:func:`.scheduler.plan_level`); with ``search``, then the pattern LP
+    (:mod:`.patterns`) on the levels whose gap to their bound is largest (:func:`tighten`)."""
     out, clock, by_level = [], 0.0, []
     for lv in levels(metaops):
         ls = plan_level(lv, curves, num_devices, clock, search=search)
         clock += ls.span_ms
         out.append(ls)
         by_level.append(lv)
-    return tighten_bounds(out, by_level, curves, num_devices) if search else out
+    return tighten(out, by_level, curves, num_devices) if search else out
 
 
-#: A level whose span is within this share of the plan's makespan of its bound is not worth a pattern bound.
+#: A level whose span is within this share of the plan's makespan of its bound is not worth a pattern LP.
 BOUND_WORTH = 0.002
 
 
-def tighten_bounds(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
-                   curves: Mapping[str, ScalingCurve], num_devices: int) -> list[LevelSchedule]:
-    """Raise level bounds with :func:`.patterns.pattern_bound`, largest gap first, while a level's gap is
-    more than :data:`BOUND_WORTH` of the makespan (the small levels of embeddings, heads and losses move the
-    plan's certified gap by less than that)."""
+def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
+            curves: Mapping[str, ScalingCurve], num_devices: int) -> list[LevelSchedule]:
+    """Largest gap first, while a level's gap is more than :data:`BOUND_WORTH` of the makespan (the small
+    levels of embeddings, heads and losses move the plan's certified gap by less than that): raise the
+    level's bound with the pattern LP and take its dives' best schedule where it is shorter
+    (:func:`.patterns.improve`). Later levels' waves move with the level's new span."""
     out = list(scheds)
     total = sum(ls.span_ms for ls in scheds)
     for i in sorted(range(len(out)), key=lambda i: -(out[i].span_ms - out[i].bound_ms)):
         ls = out[i]
         if ls.span_ms - ls.bound_ms <= BOUND_WORTH * total:
             break
-        b = pattern_bound(by_level[i], curves, num_devices, heuristic=ls.waves, max_span=ls.span_ms)
+        start = ls.waves[0].start_ms if ls.waves else 0.0
+        b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start)
+        if waves:
+            ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),
+                                         variant=ls.variant.split("+dive")[0] + "+dive")
         if b > ls.bound_ms * (1 + 1e-9):
-            out[i] = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
-                                         bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "patterns")
+            ls = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
+                                     bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "patterns")
+        out[i] = ls
+    clock = 0.0
+    for ls in out:  # every level starts where the one before ends
+        for w in ls.waves:
+            w.start_ms, clock = clock, clock + w.duration_ms
     return out
 
 

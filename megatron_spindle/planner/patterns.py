@@ -1,4 +1,5 @@
-"""A lower bound of a level's wave schedules from wave *patterns* (a configuration LP, by column generation).
+"""The configuration LP over a level's wave *patterns*: a lower bound (column generation), and schedules
+(price-and-dive).
 
 The area bound (:mod:`.area`) prices device-time but not that a wave lasts as long as its longest slice. A
 wave is a *pattern* ``p``: for some MetaOps ``m`` a valid count ``c`` and ``a_{m,p} ≥ 1`` whole layers
@@ -24,6 +25,15 @@ Each round adds the best pattern of each of the :data:`COLUMNS` durations with t
 costs; pricing runs over every duration every :data:`FULL_EVERY` rounds (those rounds give the bound) and
 over the most promising ones in between. Work is limited by the rounds asked for (deterministic) and by
 :data:`MAX_CELLS` (candidate durations × devices).
+
+**Schedules** (:func:`improve`). The LP's optimum uses a few waves *fractionally* (on the big encoder levels
+its value lies 2-6% under the best schedules found), but its patterns are good waves. A *dive* commits the
+pattern the LP uses most as one wave (its layers trimmed to what is left), re-solves the LP of the layers
+still to schedule (column generation again, from every pattern found so far) and repeats until every layer
+is scheduled; dive ``t`` starts from the root's ``t``-th most used pattern instead (:data:`DIVES`). A dive
+stops early once what it has committed plus its residual LP's optimum is no shorter than the best schedule
+known. Branching on the LP's whole-number quantities (waves, waves per MetaOp, per MetaOp and count) to
+raise the bound was tried and not kept: 200 nodes moved the bound by under 0.1% on these levels.
 """
 from __future__ import annotations
 
@@ -34,7 +44,8 @@ import numpy as np
 
 from .curves import ScalingCurve
 from .metaops import MetaOp
-from .waves import Wave
+from .polish import polish
+from .waves import Wave, build_waves
 
 try:  # optional: without HiGHS there is no restricted LP, and no pattern bound
     import highspy
@@ -52,134 +63,228 @@ PARTIAL = 128
 #: Largest pricing table (candidate durations × (devices + 1)) worth building, and the most work of one full
 #: pricing (table cells × valid counts of all MetaOps) worth spending rounds on.
 MAX_CELLS = 400_000
-MAX_ROUND_WORK = 4_000_000
+MAX_ROUND_WORK = 8_000_000
+#: Dives from the root LP (:func:`improve`), and column-generation rounds per dive step.
+DIVES = 8
+DIVE_ROUNDS = 8
+#: A dive stops once it cannot end within this share above the best span known, before polishing.
+DIVE_SLACK = 0.02
+#: Column-generation rounds all dives of a level may spend together (a deterministic work limit), fewer in
+#: proportion on levels whose full pricing costs more than DIVE_WORK (table cells × valid counts).
+DIVE_BUDGET = 60
+DIVE_WORK = 2_000_000
+#: ... and none on levels whose full pricing costs more than this (the bound alone is worth its time there).
+MAX_DIVE_WORK = 4_000_000
 
 
-class _Master:
-    """The restricted LP, kept in one HiGHS instance: new patterns are added as columns and the simplex
-    restarts from the last basis."""
+class _Pool:
+    """A level's patterns in one restricted LP (HiGHS; new patterns are added as columns and the simplex
+    restarts from the last basis), with the pricing tables of the layers still to schedule."""
 
-    def __init__(self, L: np.ndarray) -> None:
+    def __init__(self, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, max_span: float,
+                 heuristic: Sequence[Wave]) -> None:
+        self.N, self.M = N, len(metaops)
+        self.names = [m.name for m in metaops]
+        self.counts = [m.valid_counts(N) for m in metaops]
+        self.T = [np.array([curves[m.name].count_time(c) for c in self.counts[i]]) for i, m in enumerate(metaops)]
+        L = np.array([m.num_layers for m in metaops], dtype=float)
+        self.max_span = max_span
         inf = highspy.kHighsInf
         self.h = highspy.Highs()
         self.h.setOptionValue("output_flag", False)
         self.h.setOptionValue("threads", 1)
         lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = 0, len(L)
-        lp.row_lower_, lp.row_upper_ = [float(v) for v in L], [inf] * len(L)
+        lp.num_col_, lp.num_row_ = 0, self.M
+        lp.row_lower_, lp.row_upper_ = [float(v) for v in L], [inf] * self.M
         self.h.passModel(lp)
+        self.cols: list[tuple[float, np.ndarray, np.ndarray]] = []   # (duration, layers a, count index k)
+        self.set_left(L)
+        self.work = len(self.Ds) * (N + 1) * sum(len(c) for c in self.counts)
+        index = {n: i for i, n in enumerate(self.names)}
+        start = []
+        for i in range(self.M):  # one layer alone: the restricted LP is always feasible
+            a, k = np.zeros(self.M), np.full(self.M, -1)
+            k[i] = int(np.argmin(self.T[i]))
+            a[i] = 1.0
+            start.append((float(self.T[i][k[i]]), a, k))
+        for w in heuristic:
+            a, k = np.zeros(self.M), np.full(self.M, -1)
+            for s in w.slices:
+                i = index[s.metaop]
+                a[i], k[i] = s.layers, self.counts[i].index(s.devices)
+            start.append((float(w.duration_ms), a, k))
+        self.add(start)
 
-    def add(self, cols: Sequence[tuple[float, np.ndarray]]) -> None:
+    def set_left(self, L: np.ndarray) -> None:
+        """The layers still to schedule: the cover rows, the candidate durations (a pattern of the layers left
+        is no longer than ``l·T_m(c)`` for some ``l`` left) and the pricing tables follow."""
+        self.L = np.array(L, dtype=float)
+        inf = highspy.kHighsInf
+        for i in range(self.M):
+            self.h.changeRowBounds(i, float(self.L[i]), inf)
+        Ds = np.unique(np.concatenate([np.outer(np.arange(1, int(self.L[i]) + 1), self.T[i]).ravel()
+                                       for i in range(self.M)]))
+        self.Ds = Ds[Ds <= self.max_span * (1 + 1e-9)]
+        # layers[i][d, k]: the most layers of MetaOp i on count k that fit in duration Ds[d]
+        self.layers = [np.minimum(self.L[i], np.floor(self.Ds[:, None] / self.T[i][None, :] * (1 + 1e-12)))
+                       for i in range(self.M)]
+
+    def add(self, cols: Sequence[tuple[float, np.ndarray, np.ndarray]]) -> None:
         starts, idx, val = [], [], []
-        for _, a in cols:
+        for _, a, _ in cols:
             starts.append(len(idx))
             nz = np.nonzero(a)[0]
             idx.extend(nz.tolist())
             val.extend(a[nz].tolist())
         n = len(cols)
-        self.h.addCols(n, np.array([d for d, _ in cols], dtype=np.float64), np.zeros(n),
+        self.h.addCols(n, np.array([c[0] for c in cols], dtype=np.float64), np.zeros(n),
                        np.full(n, highspy.kHighsInf), len(idx), np.array(starts, dtype=np.int32),
                        np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+        self.cols.extend(cols)
 
-    def solve(self) -> tuple[float, np.ndarray] | None:
-        """Optimum and row duals (clipped at 0), or ``None`` if HiGHS does not solve it."""
+    def solve(self) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """Optimum, row duals (clipped at 0) and column values, or ``None`` if HiGHS does not solve it."""
         self.h.run()
         if self.h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
-        duals = np.maximum(np.array(self.h.getSolution().row_dual, dtype=float), 0.0)
-        return self.h.getInfo().objective_function_value, duals
+        sol = self.h.getSolution()
+        return (self.h.getInfo().objective_function_value, np.maximum(np.array(sol.row_dual, dtype=float), 0.0),
+                np.array(sol.col_value, dtype=float))
+
+    def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]``."""
+        value = np.zeros((len(rows), self.N + 1))
+        for i in range(self.M):
+            new = value.copy()
+            for k, c in enumerate(self.counts[i]):
+                np.maximum(new[:, c:], value[:, :-c] + (pi[i] * self.layers[i][rows, k])[:, None], out=new[:, c:])
+            value = new
+        return value[:, self.N]
+
+    def patterns(self, pi: np.ndarray, rows: Sequence[int]) -> list[tuple[float, np.ndarray, np.ndarray]]:
+        """The knapsack's best pattern for each duration ``Ds[rows]``, backtracked, each with its own
+        duration (its longest slice)."""
+        R, N = len(rows), self.N
+        value = np.zeros((R, N + 1))
+        picks = []
+        for i in range(self.M):
+            new, pick = value.copy(), np.full((R, N + 1), -1, dtype=np.int16)
+            for k, c in enumerate(self.counts[i]):
+                cand = value[:, :-c] + (pi[i] * self.layers[i][rows, k])[:, None]
+                better = cand > new[:, c:]
+                new[:, c:][better] = cand[better]
+                pick[:, c:][better] = k
+            picks.append(pick)
+            value = new
+        out = []
+        for r in range(R):
+            a, kk, n, dur = np.zeros(self.M), np.full(self.M, -1), N, 0.0
+            for i in reversed(range(self.M)):
+                k = int(picks[i][r, n])
+                if k >= 0:
+                    a[i], kk[i] = self.layers[i][rows[r], k], k
+                    if a[i] > 0:
+                        dur = max(dur, a[i] * self.T[i][k])
+                    n -= self.counts[i][k]
+            if a.any():
+                out.append((dur, a, kk))
+        return out
+
+    def generate(self, rounds: int) -> tuple[float, float, np.ndarray] | None:
+        """Column generation on the layers left (module docstring): ``(best Farley bound, last restricted
+        optimum, its column values)``, or ``None`` if HiGHS fails."""
+        best, got, subset = 0.0, None, None
+        D = self.Ds
+        self.rounds_run = 0
+        for r in range(rounds):
+            self.rounds_run += 1
+            got = self.solve()
+            if got is None:
+                return None
+            z, pi, _ = got
+            tol = 1e-9 * max(z, 1e-12)
+            full = subset is None or r % FULL_EVERY == 0 or r == rounds - 1
+            rows = np.arange(len(D)) if full else subset
+            value = self.price(pi, rows)
+            gain = value - D[rows]  # minus the reduced cost of each duration's best pattern
+            if full:
+                theta = float((value / D).max())
+                if theta <= 0:
+                    break
+                best = max(best, float(pi @ self.L) / theta * (1 - 1e-9))
+                subset = np.argsort(-gain)[:PARTIAL]
+            if gain.max() <= tol:
+                if full:  # no pattern improves the LP: it is solved
+                    best = max(best, z * (1 - 1e-9))
+                    break
+                subset = None  # nothing among the partial durations: price them all next round
+                continue
+            top = [int(rows[d]) for d in np.argsort(-gain)[:COLUMNS] if gain[d] > tol]
+            self.add(self.patterns(pi, top))
+        z, _, x = got
+        return best, z, np.concatenate([x, np.zeros(len(self.cols) - len(x))])
+
+
+def _pool(metaops, curves, num_devices, heuristic, max_span) -> _Pool | None:
+    """The level's pattern pool, or ``None`` without HiGHS or when pricing is too big (module docstring)."""
+    if highspy is None or not metaops:
+        return None
+    p = _Pool(metaops, curves, num_devices, max_span, heuristic)
+    if len(p.Ds) == 0 or len(p.Ds) * (num_devices + 1) > MAX_CELLS or p.work > MAX_ROUND_WORK:
+        return None
+    return p
 
 
 def pattern_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int, *,
                   heuristic: Sequence[Wave] = (), max_span: float = math.inf, rounds: int = ROUNDS) -> float:
     """The best Farley bound of the configuration LP found in ``rounds`` rounds (ms; 0 if not computed)."""
-    if highspy is None or not metaops or rounds < 1:
-        return 0.0
-    N = num_devices
-    M = len(metaops)
-    index = {m.name: i for i, m in enumerate(metaops)}
-    L = np.array([m.num_layers for m in metaops], dtype=float)
-    counts = [m.valid_counts(N) for m in metaops]
-    T = [np.array([curves[m.name].count_time(c) for c in counts[i]]) for i, m in enumerate(metaops)]
-    cap = max_span * (1 + 1e-9)
-    Ds = np.unique(np.concatenate([np.outer(np.arange(1, m.num_layers + 1), T[i]).ravel()
-                                   for i, m in enumerate(metaops)]))
-    Ds = Ds[Ds <= cap]
-    if (len(Ds) == 0 or len(Ds) * (N + 1) > MAX_CELLS
-            or len(Ds) * (N + 1) * sum(len(c) for c in counts) > MAX_ROUND_WORK):
-        return 0.0
-    # layers[i][d, k]: the most layers of MetaOp i on count k that fit in duration Ds[d]
-    layers = [np.minimum(L[i], np.floor(Ds[:, None] / T[i][None, :] * (1 + 1e-12))) for i in range(M)]
-    cols: list[tuple[float, np.ndarray]] = []
-    for i in range(M):  # one layer alone: the restricted LP is always feasible
-        k = int(np.argmin(T[i]))
-        a = np.zeros(M)
-        a[i] = 1.0
-        cols.append((float(T[i][k]), a))
-    for w in heuristic:
-        a = np.zeros(M)
-        for s in w.slices:
-            a[index[s.metaop]] = s.layers
-        cols.append((float(w.duration_ms), a))
-    master = _Master(L)
-    master.add(cols)
-    best, subset, tol = 0.0, None, 0.0
-    for r in range(rounds):
-        got = master.solve()
-        if got is None:
-            break
-        z, pi = got
-        tol = 1e-9 * max(z, 1e-12)
-        full = subset is None or r % FULL_EVERY == 0 or r == rounds - 1
-        rows = np.arange(len(Ds)) if full else subset
-        value = np.zeros((len(rows), N + 1))  # best Σ π·layers using at most n devices, per duration
-        for i in range(M):
-            new = value.copy()
-            for k, c in enumerate(counts[i]):
-                new[:, c:] = np.maximum(new[:, c:], value[:, :-c] + pi[i] * layers[i][rows, k][:, None])
-            value = new
-        gain = value[:, N] - Ds[rows]  # minus the reduced cost of each duration's best pattern
-        if full:
-            theta = float((value[:, N] / Ds).max())
-            if theta <= 0:
-                break
-            best = max(best, float(pi @ L) / theta * (1 - 1e-9))
-            subset = np.argsort(-gain)[:PARTIAL]
-        if gain.max() <= tol:
-            if full:  # no pattern improves the LP: it is solved
-                break
-            subset = None  # nothing among the partial durations: price them all next round
-            continue
-        top = [int(rows[d]) for d in np.argsort(-gain)[:COLUMNS] if gain[d] > tol]
-        master.add(_patterns(Ds[top], layers, top, pi, counts, T, N))
-    return min(best, max_span)
+    p = _pool(metaops, curves, num_devices, heuristic, max_span) if rounds >= 1 else None
+    got = p.generate(rounds) if p is not None else None
+    return 0.0 if got is None else min(got[0], max_span)
 
 
-def _patterns(durations: np.ndarray, layers, rows, pi: np.ndarray, counts, T, N: int
-              ) -> list[tuple[float, np.ndarray]]:
-    """The knapsack's best pattern for each of ``durations`` (rows ``rows`` of the layer tables),
-    backtracked, each with its own duration (its longest slice)."""
-    M, R = len(counts), len(rows)
-    value = np.zeros((R, N + 1))
-    picks = []
-    for i in range(M):
-        new, pick = value.copy(), np.full((R, N + 1), -1)
-        for k, c in enumerate(counts[i]):
-            cand = np.full((R, N + 1), -np.inf)
-            cand[:, c:] = value[:, :-c] + pi[i] * layers[i][rows, k][:, None]
-            better = cand > new
-            new, pick = np.where(better, cand, new), np.where(better, k, pick)
-        picks.append(pick)
-        value = new
-    out = []
-    for r in range(R):
-        a, n, dur = np.zeros(M), N, 0.0
-        for i in reversed(range(M)):
-            k = int(picks[i][r, n])
-            if k >= 0:
-                a[i] = layers[i][rows[r], k]
-                if a[i] > 0:
-                    dur = max(dur, a[i] * T[i][k])
-                n -= counts[i][k]
-        out.append((dur, a))
-    return out
+def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
+            heuristic: Sequence[Wave], *, level: int = 0, start_ms: float = 0.0, rounds: int | None = None,
+            dives: int | None = None) -> tuple[float, list[Wave]]:
+    """The pattern bound of the level (as :func:`pattern_bound`, with the heuristic's span as ``max_span``)
+    and the best dive's schedule, polished (:mod:`.polish`), when it is shorter than ``heuristic`` (else
+    ``[]``). A dive is abandoned once what it committed plus its residual's bound is :data:`DIVE_SLACK` over
+    the best span known (polishing often takes a few percent off)."""
+    rounds = ROUNDS if rounds is None else rounds
+    dives = DIVES if dives is None else dives
+    span = sum(w.duration_ms for w in heuristic)
+    p = _pool(metaops, curves, num_devices, heuristic, span)
+    root = p.generate(rounds) if p is not None else None
+    if root is None:
+        return 0.0, []
+    bound, _, x_root = root
+    times = {m.name: {c: curves[m.name].count_time(c) for c in m.valid_counts(num_devices)} for m in metaops}
+    L0, best, best_waves = p.L.copy(), span, []
+    left = int(DIVE_BUDGET * min(1.0, DIVE_WORK / p.work)) if p.work <= MAX_DIVE_WORK else 0
+    for j0 in [j for j in np.argsort(-x_root, kind="stable")[:dives] if x_root[j] > 1e-9]:
+        p.set_left(L0)
+        done, cost, j = [], 0.0, int(j0)
+        while True:
+            _, a, k = p.cols[j]
+            a = np.minimum(a, p.L)
+            if not a.any():  # degenerate: the LP's most used pattern has nothing left to run
+                break
+            w = [(p.names[i], p.counts[i][k[i]], int(a[i])) for i in np.nonzero(a)[0]]
+            done.append(w)
+            cost += max(n * times[m][c] for m, c, n in w)
+            p.set_left(p.L - a)
+            if not p.L.any():
+                waves = polish(build_waves(level, done, times, start_ms), metaops, curves, num_devices, times)
+                s = sum(w.duration_ms for w in waves)
+                if s < best * (1 - 1e-9):
+                    best, best_waves = s, waves
+                break
+            if left <= 0:
+                break
+            got = p.generate(min(DIVE_ROUNDS, left))
+            left -= p.rounds_run
+            if got is None or cost + got[0] >= best * (1 + DIVE_SLACK):  # got[0]: a bound of what is left
+                break
+            j = int(np.argmax(got[2]))
+    p.set_left(L0)
+    return min(bound, span), best_waves
