@@ -88,7 +88,8 @@ class LevelSchedule:
     tuples: Mapping[str, list[AllocTuple]]
     waves: list[Wave]
     variant: str
-    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher`` (``+milp``: improved by :mod:`.solver`)."""
+    """Which candidate won, e.g. ``bipoint+0.05/paper/finisher`` (``+milp``: improved by :mod:`.solver`;
+    ``+dive``: replaced by the pattern LP's dives, :func:`.patterns.improve`)."""
     bound_ms: float = 0.0
     """Certified lower bound of the level (:func:`.solver.solve_level`; 0 when the solver did not run)."""
     bound_kind: str = "C*"
