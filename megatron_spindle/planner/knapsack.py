@@ -16,36 +16,50 @@ Every wave runs at least one layer, so it ends; the result is a valid wave sched
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from .allocate import AllocTuple
 from .metaops import MetaOp
 from .waves import Wave, build_waves
 
 
-def _knapsack(left: Mapping[str, int], valid, T, a_min, N: int, D: float):
-    """Most useful work in a wave of at most ``D``: ``(work, ((name, devices, layers), ...))``."""
-    best: dict[int, tuple[float, tuple]] = {0: (0.0, ())}
-    for n, r in left.items():
-        opts = []
-        for c in valid[n]:
-            k = min(r, int(math.floor(D * (1 + 1e-9) / T[n][c])))
-            if k >= 1:
-                opts.append((c, k, k * a_min[n]))
-        if not opts:
-            continue
-        nxt = dict(best)
-        for used, (v, ch) in best.items():
-            for c, k, val in opts:
-                u = used + c
-                if u > N:
-                    break  # counts ascend
-                cur = nxt.get(u)
-                if cur is None or v + val > cur[0] * (1 + 1e-12):
-                    nxt[u] = (v + val, ch + ((n, c, k),))
-        best = nxt
-    return max(best.values(), key=lambda e: e[0])
+def _best_wave(todo: Mapping[str, int], valid, T, a_min, N: int, durations: Sequence[float]):
+    """For every duration ``D`` at once (rows): the most useful work of a wave of at most ``D`` (a knapsack
+    over devices, dynamic programming in numpy), the length of that wave (its longest slice) and, for the
+    duration whose wave does most useful work per device-time, that wave's ``((name, devices, layers), ...)``."""
+    D = np.asarray(durations, dtype=float)[:, None]
+    R = len(D)
+    value = np.zeros((R, N + 1))           # most useful work with at most n devices
+    length = np.zeros((R, N + 1))          # ... and the longest slice of that choice
+    picks = []
+    for n, r in todo.items():
+        new_v, new_l = value.copy(), length.copy()
+        pick = np.full((R, N + 1), -1, dtype=np.int32)
+        for ci, c in enumerate(valid[n]):
+            k = np.minimum(r, np.floor(D[:, 0] * (1 + 1e-9) / T[n][c]))
+            ok = (k >= 1)[:, None]
+            cand = value[:, :-c] + (k * a_min[n])[:, None]
+            better = ok & (cand > new_v[:, c:] * (1 + 1e-12))
+            new_v[:, c:] = np.where(better, cand, new_v[:, c:])
+            new_l[:, c:] = np.where(better, np.maximum(length[:, :-c], (k * T[n][c])[:, None]), new_l[:, c:])
+            pick[:, c:] = np.where(better, ci, pick[:, c:])
+        picks.append((n, r, pick))
+        value, length = new_v, new_l
+    work, dur = value[:, N], length[:, N]
+    score = np.where(work > 0, work / (N * np.maximum(dur, 1e-300)), -np.inf)
+    row = int(np.argmax(score))            # the first of equal scores: the shortest duration
+    if not np.isfinite(score[row]):
+        return ()
+    out, used = [], N
+    for n, r, pick in reversed(picks):
+        ci = int(pick[row, used])
+        if ci >= 0:
+            c = valid[n][ci]
+            out.append((n, c, int(min(r, np.floor(D[row, 0] * (1 + 1e-9) / T[n][c])))))
+            used -= c
+    return tuple(reversed(out))
 
 
 def _thin(values, most: int) -> list[float]:
@@ -73,16 +87,11 @@ def throughput_waves(metaops: Sequence[MetaOp], times: Mapping[str, Mapping[int,
         if finishing:
             durations = sorted(set(durations) | set(_thin({r * T[n][c] for n, r in todo.items() for c in valid[n]},
                                                           max_durations)))
-        best = None
-        for D in durations:
-            work, ch = _knapsack(todo, valid, T, a_min, N, D)
-            if not ch:
-                continue
-            score = work / (N * max(k * T[n][c] for n, c, k in ch))
-            if best is None or score > best[0] * (1 + 1e-12):
-                best = (score, ch)
-        chosen.append(best[1])
-        for n, _, k in best[1]:
+        ch = _best_wave(todo, valid, T, a_min, N, durations)
+        if not ch:  # every duration fits a layer of some MetaOp, so this cannot happen
+            raise RuntimeError(f"throughput waves: no wave fits on level {metaops[0].level}")
+        chosen.append(ch)
+        for n, _, k in ch:
             left[n] -= k
     order = {m.name: i for i, m in enumerate(metaops)}
     return build_waves(metaops[0].level, [sorted(ch, key=lambda e: order[e[0]]) for ch in chosen], T, start_ms)

@@ -29,15 +29,20 @@ over the most promising ones in between. Work is limited by the rounds asked for
 **Schedules** (:func:`improve`). The LP's optimum uses a few waves *fractionally* (on the big encoder levels
 its value lies 2-6% under the best schedules found), but its patterns are good waves. A *dive* commits the
 pattern the LP uses most as one wave (its layers trimmed to what is left), re-solves the LP of the layers
-still to schedule (column generation again, from every pattern found so far) and repeats until every layer
-is scheduled; dive ``t`` starts from the root's ``t``-th most used pattern instead (:data:`DIVES`). A dive
-stops early once what it has committed plus its residual LP's optimum is no shorter than the best schedule
-known. Branching on the LP's whole-number quantities (waves, waves per MetaOp, per MetaOp and count) to
-raise the bound was tried and not kept: 200 nodes moved the bound by under 0.1% on these levels.
+still to schedule (column generation again, from every pattern found so far; the candidate durations shrink
+with the layers left) and repeats until every layer is scheduled. Dive ``t < DIVES`` starts from the root's
+``t``-th most used pattern; up to :data:`RANDOM_DIVES` more take the LP's second or third pattern instead at
+random (a fixed seed per level). A residual already solved by an earlier dive is not solved again; a dive
+stops once what it committed plus its residual's Farley bound is :data:`DIVE_SLACK` over the best span known;
+every finished dive is polished (:mod:`.polish`). Work is limited by column-generation rounds
+(:data:`DIVE_BUDGET`, deterministic). Branching on the LP's whole-number quantities (waves, waves per MetaOp,
+per MetaOp and count) to raise the bound was tried and not kept: 200 nodes moved it by under 0.1% on these
+levels.
 """
 from __future__ import annotations
 
 import math
+import random
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -64,14 +69,16 @@ PARTIAL = 128
 #: pricing (table cells × valid counts of all MetaOps) worth spending rounds on.
 MAX_CELLS = 400_000
 MAX_ROUND_WORK = 8_000_000
-#: Dives from the root LP (:func:`improve`), and column-generation rounds per dive step.
+#: Dives from the root LP (:func:`improve`): one from each of its DIVES most used patterns, then up to
+#: RANDOM_DIVES that sometimes take the LP's second or third pattern; column-generation rounds per dive step.
 DIVES = 8
-DIVE_ROUNDS = 8
+RANDOM_DIVES = 16
+DIVE_ROUNDS = 30
 #: A dive stops once it cannot end within this share above the best span known, before polishing.
-DIVE_SLACK = 0.02
+DIVE_SLACK = 0.03
 #: Column-generation rounds all dives of a level may spend together (a deterministic work limit), fewer in
 #: proportion on levels whose full pricing costs more than DIVE_WORK (table cells × valid counts).
-DIVE_BUDGET = 60
+DIVE_BUDGET = 100
 DIVE_WORK = 2_000_000
 #: ... and none on levels whose full pricing costs more than this (the bound alone is worth its time there).
 MAX_DIVE_WORK = 4_000_000
@@ -244,14 +251,13 @@ def pattern_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 
 def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-            heuristic: Sequence[Wave], *, level: int = 0, start_ms: float = 0.0, rounds: int | None = None,
-            dives: int | None = None) -> tuple[float, list[Wave]]:
+            heuristic: Sequence[Wave], *, level: int = 0, start_ms: float = 0.0,
+            rounds: int | None = None) -> tuple[float, list[Wave]]:
     """The pattern bound of the level (as :func:`pattern_bound`, with the heuristic's span as ``max_span``)
     and the best dive's schedule, polished (:mod:`.polish`), when it is shorter than ``heuristic`` (else
     ``[]``). A dive is abandoned once what it committed plus its residual's bound is :data:`DIVE_SLACK` over
     the best span known (polishing often takes a few percent off)."""
     rounds = ROUNDS if rounds is None else rounds
-    dives = DIVES if dives is None else dives
     span = sum(w.duration_ms for w in heuristic)
     p = _pool(metaops, curves, num_devices, heuristic, span)
     root = p.generate(rounds) if p is not None else None
@@ -261,13 +267,27 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
     times = {m.name: {c: curves[m.name].count_time(c) for c in m.valid_counts(num_devices)} for m in metaops}
     L0, best, best_waves = p.L.copy(), span, []
     left = int(DIVE_BUDGET * min(1.0, DIVE_WORK / p.work)) if p.work <= MAX_DIVE_WORK else 0
-    for j0 in [j for j in np.argsort(-x_root, kind="stable")[:dives] if x_root[j] > 1e-9]:
+    rng = random.Random(level)
+    first = [int(j) for j in np.argsort(-x_root, kind="stable") if x_root[j] > 1e-9]
+    seen: dict[tuple, tuple | None] = {}
+    for dive in range(DIVES + RANDOM_DIVES):
+        if left <= 0:
+            break
         p.set_left(L0)
-        done, cost, j = [], 0.0, int(j0)
-        while True:
+        done, cost, x = [], 0.0, x_root
+        while left > 0:
+            top = [int(j) for j in np.argsort(-x, kind="stable")[:3] if x[j] > 1e-9]
+            if not top:
+                break
+            if not done and dive < min(DIVES, len(first)):  # dive t starts from the root's t-th pattern
+                j = first[dive]
+            elif dive < DIVES or len(top) == 1 or rng.random() < 0.6:  # ... then follows the LP
+                j = top[0]
+            else:  # later dives take one of the LP's next two patterns 40% of the time
+                j = rng.choice(top[1:])
             _, a, k = p.cols[j]
             a = np.minimum(a, p.L)
-            if not a.any():  # degenerate: the LP's most used pattern has nothing left to run
+            if not a.any():  # degenerate: the pattern has nothing left to run
                 break
             w = [(p.names[i], p.counts[i][k[i]], int(a[i])) for i in np.nonzero(a)[0]]
             done.append(w)
@@ -279,12 +299,13 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
                 if s < best * (1 - 1e-9):
                     best, best_waves = s, waves
                 break
-            if left <= 0:
-                break
-            got = p.generate(min(DIVE_ROUNDS, left))
-            left -= p.rounds_run
+            key = tuple(int(v) for v in p.L)
+            got = seen.get(key)
+            if got is None:  # a residual an earlier dive solved is not solved again
+                got = seen[key] = p.generate(min(DIVE_ROUNDS, left))
+                left -= p.rounds_run
             if got is None or cost + got[0] >= best * (1 + DIVE_SLACK):  # got[0]: a bound of what is left
                 break
-            j = int(np.argmax(got[2]))
+            x = got[2]
     p.set_left(L0)
     return min(bound, span), best_waves

@@ -75,7 +75,7 @@ ALIGN = ("shortest", "finisher")
 #: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
 #: only on levels no larger than its last number (its cost grows with MetaOps × devices) and on at most
 #: :data:`KNAPSACK_MAX_DEVICES` devices.
-KNAPSACK_VARIANTS = ((20, True, 448), (80, False, 448))
+KNAPSACK_VARIANTS = ((20, True, 640), (80, False, 640))
 KNAPSACK_MAX_DEVICES = 32
 #: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
 SOLVER_BUDGET_S = 2.0
