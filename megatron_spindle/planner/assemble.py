@@ -52,7 +52,8 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
     """Largest gap first, while a level's gap is more than :data:`BOUND_WORTH` of the makespan (the small
     levels of embeddings, heads and losses move the plan's certified gap by less than that): raise the
     level's bound with the pattern LP and take its dives' best schedule where it is shorter
-    (:func:`.patterns.improve`). Later levels' waves move with the level's new span."""
+    (:func:`.patterns.improve`; the waves it replaces become the level's first alternative and, unless it had
+    one, its first-search candidate, for :mod:`.choose`). Later levels' waves move with the level's new span."""
     out = list(scheds)
     total = sum(ls.span_ms for ls in scheds)
     for i in sorted(range(len(out)), key=lambda i: -(out[i].span_ms - out[i].bound_ms)):
@@ -61,9 +62,12 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
             break
         start = ls.waves[0].start_ms if ls.waves else 0.0
         b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start)
-        if waves:
+        if waves:  # the waves it replaces stay a whole-step candidate (they may transfer less)
+            before = dataclasses.replace(ls, alternatives=(), first_search=None)
             ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),
-                                         variant=ls.variant.split("+dive")[0] + "+dive")
+                                     variant=ls.variant.split("+dive")[0] + "+dive",
+                                     alternatives=(before,) + tuple(ls.alternatives),
+                                     first_search=ls.first_search or before)
         if b > ls.bound_ms * (1 + 1e-9):
             ls = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
                                      bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "patterns")
