@@ -81,7 +81,7 @@ DIVE_SLACK = 0.03
 DIVE_BUDGET = 100
 DIVE_WORK = 2_000_000
 #: ... and none on levels whose full pricing costs more than this (the bound alone is worth its time there).
-MAX_DIVE_WORK = 4_000_000
+MAX_DIVE_WORK = 5_000_000
 
 
 class _Pool:

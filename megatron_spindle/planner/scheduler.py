@@ -56,8 +56,9 @@ from .waves import Wave, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
-#: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer.
-SMALL_LEVEL = 16
+#: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer (the larger ones, 14 and 20
+#: encoders in Multitask-CLIP-7 and -10, leave the time to the pattern LP's dives, :mod:`.patterns`).
+SMALL_LEVEL = 12
 #: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
 ALT_SLACK = 0.03
 LOCAL_SEARCH_STEPS_SMALL = 200
