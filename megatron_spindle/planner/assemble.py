@@ -45,6 +45,9 @@ def schedule(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_
 
 #: A level whose span is within this share of the plan's makespan of its bound is not worth a pattern LP.
 BOUND_WORTH = 0.002
+#: ... and the pattern LP's dives only where it is more than this share (a level with less to gain keeps its
+#: heuristic's waves; the dives cost a few tens of milliseconds per level).
+DIVE_WORTH = 0.01
 
 
 def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
@@ -61,7 +64,8 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
         if ls.span_ms - ls.bound_ms <= BOUND_WORTH * total:
             break
         start = ls.waves[0].start_ms if ls.waves else 0.0
-        b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start)
+        b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start,
+                           dive=ls.span_ms - max(ls.bound_ms, ls.allocation.c_star_ms) > DIVE_WORTH * total)
         if waves:  # the waves it replaces stay a whole-step candidate (they may transfer less)
             before = dataclasses.replace(ls, alternatives=(), first_search=None)
             ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),

@@ -158,10 +158,27 @@ class _Pool:
         return (self.h.getInfo().objective_function_value, np.maximum(np.array(sol.row_dual, dtype=float), 0.0),
                 np.array(sol.col_value, dtype=float))
 
+    def _active(self, pi: np.ndarray) -> list[int]:
+        """MetaOps worth a place in a pattern: a positive dual and layers left (the others add nothing to
+        ``Σ π·a``, so the knapsack never picks them)."""
+        return [i for i in range(self.M) if pi[i] > 0 and self.L[i] > 0]
+
+    def _options(self, i: int, pi: np.ndarray, rows, value: np.ndarray) -> np.ndarray:
+        """``(R, 1 + counts, N + 1)``: the knapsack's value with MetaOp ``i`` left out (0) or on each of its
+        valid counts (``k + 1``), from ``value`` (the MetaOps before it), for at most ``n`` devices."""
+        counts = self.counts[i]
+        R, W = value.shape
+        top = counts[-1]
+        padded = np.full((R, W + top), -np.inf)
+        padded[:, top:] = value
+        shifted = padded[:, (top - np.asarray(counts))[:, None] + np.arange(W)]   # (R, K, W)
+        gains = pi[i] * self.layers[i][rows]                                        # (R, K)
+        return np.concatenate([value[:, None, :], shifted + gains[:, :, None]], axis=1)
+
     def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]``."""
         value = np.zeros((len(rows), self.N + 1))
-        for i in range(self.M):
+        for i in self._active(pi):
             new = value.copy()
             for k, c in enumerate(self.counts[i]):
                 np.maximum(new[:, c:], value[:, :-c] + (pi[i] * self.layers[i][rows, k])[:, None], out=new[:, c:])
@@ -172,22 +189,20 @@ class _Pool:
         """The knapsack's best pattern for each duration ``Ds[rows]``, backtracked, each with its own
         duration (its longest slice)."""
         R, N = len(rows), self.N
+        rows = np.asarray(rows)
         value = np.zeros((R, N + 1))
         picks = []
-        for i in range(self.M):
-            new, pick = value.copy(), np.full((R, N + 1), -1, dtype=np.int16)
-            for k, c in enumerate(self.counts[i]):
-                cand = value[:, :-c] + (pi[i] * self.layers[i][rows, k])[:, None]
-                better = cand > new[:, c:]
-                new[:, c:][better] = cand[better]
-                pick[:, c:][better] = k
-            picks.append(pick)
-            value = new
+        active = self._active(pi)
+        for i in active:
+            opts = self._options(i, pi, rows, value)
+            pick = opts.argmax(axis=1)          # the first best: left out on ties, then the smallest count
+            value = opts.max(axis=1)
+            picks.append(pick - 1)              # -1: left out
         out = []
         for r in range(R):
             a, kk, n, dur = np.zeros(self.M), np.full(self.M, -1), N, 0.0
-            for i in reversed(range(self.M)):
-                k = int(picks[i][r, n])
+            for i, pick in zip(reversed(active), reversed(picks)):
+                k = int(pick[r, n])
                 if k >= 0:
                     a[i], kk[i] = self.layers[i][rows[r], k], k
                     if a[i] > 0:
@@ -252,10 +267,10 @@ def pattern_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
             heuristic: Sequence[Wave], *, level: int = 0, start_ms: float = 0.0,
-            rounds: int | None = None) -> tuple[float, list[Wave]]:
+            rounds: int | None = None, dive: bool = True) -> tuple[float, list[Wave]]:
     """The pattern bound of the level (as :func:`pattern_bound`, with the heuristic's span as ``max_span``)
     and the best dive's schedule, polished (:mod:`.polish`), when it is shorter than ``heuristic`` (else
-    ``[]``). A dive is abandoned once what it committed plus its residual's bound is :data:`DIVE_SLACK` over
+    ``[]``; ``dive=False``: the bound only). A dive is abandoned once what it committed plus its residual's bound is :data:`DIVE_SLACK` over
     the best span known (polishing often takes a few percent off)."""
     rounds = ROUNDS if rounds is None else rounds
     span = sum(w.duration_ms for w in heuristic)
@@ -266,7 +281,7 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
     bound, _, x_root = root
     times = {m.name: {c: curves[m.name].count_time(c) for c in m.valid_counts(num_devices)} for m in metaops}
     L0, best, best_waves = p.L.copy(), span, []
-    left = int(DIVE_BUDGET * min(1.0, DIVE_WORK / p.work)) if p.work <= MAX_DIVE_WORK else 0
+    left = int(DIVE_BUDGET * min(1.0, DIVE_WORK / p.work)) if dive and p.work <= MAX_DIVE_WORK else 0
     rng = random.Random(level)
     first = [int(j) for j in np.argsort(-x_root, kind="stable") if x_root[j] > 1e-9]
     seen: dict[tuple, tuple | None] = {}

@@ -70,7 +70,7 @@ POLISH_SEARCH_STEPS_LARGE = 100
 POLISH_STARTS = 4
 #: Steps of a third one, on polished spans with finer moves, from the first one's result.
 POLISH_SEARCH_STEPS_2 = 200
-POLISH_SEARCH_STEPS_2_LARGE = 100
+POLISH_SEARCH_STEPS_2_LARGE = 50
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
