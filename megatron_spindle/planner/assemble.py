@@ -65,7 +65,7 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
             break
         start = ls.waves[0].start_ms if ls.waves else 0.0
         b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start,
-                           dive=ls.span_ms - max(ls.bound_ms, ls.allocation.c_star_ms) > DIVE_WORTH * total)
+                           dive=ls.span_ms - ls.bound_ms > DIVE_WORTH * total)
         if waves:  # the waves it replaces stay a whole-step candidate (they may transfer less)
             before = dataclasses.replace(ls, alternatives=(), first_search=None)
             ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),

@@ -26,9 +26,9 @@ from .waves import Wave, build_waves
 
 
 def _best_wave(todo: Mapping[str, int], valid, T, a_min, N: int, durations: Sequence[float]):
-    """For every duration ``D`` at once (rows): the most useful work of a wave of at most ``D`` (a knapsack
-    over devices, dynamic programming in numpy), the length of that wave (its longest slice) and, for the
-    duration whose wave does most useful work per device-time, that wave's ``((name, devices, layers), ...)``."""
+    """The wave, as ``((name, devices, layers), ...)``, that does the most useful work per device-time of its
+    own length among the best-filled waves of the given durations (each the knapsack over devices of most
+    useful work within ``D``, every duration at once in numpy); ``()`` if none runs a layer."""
     D = np.asarray(durations, dtype=float)[:, None]
     R = len(D)
     value = np.zeros((R, N + 1))           # most useful work with at most n devices

@@ -89,13 +89,16 @@ class _Pool:
     restarts from the last basis), with the pricing tables of the layers still to schedule."""
 
     def __init__(self, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, max_span: float,
-                 heuristic: Sequence[Wave]) -> None:
+                 heuristic: Sequence[Wave], work: int) -> None:
         self.N, self.M = N, len(metaops)
+        self.work = work
+        """One full pricing's work at the start (:func:`_work`)."""
         self.names = [m.name for m in metaops]
         self.counts = [m.valid_counts(N) for m in metaops]
         self.T = [np.array([curves[m.name].count_time(c) for c in self.counts[i]]) for i, m in enumerate(metaops)]
         L = np.array([m.num_layers for m in metaops], dtype=float)
         self.max_span = max_span
+        self.rounds_run = 0
         inf = highspy.kHighsInf
         self.h = highspy.Highs()
         self.h.setOptionValue("output_flag", False)
@@ -106,7 +109,6 @@ class _Pool:
         self.h.passModel(lp)
         self.cols: list[tuple[float, np.ndarray, np.ndarray]] = []   # (duration, layers a, count index k)
         self.set_left(L)
-        self.work = len(self.Ds) * (N + 1) * sum(len(c) for c in self.counts)
         index = {n: i for i, n in enumerate(self.names)}
         start = []
         for i in range(self.M):  # one layer alone: the restricted LP is always feasible
@@ -129,9 +131,7 @@ class _Pool:
         inf = highspy.kHighsInf
         for i in range(self.M):
             self.h.changeRowBounds(i, float(self.L[i]), inf)
-        Ds = np.unique(np.concatenate([np.outer(np.arange(1, int(self.L[i]) + 1), self.T[i]).ravel()
-                                       for i in range(self.M)]))
-        self.Ds = Ds[Ds <= self.max_span * (1 + 1e-9)]
+        self.Ds = _durations(self.T, self.L, self.max_span)
         # layers[i][d, k]: the most layers of MetaOp i on count k that fit in duration Ds[d]
         self.layers = [np.minimum(self.L[i], np.floor(self.Ds[:, None] / self.T[i][None, :] * (1 + 1e-12)))
                        for i in range(self.M)]
@@ -176,7 +176,8 @@ class _Pool:
         return np.concatenate([value[:, None, :], shifted + gains[:, :, None]], axis=1)
 
     def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]``."""
+        """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]`` (the recurrence of
+        :meth:`_options`, one count at a time: over every duration the stacked form moves 3x the memory)."""
         value = np.zeros((len(rows), self.N + 1))
         for i in self._active(pi):
             new = value.copy()
@@ -247,14 +248,29 @@ class _Pool:
         return best, z, np.concatenate([x, np.zeros(len(self.cols) - len(x))])
 
 
+def _durations(T: Sequence[np.ndarray], L: np.ndarray, max_span: float) -> np.ndarray:
+    """The candidate wave durations: every ``l·T_m(c)`` for ``l`` up to the layers left, at most ``max_span``."""
+    Ds = np.unique(np.concatenate([np.outer(np.arange(1, int(L[i]) + 1), T[i]).ravel() for i in range(len(T))]))
+    return Ds[Ds <= max_span * (1 + 1e-9)]
+
+
+def _work(metaops, curves, num_devices: int, max_span: float) -> tuple[int, int]:
+    """``(candidate durations, one full pricing's work: table cells × valid counts)`` of a level."""
+    counts = [m.valid_counts(num_devices) for m in metaops]
+    T = [np.array([curves[m.name].count_time(c) for c in cs]) for m, cs in zip(metaops, counts)]
+    n = len(_durations(T, np.array([m.num_layers for m in metaops]), max_span))
+    return n, n * (num_devices + 1) * sum(len(c) for c in counts)
+
+
 def _pool(metaops, curves, num_devices, heuristic, max_span) -> _Pool | None:
-    """The level's pattern pool, or ``None`` without HiGHS or when pricing is too big (module docstring)."""
+    """The level's pattern pool, or ``None`` without HiGHS or when pricing is too big (module docstring;
+    checked before the pool is built)."""
     if highspy is None or not metaops:
         return None
-    p = _Pool(metaops, curves, num_devices, max_span, heuristic)
-    if len(p.Ds) == 0 or len(p.Ds) * (num_devices + 1) > MAX_CELLS or p.work > MAX_ROUND_WORK:
+    durations, work = _work(metaops, curves, num_devices, max_span)
+    if durations == 0 or durations * (num_devices + 1) > MAX_CELLS or work > MAX_ROUND_WORK:
         return None
-    return p
+    return _Pool(metaops, curves, num_devices, max_span, heuristic, work)
 
 
 def pattern_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int, *,
@@ -270,8 +286,8 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
             rounds: int | None = None, dive: bool = True) -> tuple[float, list[Wave]]:
     """The pattern bound of the level (as :func:`pattern_bound`, with the heuristic's span as ``max_span``)
     and the best dive's schedule, polished (:mod:`.polish`), when it is shorter than ``heuristic`` (else
-    ``[]``; ``dive=False``: the bound only). A dive is abandoned once what it committed plus its residual's bound is :data:`DIVE_SLACK` over
-    the best span known (polishing often takes a few percent off)."""
+    ``[]``; ``dive=False``: the bound only). A dive is abandoned once what it committed plus its residual's
+    bound is :data:`DIVE_SLACK` over the best span known (polishing often takes a few percent off)."""
     rounds = ROUNDS if rounds is None else rounds
     span = sum(w.duration_ms for w in heuristic)
     p = _pool(metaops, curves, num_devices, heuristic, span)
@@ -285,7 +301,7 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
     rng = random.Random(level)
     first = [int(j) for j in np.argsort(-x_root, kind="stable") if x_root[j] > 1e-9]
     seen: dict[tuple, tuple | None] = {}
-    for dive in range(DIVES + RANDOM_DIVES):
+    for t in range(DIVES + RANDOM_DIVES):
         if left <= 0:
             break
         p.set_left(L0)
@@ -294,9 +310,9 @@ def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_d
             top = [int(j) for j in np.argsort(-x, kind="stable")[:3] if x[j] > 1e-9]
             if not top:
                 break
-            if not done and dive < min(DIVES, len(first)):  # dive t starts from the root's t-th pattern
-                j = first[dive]
-            elif dive < DIVES or len(top) == 1 or rng.random() < 0.6:  # ... then follows the LP
+            if not done and t < min(DIVES, len(first)):  # dive t starts from the root's t-th pattern
+                j = first[t]
+            elif t < DIVES or len(top) == 1 or rng.random() < 0.6:  # ... then follows the LP
                 j = top[0]
             else:  # later dives take one of the LP's next two patterns 40% of the time
                 j = rng.choice(top[1:])
