@@ -18,6 +18,7 @@ from .graph import TaskGraph
 from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
+from .anneal import anneal
 from .knapsack import tuples_of
 from .patterns import improve
 from .plan import LevelInfo, Plan, Slice, WavePlan
@@ -48,6 +49,9 @@ BOUND_WORTH = 0.002
 #: ... and the pattern LP's dives only where it is more than this share (a level with less to gain keeps its
 #: heuristic's waves; the dives cost a few tens of milliseconds per level).
 DIVE_WORTH = 0.01
+#: Annealing (:mod:`.anneal`) on a level whose gap is still more than DIVE_WORTH after the dives: its moves
+#: are this work limit over the level's valid counts (a move's cost grows with MetaOps × counts).
+ANNEAL_WORK = 80_000
 
 
 def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
@@ -64,8 +68,12 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
         if ls.span_ms - ls.bound_ms <= BOUND_WORTH * total:
             break
         start = ls.waves[0].start_ms if ls.waves else 0.0
-        b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start,
-                           dive=ls.span_ms - ls.bound_ms > DIVE_WORTH * total)
+        dive = ls.span_ms - ls.bound_ms > DIVE_WORTH * total
+        b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start, dive=dive)
+        if dive and sum(w.duration_ms for w in waves or ls.waves) - max(b, ls.bound_ms) > DIVE_WORTH * total:
+            moves = ANNEAL_WORK // sum(len(m.valid_counts(num_devices)) for m in by_level[i])
+            waves = anneal(waves or ls.waves, by_level[i], curves, num_devices, moves=moves, level=ls.level,
+                           start_ms=start) or waves
         if waves:  # the waves it replaces stay a whole-step candidate (they may transfer less)
             before = dataclasses.replace(ls, alternatives=(), first_search=None)
             ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),

@@ -1,0 +1,194 @@
+"""Simulated annealing on a level's layer assignment: a search past the local optima of :mod:`.polish`.
+
+A level's wave schedule is, up to device counts, a table ``a[w][m]``: the layers of MetaOp ``m`` in wave ``w``
+(the waves of one level commute, so any table whose rows sum to every MetaOp's layers is a schedule). Given a
+wave's layers, its shortest duration on ``N`` devices is found greedily (:func:`_fit`): every MetaOp starts on
+its smallest valid count, and the slice that ends the wave moves to its next count while the devices allow;
+when it cannot, no shorter duration fits (each count taken is the least that MetaOp needs to finish under the
+wave's current end).
+
+Moves, at random (a seeded generator per level, so plans do not depend on the machine):
+
+* one layer of a MetaOp from one wave to another (the MetaOp taken among the slices that end the source wave
+  half of the time), or into a new wave;
+* a swap: that layer one way, one or two layers of another MetaOp the other way;
+* **shed** (:data:`SHED`): every slice that ends a wave (chosen in proportion to its duration) gives up one
+  layer, each to a random wave or to the one where it costs least — the only move that shortens a wave
+  several slices end together.
+
+A move that shortens the span is always taken, a longer one with probability ``exp(-Δ / t)``, the temperature
+``t`` falling geometrically from :data:`T_START` to :data:`T_END` of the span. The best table seen is
+returned as waves (polished, :mod:`.polish`) when it is shorter than the input. Work is limited by the
+moves tried (:func:`anneal`'s ``moves``), so the result depends only on the input and the level.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from typing import Mapping, Sequence
+
+from .curves import ScalingCurve
+from .metaops import MetaOp
+from .polish import polish
+from .waves import Wave, build_waves
+
+#: Temperatures at the first and the last move, as shares of the input's span.
+T_START = 0.002
+T_END = 0.0001
+#: Share of moves that shed a wave's ending slices, and of shed layers sent to the wave where they cost least.
+SHED = 0.3
+SHED_GREEDY = 0.5
+
+
+class _Level:
+    """Per MetaOp its counts that run faster than the ones below (a slower larger count is never worth its
+    devices) and their per-layer times; wave fits cached by layer tuple."""
+
+    def __init__(self, metaops: Sequence[MetaOp], times: Mapping[str, Mapping[int, float]], N: int) -> None:
+        self.N, self.names = N, [m.name for m in metaops]
+        self.counts, self.T = [], []
+        for m in metaops:
+            cs, ts = [], []
+            for c in sorted(times[m.name]):
+                if not ts or times[m.name][c] < ts[-1]:
+                    cs.append(c)
+                    ts.append(times[m.name][c])
+            self.counts.append(cs)
+            self.T.append(ts)
+        self.cache: dict[tuple, tuple[float, tuple]] = {}
+
+    def fit(self, w: tuple) -> tuple[float, tuple]:
+        """``(shortest duration, device count per MetaOp)`` of a wave running ``w[m]`` layers of each MetaOp
+        (``inf`` when its MetaOps do not fit the devices even on their smallest counts)."""
+        got = self.cache.get(w)
+        if got is None:
+            got = self.cache[w] = _fit(w, self.counts, self.T, self.N)
+        return got
+
+
+def _fit(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
+    k = [0] * len(w)
+    heap = [(-a * T[m][0], m) for m, a in enumerate(w) if a]
+    if not heap:
+        return 0.0, tuple(k)
+    used = sum(counts[m][0] for _, m in heap)
+    if used > N:
+        return math.inf, tuple(k)
+    heapq.heapify(heap)
+    while True:
+        t, m = heap[0]
+        i = k[m] + 1
+        if i == len(counts[m]) or used + counts[m][i] - counts[m][i - 1] > N:
+            return -t, tuple(k)
+        used += counts[m][i] - counts[m][i - 1]
+        k[m] = i
+        heapq.heapreplace(heap, (-w[m] * T[m][i], m))
+
+
+def _ending(lv: _Level, w: tuple, d: float) -> list[int]:
+    """The MetaOps whose slice ends a wave of duration ``d``."""
+    k = lv.fit(w)[1]
+    return [m for m, a in enumerate(w) if a and a * lv.T[m][k[m]] >= d * (1 - 1e-9)]
+
+
+def anneal(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
+           num_devices: int, *, moves: int, level: int = 0, start_ms: float = 0.0,
+           times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+    """A shorter schedule of the level than ``waves`` found in ``moves`` moves, polished, or ``[]``."""
+    if not waves or moves <= 0:
+        return []
+    N = num_devices
+    times = times if times is not None else {
+        m.name: {c: curves[m.name].count_time(c) for c in m.valid_counts(N)} for m in metaops}
+    lv = _Level(metaops, times, N)
+    M, index = len(metaops), {m.name: i for i, m in enumerate(metaops)}
+    empty = (0,) * M
+    table = []
+    for w in waves:
+        row = [0] * M
+        for s in w.slices:
+            row[index[s.metaop]] += s.layers
+        table.append(tuple(row))
+    table.append(empty)  # one empty wave: a layer may always move to a wave of its own
+    D = [lv.fit(w)[0] for w in table]
+    span = sum(w.duration_ms for w in waves)
+    cur, best, best_table = sum(D), span, None
+    rng = random.Random(level)
+    for it in range(moves):
+        temp = span * T_START * (T_END / T_START) ** (it / moves)
+        W = len(table)
+        new = {}
+        if rng.random() < SHED:
+            i1 = rng.choices(range(W), weights=D)[0]
+            ending = _ending(lv, table[i1], D[i1])
+            if not ending:
+                continue
+            row = list(table[i1])
+            for m in ending:
+                row[m] -= 1
+            new[i1] = tuple(row)
+            for m in ending:
+                if rng.random() < SHED_GREEDY:
+                    best_cost, j_best, x_best = math.inf, -1, None
+                    for j in range(W):
+                        if j == i1:
+                            continue
+                        old = new.get(j, table[j])
+                        x = old[:m] + (old[m] + 1,) + old[m + 1:]
+                        cost = lv.fit(x)[0] - lv.fit(old)[0]
+                        if cost < best_cost:
+                            best_cost, j_best, x_best = cost, j, x
+                    new[j_best] = x_best
+                else:
+                    j = rng.randrange(W - 1)
+                    j += j >= i1
+                    old = new.get(j, table[j])
+                    new[j] = old[:m] + (old[m] + 1,) + old[m + 1:]
+        else:
+            if rng.random() < 0.5:
+                i1 = rng.choices(range(W), weights=D)[0]
+                ms = _ending(lv, table[i1], D[i1])
+            else:
+                i1 = rng.randrange(W)
+                ms = [m for m in range(M) if table[i1][m]]
+            if not ms:
+                continue
+            m = rng.choice(ms)
+            i2 = rng.randrange(W - 1)
+            i2 += i2 >= i1
+            r1, r2 = list(table[i1]), list(table[i2])
+            r1[m] -= 1
+            r2[m] += 1
+            if rng.random() >= 0.7:  # a swap: another MetaOp's layers the other way
+                others = [k for k in range(M) if r2[k] and k != m]
+                if not others:
+                    continue
+                m2 = rng.choice(others)
+                d2 = rng.randint(1, min(2, r2[m2]))
+                r1[m2] += d2
+                r2[m2] -= d2
+            new[i1], new[i2] = tuple(r1), tuple(r2)
+        delta = sum(lv.fit(x)[0] - D[j] for j, x in new.items())
+        if delta > 1e-12 * span and rng.random() >= math.exp(-delta / temp):
+            continue
+        for j, x in new.items():
+            table[j], D[j] = x, lv.fit(x)[0]
+        empties = [j for j in range(len(table)) if table[j] == empty]
+        for j in reversed(empties[1:]):
+            del table[j], D[j]
+        if not empties:
+            table.append(empty)
+            D.append(0.0)
+        cur = sum(D)
+        if cur < best * (1 - 1e-9):
+            best, best_table = cur, list(table)
+    if best_table is None:
+        return []
+    choices = []
+    for row in best_table:
+        if row != empty:
+            k = lv.fit(row)[1]
+            choices.append([(lv.names[m], lv.counts[m][k[m]], a) for m, a in enumerate(row) if a])
+    out = polish(build_waves(level, choices, times, start_ms), metaops, curves, N, times)
+    return out if sum(w.duration_ms for w in out) < span * (1 - 1e-9) else []
