@@ -113,7 +113,7 @@ def anneal(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     table.append(empty)  # one empty wave: a layer may always move to a wave of its own
     D = [lv.fit(w)[0] for w in table]
     span = sum(w.duration_ms for w in waves)
-    cur, best, best_table = sum(D), span, None
+    best, best_table = span, None
     rng = random.Random(level)
     for it in range(moves):
         temp = span * T_START * (T_END / T_START) ** (it / moves)
@@ -180,9 +180,8 @@ def anneal(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
         if not empties:
             table.append(empty)
             D.append(0.0)
-        cur = sum(D)
-        if cur < best * (1 - 1e-9):
-            best, best_table = cur, list(table)
+        if sum(D) < best * (1 - 1e-9):
+            best, best_table = sum(D), list(table)
     if best_table is None:
         return []
     choices = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from .anneal import anneal
 from .cluster import Cluster
 from .curves import ScalingCurve
 from .dataflow import param_groups, transfers
@@ -18,7 +19,6 @@ from .graph import TaskGraph
 from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
-from .anneal import anneal
 from .knapsack import tuples_of
 from .patterns import improve
 from .plan import LevelInfo, Plan, Slice, WavePlan
