@@ -236,7 +236,8 @@ def test_cli_plan_prints_bound_and_gap():
 @pytest.mark.parametrize("seed", range(6))
 def test_anneal_fit_is_the_shortest_duration_of_a_wave(seed):
     """:func:`.anneal._fit` against every assignment of valid counts: the shortest duration of a wave with
-    given layers per MetaOp on ``n`` devices (``inf`` when the MetaOps do not fit)."""
+    given layers per MetaOp on ``n`` devices (``inf`` when the MetaOps do not fit); ``_Level.plus`` (one
+    layer more, without a fit when it fits under the wave's end) against a fresh fit."""
     from megatron_spindle.planner.anneal import _Level
     rng = random.Random(300 + seed)
     metaops, curves, n = instance(rng)
@@ -251,6 +252,10 @@ def test_anneal_fit_is_the_shortest_duration_of_a_wave(seed):
                 best = min(best, max((a * times[m.name][c] for m, a, c in zip(metaops, w, cs) if a), default=0.0))
         d, k = lv.fit(w)
         assert d == pytest.approx(best)
+        m = rng.randrange(len(metaops))  # one layer more, by the shortcut: the same as fitting it afresh
+        x, dx = lv.plus(w, m)
+        assert x == w[:m] + (w[m] + 1,) + w[m + 1:]
+        assert dx == pytest.approx(_Level(metaops, times, n).fit(x)[0])
         present = [m for m, a in enumerate(w) if a]
         if present and d < math.inf:  # the counts it picked reach that duration on at most n devices
             assert sum(lv.counts[m][k[m]] for m in present) <= n
@@ -275,6 +280,53 @@ def test_anneal_gives_real_schedules_and_mostly_the_optimum():
             span = sum(w.duration_ms for w in waves)
         optimal += span <= opt * (1 + 1e-6)
     assert optimal >= 10
+
+
+def test_rebuild_reaches_the_optimum_on_small_instances():
+    """Ruin and recreate alone (:func:`.anneal.rebuild` through :func:`.anneal.anneal`, one annealing move) from
+    the paper's pipeline on the 12 instances above: valid schedules, never under the brute-force optimum, and
+    at least 11 of 12 at it (measured: 12; the annealing alone, 3000 moves: 10)."""
+    from megatron_spindle.planner.anneal import anneal
+    optimal = 0
+    for seed in range(12):
+        metaops, curves, n = instance(random.Random(400 + seed))
+        opt = brute_force(metaops, curves, n)
+        start = plan_level(metaops, curves, n, search=False, solver_budget_s=0).waves
+        span = sum(w.duration_ms for w in start)
+        waves = anneal(start, metaops, curves, n, moves=1, level=seed, rebuild_work=6000)
+        if waves:
+            assert_schedule(waves, metaops, n)
+            assert opt * (1 - 1e-6) <= sum(w.duration_ms for w in waves) < span
+            span = sum(w.duration_ms for w in waves)
+        optimal += span <= opt * (1 + 1e-6)
+    assert optimal >= 11
+
+
+def test_rebuild_shortens_the_annealing_best_on_clip10_32():
+    """On Multitask-CLIP-10 / 32 GPUs' encoders (deterministic), with the planner's work limits, the
+    ruin-and-recreate runs take the heuristics + dives + annealing's best (83.81 ms) to 83.44 ms, which
+    certifies the row within 3% (its bound: 81.07 ms for this level)."""
+    from megatron_spindle.planner.analytic import build_curves
+    from megatron_spindle.planner.anneal import anneal
+    from megatron_spindle.planner.assemble import ANNEAL_WORK, REBUILD_WORK, make_metaops
+    from megatron_spindle.planner.cluster import load_cluster
+    from megatron_spindle.planner.metaops import levels
+    from megatron_spindle.planner.workloads import build_graph
+    devices = 32
+    metaops = make_metaops(build_graph("multitask-clip", tasks=10), load_cluster(None, num_devices=devices))
+    curves = build_curves(metaops, devices)
+    lv = levels(metaops)[1]
+    heuristic = plan_level(lv, curves, devices)
+    _, dived = patterns.improve(lv, curves, devices, heuristic.waves, level=1)
+    start = dived or heuristic.waves
+    moves = ANNEAL_WORK // sum(len(m.valid_counts(devices)) for m in lv)
+    annealed = anneal(start, lv, curves, devices, moves=moves, level=1) or start
+    waves = anneal(start, lv, curves, devices, moves=moves, level=1, rebuild_work=REBUILD_WORK)
+    assert waves, "nothing shorter than the start"
+    assert_schedule(waves, lv, devices)
+    span = sum(w.duration_ms for w in waves)
+    assert span < sum(w.duration_ms for w in annealed) * (1 - 3e-3)
+    assert span <= 83.48  # the encoders' share of 3% over the row's certified bound
 
 
 def test_anneal_shortens_the_dives_best_schedule():

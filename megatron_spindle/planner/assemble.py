@@ -52,6 +52,12 @@ DIVE_WORTH = 0.01
 #: Annealing (:mod:`.anneal`) on a level whose gap is still more than DIVE_WORTH after the dives: its moves
 #: are this work limit over the level's valid counts (a move's cost grows with MetaOps × counts).
 ANNEAL_WORK = 80_000
+#: ... then ruin and recreate (:func:`.anneal.rebuild`): the wave fits its runs try in all, on such a level
+#: (0.02-0.1 s; a fit's cost grows with the level's MetaOps and devices).
+REBUILD_WORK = 72_000
+#: ... spent only while the level keeps the plan more than this over its certified bound (issue 14's 3%):
+#: a plan already that close keeps its planning time.
+REBUILD_GAP = 0.03
 
 
 def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]],
@@ -60,7 +66,9 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
     levels of embeddings, heads and losses move the plan's certified gap by less than that): raise the
     level's bound with the pattern LP and take its dives' best schedule where it is shorter
     (:func:`.patterns.improve`; the waves it replaces become the level's first alternative and, unless it had
-    one, its first-search candidate, for :mod:`.choose`). Later levels' waves move with the level's new span."""
+    one, its first-search candidate, for :mod:`.choose`). Where the gap is still over :data:`DIVE_WORTH`, the
+    annealing and, while the plan is more than :data:`REBUILD_GAP` over its certified bound, ruin and recreate
+    (:mod:`.anneal`) search from there. Later levels' waves move with the level's new span."""
     out = list(scheds)
     total = sum(ls.span_ms for ls in scheds)
     for i in sorted(range(len(out)), key=lambda i: -(out[i].span_ms - out[i].bound_ms)):
@@ -72,8 +80,11 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
         b, waves = improve(by_level[i], curves, num_devices, ls.waves, level=ls.level, start_ms=start, dive=dive)
         if dive and sum(w.duration_ms for w in waves or ls.waves) - max(b, ls.bound_ms) > DIVE_WORTH * total:
             moves = ANNEAL_WORK // sum(len(m.valid_counts(num_devices)) for m in by_level[i])
+            others = [o for j, o in enumerate(out) if j != i]  # the level's span that certifies the plan:
+            goal = (1 + REBUILD_GAP) * (sum(o.bound_ms for o in others) + max(b, ls.bound_ms)) \
+                - sum(o.span_ms for o in others)
             waves = anneal(waves or ls.waves, by_level[i], curves, num_devices, moves=moves, level=ls.level,
-                           start_ms=start) or waves
+                           start_ms=start, rebuild_work=REBUILD_WORK, rebuild_goal_ms=goal) or waves
         if waves:  # the waves it replaces stay a whole-step candidate (they may transfer less)
             before = dataclasses.replace(ls, alternatives=(), first_search=None)
             ls = dataclasses.replace(ls, waves=waves, tuples=tuples_of(waves, by_level[i]),
