@@ -20,6 +20,7 @@ and its result depends only on its input.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 from .curves import ScalingCurve
@@ -100,32 +101,35 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
         changed: dict[int, dict] = {}  # destination waves, changed copies
         tD, tF = {}, {}
         for n in crit:
-            best = None
-            Tn = T[n]
+            # the least (cost, count, wave): waves come in order, so a later one wins only on cost or count
+            bc, bw, bcount, bk = math.inf, -1, 0, 0
+            Tn, vn = T[n], valid[n]
             for w2 in range(W):
                 if w2 == w1:
                     continue
-                x = changed.get(w2, state[w2])
-                d2 = tD.get(w2, D[w2])
+                x = changed[w2] if w2 in changed else state[w2]
+                d2 = tD[w2] if w2 in tD else D[w2]
                 if n in x:
                     c2, k2 = x[n]
-                    cost = max(0.0, (k2 + 1) * Tn[c2] - d2)
-                    key = (cost, c2, w2)
-                    if best is None or key < best[0]:
-                        best = (key, w2, c2, k2 + 1)
+                    cost = (k2 + 1) * Tn[c2] - d2
+                    if cost < 0.0:
+                        cost = 0.0
+                    if cost < bc or (cost == bc and c2 < bcount):
+                        bc, bw, bcount, bk = cost, w2, c2, k2 + 1
                 else:
-                    room = tF.get(w2, F[w2])
-                    for c2 in valid[n]:
+                    room = tF[w2] if w2 in tF else F[w2]
+                    for c2 in vn:
                         if c2 > room:
                             break
-                        cost = max(0.0, Tn[c2] - d2)
-                        key = (cost, c2, w2)
-                        if best is None or key < best[0]:
-                            best = (key, w2, c2, 1)
-            if best is None:
+                        cost = Tn[c2] - d2
+                        if cost < 0.0:
+                            cost = 0.0
+                        if cost < bc or (cost == bc and c2 < bcount):
+                            bc, bw, bcount, bk = cost, w2, c2, 1
+            if bw < 0:
                 gain = -1.0
                 break
-            (cost, _, _), w2, c2, k2 = best
+            cost, w2, c2, k2 = bc, bw, bcount, bk
             x = changed.setdefault(w2, dict(state[w2]))
             if n not in x:
                 tF[w2] = tF.get(w2, F[w2]) - c2

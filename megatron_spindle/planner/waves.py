@@ -168,12 +168,11 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
     choice with the least idle device-time per unit of work done (ties: the shortest wave).
     """
-    items = list(cands.items())
-    spans = [t1 * left for _, (t1, left, _) in items]
+    items = [(n, t1, left, d) for n, (t1, left, d) in cands.items()]
+    spans = [t1 * left for _, t1, left, _ in items]
     shortest = min(spans)
     best_key, best_layers = None, None
     tried = set()
-    floor = math.floor
     for span in spans:
         # candidates finishing at the same span give the same wave: try each span once
         if (shortest_only and span > shortest) or span in tried:
@@ -183,9 +182,11 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
         layers = {}
         dur = 0.0
         work = 0.0
-        for n, (t1, left, d) in items:
-            k = min(left, int(floor(span / t1 * (1 + 1e-9))))
-            if k < left and (k + 1) * t1 <= hi:
+        for n, t1, left, d in items:
+            k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
+            if k >= left:
+                k = left
+            elif (k + 1) * t1 <= hi:
                 k += 1
             if k > 0:
                 layers[n] = k
