@@ -20,7 +20,7 @@ from .limits import check_inputs
 from .memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from .metaops import MetaOp, contract, levels
 from .knapsack import tuples_of
-from .patterns import improve
+from .patterns import improve, pattern_bound
 from .plan import LevelInfo, Plan, Slice, WavePlan
 from .scheduler import LevelSchedule, plan_level
 from .waves import Wave
@@ -95,6 +95,17 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
             ls = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
                                      bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "patterns")
         out[i] = ls
+    uncertified = sum(o.span_ms for o in out) > (1 + REBUILD_GAP) * sum(o.bound_ms for o in out)
+    for i in range(len(out)) if uncertified else ():
+        # a plan not certified within REBUILD_GAP: every level's LP, raised where no whole-number cover by
+        # its near-optimal patterns exists (:mod:`.near_optimal`), small levels' too
+        ls = out[i]
+        if ls.span_ms <= ls.bound_ms * (1 + 1e-9):
+            continue
+        b = pattern_bound(by_level[i], curves, num_devices, heuristic=ls.waves, max_span=ls.span_ms, near=True)
+        if b > ls.bound_ms * (1 + 1e-9):
+            out[i] = dataclasses.replace(ls, bound_ms=min(b, ls.span_ms),
+                                         bound_kind="optimal" if b >= ls.span_ms * (1 - 1e-9) else "cover")
     clock = 0.0
     for ls in out:  # every level starts where the one before ends
         for w in ls.waves:

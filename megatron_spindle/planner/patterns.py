@@ -49,6 +49,7 @@ import numpy as np
 
 from .curves import ScalingCurve
 from .metaops import MetaOp
+from .near_optimal import near_optimal_bound
 from .polish import polish
 from .waves import Wave, build_waves
 
@@ -274,11 +275,17 @@ def _pool(metaops, curves, num_devices, heuristic, max_span) -> _Pool | None:
 
 
 def pattern_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int, *,
-                  heuristic: Sequence[Wave] = (), max_span: float = math.inf, rounds: int = ROUNDS) -> float:
-    """The best Farley bound of the configuration LP found in ``rounds`` rounds (ms; 0 if not computed)."""
+                  heuristic: Sequence[Wave] = (), max_span: float = math.inf, rounds: int = ROUNDS,
+                  near: bool = False) -> float:
+    """The best Farley bound of the configuration LP found in ``rounds`` rounds (ms; 0 if not computed);
+    ``near``: raised where no whole-number cover by the LP's near-optimal patterns exists
+    (:mod:`.near_optimal`)."""
     p = _pool(metaops, curves, num_devices, heuristic, max_span) if rounds >= 1 else None
     got = p.generate(rounds) if p is not None else None
-    return 0.0 if got is None else min(got[0], max_span)
+    if got is None:
+        return 0.0
+    b = max(got[0], near_optimal_bound(p, metaops)) if near else got[0]
+    return min(b, max_span)
 
 
 def improve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
