@@ -280,7 +280,7 @@ def test_cli_plan_prints_bound_and_gap():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_anneal_fit_is_the_shortest_duration_of_a_wave(seed):
-    """:func:`.anneal._fit` against every assignment of valid counts: the shortest duration of a wave with
+    """:func:`.anneal.fit_wave` against every assignment of valid counts: the shortest duration of a wave with
     given layers per MetaOp on ``n`` devices (``inf`` when the MetaOps do not fit); ``_Level.plus`` (one
     layer more, without a fit when it fits under the wave's end) against a fresh fit."""
     from megatron_spindle.planner.anneal import _Level

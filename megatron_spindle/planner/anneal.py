@@ -3,7 +3,7 @@
 
 A level's wave schedule is, up to device counts, a table ``a[w][m]``: the layers of MetaOp ``m`` in wave ``w``
 (the waves of one level commute, so any table whose rows sum to every MetaOp's layers is a schedule). Given a
-wave's layers, its shortest duration on ``N`` devices is found greedily (:func:`_fit`): every MetaOp starts on
+wave's layers, its shortest duration on ``N`` devices is found greedily (:func:`fit_wave`): every MetaOp starts on
 its smallest valid count, and the slice that ends the wave moves to its next count while the devices allow;
 when it cannot, no shorter duration fits (each count taken is the least that MetaOp needs to finish under the
 wave's current end).
@@ -68,11 +68,8 @@ class _Level:
         self.N, self.names = N, [m.name for m in metaops]
         self.counts, self.T = [], []
         for m in metaops:
-            cs, ts = [], []
-            for c in sorted(times[m.name]):
-                if not ts or times[m.name][c] < ts[-1]:
-                    cs.append(c)
-                    ts.append(times[m.name][c])
+            cs = sorted(times[m.name])
+            cs, ts = fast_counts(cs, [times[m.name][c] for c in cs])
             self.counts.append(cs)
             self.T.append(ts)
         self.cache: dict[tuple, tuple[float, tuple]] = {}
@@ -82,7 +79,7 @@ class _Level:
         (``inf`` when its MetaOps do not fit the devices even on their smallest counts)."""
         got = self.cache.get(w)
         if got is None:
-            got = self.cache[w] = _fit(w, self.counts, self.T, self.N)
+            got = self.cache[w] = fit_wave(w, self.counts, self.T, self.N)
         return got
 
     def plus(self, w: tuple, m: int) -> tuple[tuple, float]:
@@ -98,13 +95,27 @@ class _Level:
             if x[m] * self.T[m][k[m]] <= d:
                 self.cache[x] = (d, k)
                 return x, d
-        elif self.T[m][0] <= d and sum(self.counts[i][k[i]] for i, a in enumerate(w) if a) + self.counts[m][0] <= self.N:
+        elif (self.T[m][0] <= d
+              and sum(self.counts[i][k[i]] for i, a in enumerate(w) if a) + self.counts[m][0] <= self.N):
             self.cache[x] = (d, k)
             return x, d
         return x, self.fit(x)[0]
 
 
-def _fit(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
+def fast_counts(counts: Sequence[int], times: Sequence[float]) -> tuple[list[int], list[float]]:
+    """Of ascending ``counts`` with per-layer ``times``, those faster than every smaller one, and their times
+    (a slower larger count is never worth its devices)."""
+    cs, ts = [], []
+    for c, t in zip(counts, times):
+        if not ts or t < ts[-1]:
+            cs.append(c)
+            ts.append(t)
+    return cs, ts
+
+
+def fit_wave(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
+    """``(shortest duration, count index per MetaOp)`` of a wave of ``w[m]`` layers of each MetaOp on at most
+    ``N`` devices, over the counts of :func:`fast_counts` (module docstring: greedy)."""
     k = [0] * len(w)
     heap = [(-a * T[m][0], m) for m, a in enumerate(w) if a]
     if not heap:
@@ -249,7 +260,8 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
     """Ruin and recreate from ``table`` (rows of layers per MetaOp): ``(best span, its table)``.
 
     Each step takes layers out (:func:`_ruin`) and puts them back one by one, the slowest first (per layer, on
-    the MetaOp's smallest count, with ±20% noise), each into the wave it lengthens least or a wave of its own;
+    the MetaOp's smallest count, with ±20% noise), each into the first wave it does not lengthen, else the one
+    it lengthens least or a wave of its own;
     the result is kept like an annealing move (temperature :data:`R_START` -> :data:`R_END` of the span).
     Work is counted in wave fits tried (``work``)."""
     M = len(lv.T)

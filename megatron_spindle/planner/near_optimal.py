@@ -22,7 +22,8 @@ slower than a smaller one is left out: the smaller count gives the same layers n
 ``δ`` climbs :data:`LADDER` (shares of the LP's bound) while the program is refuted within
 :data:`MAX_NODES` branch-and-bound nodes and the patterns and columns stay under :data:`MAX_PATTERNS` and
 :data:`MAX_COLUMNS`; at the first rung it does not refute, its dual bound (valid for the enumerated
-patterns, hence ``min(δ, dual)`` for all) ends the climb. Work is bounded by those counts, so the bound does not depend on the machine.
+patterns, hence ``min(δ, dual)`` for all) ends the climb. Work is bounded by those counts, so the bound
+does not depend on the machine.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .anneal import _fit
+from .anneal import fast_counts, fit_wave
 from .metaops import MetaOp
 
 try:
@@ -70,7 +71,8 @@ def near_optimal_bound(pool, metaops: Sequence[MetaOp]) -> float:
     for g in groups:
         pi[g] = pi[g].mean()
     z = float(pi @ pool.L)
-    counts, T = _fast_counts(pool)
+    fast = [fast_counts(cs, ts.tolist()) for cs, ts in zip(pool.counts, pool.T)]
+    counts, T = [c for c, _ in fast], [t for _, t in fast]
     tables = _tables(pool, pi, counts, T)
     proven = 0.0
     for share in LADDER:
@@ -85,20 +87,6 @@ def near_optimal_bound(pool, metaops: Sequence[MetaOp]) -> float:
         if low < delta:
             break
     return z + proven
-
-
-def _fast_counts(pool) -> tuple[list[list[int]], list[list[float]]]:
-    """Per MetaOp its valid counts faster than every smaller one, and their per-layer times."""
-    counts, T = [], []
-    for cs, ts in zip(pool.counts, pool.T):
-        c_out, t_out = [], []
-        for c, t in zip(cs, ts.tolist()):
-            if not t_out or t < t_out[-1]:
-                c_out.append(c)
-                t_out.append(t)
-        counts.append(c_out)
-        T.append(t_out)
-    return counts, T
 
 
 def _tables(pool, pi: np.ndarray, counts, T) -> tuple[list[int], list[np.ndarray], dict[int, list[np.ndarray]]]:
@@ -137,7 +125,7 @@ def _near(pool, pi: np.ndarray, counts, T, tables, delta: float, limit: int) -> 
             if i == M:
                 key = tuple(a)
                 if any(key) and key not in found:
-                    dur = _fit(key, counts, T, N)[0]
+                    dur = fit_wave(key, counts, T, N)[0]
                     found[key] = dur - float(pi @ np.array(key, dtype=float))
                     if len(found) > limit:
                         return False
