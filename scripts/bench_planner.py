@@ -7,7 +7,9 @@ schedules (:mod:`megatron_spindle.planner.solver`) and how its levels were bound
 schedule the whole-step choice kept (:mod:`megatron_spindle.planner.choose`; with its compute makespan when
 it is not Spindle's level-by-level waves), the number of waves of the chosen plan, and the planning time
 (process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
-seconds). Then the planning time of 10-task Multitask-CLIP on 64, 256 and 1024 devices. Targets (issue 14): makespan ≤ 1.07 × Σ C* and within 3% of the
+seconds) and the first 16 hex digits of the sha256 of the plan's JSON (the bytes ``spindle plan --out`` writes:
+the same on every machine, whatever numpy's BLAS kernel; :mod:`megatron_spindle.planner.exact`). Then the
+planning time of 10-task Multitask-CLIP on 64, 256 and 1024 devices. Targets (issue 14): makespan ≤ 1.07 × Σ C* and within 3% of the
 certified bound; planning under 1 s at 64 devices and under 3 s at 1024.
 
 A workload that does not fit the devices' memory prints its placement error instead of numbers.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import statistics
 import sys
@@ -73,14 +76,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     search = not args.no_search
     head = ["workload", "devices", "waves", "makespan ms", "ΣC* ms", "bound ms", "bound by", "/ΣC*", "/bound",
-            "whole-step choice", "CPU s", "wall s"]
+            "whole-step choice", "CPU s", "wall s", "plan sha256"]
     rows, r_star, r_bound = [], [], []
     for model, k in WORKLOADS:
         for n in GPUS:
             plan, cpu, wall, err = run_one(model, k, n, search)
             name = f"{model}-{k}"
             if plan is None:
-                rows.append([name, str(n)] + ["-"] * 8 + [f"{cpu:.2f}", f"{wall:.2f}", err])
+                rows.append([name, str(n)] + ["-"] * 8 + [f"{cpu:.2f}", f"{wall:.2f}", "-", err])
                 continue
             b = certified_bound_ms(plan)
             own = own_makespan(model, k, n, search) if schedule_of(plan) != "spindle" else plan.makespan_ms
@@ -92,12 +95,12 @@ def main(argv=None) -> int:
             choice = won if won == "spindle" else f"{won} ({plan.makespan_ms:.1f} ms)"
             rows.append([name, str(n), str(len(plan.waves)), f"{own:.1f}", f"{plan.lower_bound_ms:.1f}",
                          f"{b:.1f}", bound_kinds(plan), f"{r_star[-1]:.3f}", f"{r_bound[-1]:.3f}", choice,
-                         f"{cpu:.2f}", f"{wall:.2f}", ""])
+                         f"{cpu:.2f}", f"{wall:.2f}", hashlib.sha256(plan.dumps().encode()).hexdigest()[:16], ""])
     if args.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
         for r in rows:
-            cells = r[:-1] if not r[-1] else r[:2] + [f"infeasible: {r[-1][:80]}"] + [""] * 7 + r[10:12]
+            cells = r[:-1] if not r[-1] else r[:2] + [f"infeasible: {r[-1][:80]}"] + [""] * 7 + r[10:13]
             print("| " + " | ".join(cells) + " |")
     else:
         width = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]

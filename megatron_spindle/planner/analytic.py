@@ -31,6 +31,7 @@ from typing import Mapping, Sequence
 
 from .jsonfile import read_json
 from .curves import ScalingCurve, fit_piecewise
+from .exact import on_grid
 from .metaops import MetaOp
 
 CURVES_SCHEMA_VERSION = 1
@@ -100,7 +101,7 @@ def analytic_curve(m: MetaOp, device: DeviceModel, num_devices: int) -> ScalingC
     if not counts:
         raise ValueError(f"MetaOp {m.name!r} needs {m.tp} devices (tensor parallel) but only "
                          f"{num_devices} are available")
-    pts = [(float(n), device.layer_time_ms(m, n)) for n in counts]
+    pts = [(float(n), on_grid(device.layer_time_ms(m, n))) for n in counts]  # on the grid: no libm ulp reaches the plan
     return fit_piecewise(pts, batch=m.batch, counts=counts, source="analytic")
 
 

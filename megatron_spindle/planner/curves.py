@@ -39,6 +39,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .exact import on_grid
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -104,7 +106,7 @@ class ScalingCurve:
             object.__setattr__(self, "n_min", float(self.counts[0]))
             object.__setattr__(self, "n_max", float(self.counts[-1]))
             object.__setattr__(self, "_hull", _concave_envelope(
-                [(0.0, 0.0)] + [(float(c), 1.0 / self.f(self.batch / c)) for c in self.counts]))
+                [(0.0, 0.0)] + [(float(c), 1.0 / self.count_time(c)) for c in self.counts]))
             object.__setattr__(self, "_hull_x", tuple(h[0] for h in self._hull))
         if not (0 < self.n_min <= self.n_max):
             raise ValueError(f"need 0 < n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
@@ -136,11 +138,12 @@ class ScalingCurve:
         return self.f(self.batch / min(n, self.n_max))
 
     def count_time(self, n: int) -> float:
-        """Time of one layer on a valid integer count: the fitted curve itself, no relaxation."""
+        """Time of one layer on a valid integer count: the fitted curve itself, no relaxation, on the
+        planner's time grid (:func:`.exact.on_grid`: sums of these are exact, so spans compare exactly)."""
         cache = self.__dict__.setdefault("_count_times", {})
         t = cache.get(n)
         if t is None:
-            t = cache[n] = self.f(self.batch / n)
+            t = cache[n] = on_grid(self.f(self.batch / n))
         return t
 
     def inverse(self, t_ms: float, *, n_cap: float = 1e9) -> float:
@@ -227,16 +230,25 @@ def _isotonic_increasing(y: Sequence[float], w: Sequence[float] | None = None) -
     return out
 
 
-def _line(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float, float]:
-    """Least-squares ``y = a + b x`` with relative weights; returns (a, b, weighted SSE)."""
-    wts = 1.0 / np.maximum(ys, 1e-30) ** 2
-    if len(xs) == 1 or np.ptp(xs) == 0:
-        a = float(np.average(ys, weights=wts))
-        return a, 0.0, float(np.sum(wts * (ys - a) ** 2))
-    A = np.stack([np.ones_like(xs), xs], axis=1) * np.sqrt(wts)[:, None]
-    coef, *_ = np.linalg.lstsq(A, ys * np.sqrt(wts), rcond=None)
-    a, b = float(coef[0]), float(coef[1])
-    return a, b, float(np.sum(wts * (ys - a - b * xs) ** 2))
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x`` with relative weights ``w = 1/y²``; returns (a, b, weighted SSE).
+
+    Centred normal equations summed with :func:`math.fsum` (correctly rounded: no BLAS or LAPACK, whose
+    kernels differ by machine, :mod:`.exact`): ``x̄ = Σwx/Σw``, ``b = Σw(x-x̄)y / Σw(x-x̄)²``,
+    ``a = ȳ - b·x̄``."""
+    xs = [float(x) for x in xs]
+    ys = [float(y) for y in ys]
+    wts = [1.0 / max(y, 1e-30) ** 2 for y in ys]
+    sw = math.fsum(wts)
+    ybar = math.fsum(w * y for w, y in zip(wts, ys)) / sw
+    xbar = math.fsum(w * x for w, x in zip(wts, xs)) / sw
+    sxx = math.fsum(w * (x - xbar) ** 2 for w, x in zip(wts, xs))
+    if len(xs) == 1 or sxx <= 0:
+        a, b = ybar, 0.0
+    else:
+        b = math.fsum(w * (x - xbar) * y for w, x, y in zip(wts, xs, ys)) / sxx
+        a = ybar - b * xbar
+    return a, b, math.fsum(w * (y - a - b * x) ** 2 for w, x, y in zip(wts, xs, ys))
 
 
 #: Candidate breakpoints considered by :func:`fit_piecewise` (all points when there are no more than this).
@@ -303,7 +315,7 @@ def _repair(segs: list[list[float]], xs: np.ndarray, ys: np.ndarray) -> tuple[Se
     for i, s in enumerate(segs):
         if s[2] < 0:  # negative slope: flat at the mean of its points
             mask = (xs >= starts[i]) & (xs <= starts[i + 1])
-            s[1], s[2] = float(np.mean(ys[mask])) if mask.any() else s[1], 0.0
+            s[1], s[2] = math.fsum(ys[mask]) / int(mask.sum()) if mask.any() else s[1], 0.0
     floor = max(1e-9, 1e-6 * float(np.min(ys)))
     if segs[0][1] < floor:  # keep the latency positive; shift the line up to stay above zero
         segs[0][1] = floor

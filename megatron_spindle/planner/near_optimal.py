@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from .anneal import fast_counts, fit_wave
+from .exact import SOLVER_SAFETY_S, dot, note_safety_limit
 from .metaops import MetaOp
 
 try:
@@ -69,8 +70,8 @@ def near_optimal_bound(pool, metaops: Sequence[MetaOp]) -> float:
         types.setdefault((m.num_layers, tuple(pool.counts[i]), tuple(pool.T[i].tolist())), []).append(i)
     groups = list(types.values())
     for g in groups:
-        pi[g] = pi[g].mean()
-    z = float(pi @ pool.L)
+        pi[g] = math.fsum(pi[g]) / len(g)
+    z = dot(pi, pool.L)
     fast = [fast_counts(cs, ts.tolist()) for cs, ts in zip(pool.counts, pool.T)]
     counts, T = [c for c, _ in fast], [t for _, t in fast]
     tables = _tables(pool, pi, counts, T)
@@ -126,7 +127,7 @@ def _near(pool, pi: np.ndarray, counts, T, tables, delta: float, limit: int) -> 
                 key = tuple(a)
                 if any(key) and key not in found:
                     dur = fit_wave(key, counts, T, N)[0]
-                    found[key] = dur - float(pi @ np.array(key, dtype=float))
+                    found[key] = dur - dot(pi, key)
                     if len(found) > limit:
                         return False
                 return True
@@ -168,7 +169,7 @@ def _refute(near: dict[tuple, float], groups: Sequence[Sequence[int]], L: np.nda
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_max_nodes", MAX_NODES)
     h.setOptionValue("mip_allow_restart", False)  # a restart after presolve doubled the time to refute
-    h.setOptionValue("time_limit", 2.0)  # a safety net only: the node limit bounds the work
+    h.setOptionValue("time_limit", SOLVER_SAFETY_S)  # a safety net only: the node limit bounds the work
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(cols), len(groups)
@@ -189,6 +190,8 @@ def _refute(near: dict[tuple, float], groups: Sequence[Sequence[int]], L: np.nda
     h.passModel(lp)
     h.run()
     status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kTimeLimit:
+        note_safety_limit("the near-optimal cover's integer program")
     if status == highspy.HighsModelStatus.kInfeasible:
         return math.inf
     if status == highspy.HighsModelStatus.kOptimal:

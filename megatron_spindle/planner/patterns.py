@@ -48,6 +48,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .curves import ScalingCurve
+from .exact import dot
 from .metaops import MetaOp
 from .near_optimal import near_optimal_bound
 from .polish import polish
@@ -235,15 +236,15 @@ class _Pool:
                 theta = float((value / D).max())
                 if theta <= 0:
                     break
-                best = max(best, float(pi @ self.L) / theta * (1 - 1e-9))
-                subset = np.argsort(-gain)[:PARTIAL]
+                best = max(best, dot(pi, self.L) / theta * (1 - 1e-9))
+                subset = np.argsort(-gain, kind="stable")[:PARTIAL]
             if gain.max() <= tol:
                 if full:  # no pattern improves the LP: it is solved
                     best = max(best, z * (1 - 1e-9))
                     break
                 subset = None  # nothing among the partial durations: price them all next round
                 continue
-            top = [int(rows[d]) for d in np.argsort(-gain)[:COLUMNS] if gain[d] > tol]
+            top = [int(rows[d]) for d in np.argsort(-gain, kind="stable")[:COLUMNS] if gain[d] > tol]
             self.add(self.patterns(pi, top))
         z, _, x = got
         return best, z, np.concatenate([x, np.zeros(len(self.cols) - len(x))])

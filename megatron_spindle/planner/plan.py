@@ -45,7 +45,9 @@ class SliceRef:
 
     @classmethod
     def from_str(cls, text: str) -> "SliceRef":
-        """>>> str(SliceRef.from_str("w3:vision-text.vision.layers[8-15]x4tp2"))
+        """Parse a slice name back.
+
+        >>> str(SliceRef.from_str("w3:vision-text.vision.layers[8-15]x4tp2"))
         'w3:vision-text.vision.layers[8-15]x4tp2'
         """
         m = _SLICE_RE.match(text.strip())

@@ -78,8 +78,6 @@ ALIGN = ("shortest", "finisher")
 #: :data:`KNAPSACK_MAX_DEVICES` devices.
 KNAPSACK_VARIANTS = ((20, True, 640), (80, False, 640))
 KNAPSACK_MAX_DEVICES = 32
-#: Safety limit in seconds on each HiGHS model of a level (the work limit is :data:`.solver.MAX_NODES`).
-SOLVER_BUDGET_S = 2.0
 
 
 @dataclass
@@ -124,12 +122,9 @@ def minmax_tuples(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
 
 
 def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               start_ms: float = 0.0, *, search: bool = True,
-               solver_budget_s: float | None = None) -> LevelSchedule:
+               start_ms: float = 0.0, *, search: bool = True, solve: bool = True) -> LevelSchedule:
     """Schedule one level. ``search=False`` runs only the paper's pipeline (no solver either);
-    ``solver_budget_s`` (default :data:`SOLVER_BUDGET_S`) 0 skips the solver."""
-    if solver_budget_s is None:
-        solver_budget_s = SOLVER_BUDGET_S
+    ``solve=False`` skips the solver (:mod:`.solver`, bounded by its node limit)."""
     N = num_devices
     if sum(1 for m in metaops if m.valid_counts(N)) != len(metaops):
         bad = next(m for m in metaops if not m.valid_counts(N))
@@ -197,8 +192,8 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
             if sum(w.duration_ms for w in waves) < searched.span_ms * (1 - 1e-12):
                 searched = dataclasses.replace(searched, tuples=tuples_of(waves, metaops), waves=waves,
                                                variant=f"throughput{max_durations}{'+finishing' * finishing}+polish")
-    if solver_budget_s > 0:
-        searched = _solve(metaops, curves, N, start_ms, searched, solver_budget_s)
+    if solve:
+        searched = _solve(metaops, curves, N, start_ms, searched)
     fewest = min((c for c in cands if c.span_ms <= searched.span_ms * (1 + ALT_SLACK)),
                  key=lambda c: (len(c.waves), c.span_ms), default=None)
     alts, seen = [], {_signature(searched.waves)}
@@ -242,10 +237,10 @@ def _signature(waves) -> tuple:
 
 
 def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
-           best: LevelSchedule, budget_s: float) -> LevelSchedule:
+           best: LevelSchedule) -> LevelSchedule:
     """Certified bound of the level and, where the gap is worth it, the solver's better schedule."""
     r = solver.solve_level(best.level, metaops, curves, N, best.allocation.c_star_ms, best.waves,
-                           start_ms=start_ms, time_limit_s=budget_s)
+                           start_ms=start_ms)
     if r.waves:
         best = dataclasses.replace(best, waves=r.waves, variant=best.variant + "+milp")
     return dataclasses.replace(best, bound_ms=r.bound_ms, bound_kind=r.bound_kind)

@@ -33,8 +33,9 @@ lasts as long as its longest slice. Two mixed-integer models of it:
    ``K`` waves and is not reported.
 
 Work is limited by branch-and-bound nodes (:data:`MAX_NODES`), so a plan does not depend on the machine's
-load; a wall-clock limit per model is only a safety net (if it strikes on a very slow machine every bound
-stays valid, but the schedule may differ; training plans on rank 0 and broadcasts the plan, so ranks agree).
+speed or load; a wall-clock limit per model (:data:`.exact.SOLVER_SAFETY_S`, far above any level's work) is
+only a safety net: if it strikes, every bound stays valid but the schedule may differ on a faster machine, and
+a warning says so (training plans on rank 0 and broadcasts the plan, so ranks agree).
 
 ``highspy`` is optional: without it :func:`available` is false, :func:`level_bound` returns the area bound
 (or ``C*``) and the planner keeps its heuristic schedules.
@@ -47,6 +48,7 @@ from typing import Mapping, Sequence
 
 from .area import area_bound  # noqa: F401 - model 1, solved exactly without HiGHS
 from .curves import ScalingCurve
+from .exact import SOLVER_SAFETY_S, note_safety_limit
 from .metaops import MetaOp
 from .waves import Wave, WaveSlice, merge_waves
 
@@ -99,7 +101,7 @@ class _Model:
         items = list(terms.items()) if isinstance(terms, Mapping) else list(terms)
         self.rows.append((lo, hi, [i for i, _ in items], [v for _, v in items]))
 
-    def solve(self, time_limit_s: float, start: Sequence[float] | None = None,
+    def solve(self, time_limit_s: float = SOLVER_SAFETY_S, start: Sequence[float] | None = None,
               max_nodes: int | None = None) -> Solution:
         inf = highspy.kHighsInf
         lp = highspy.HighsLp()
@@ -137,6 +139,8 @@ class _Model:
         h.run()
         info = h.getInfo()
         status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kTimeLimit:
+            note_safety_limit("a level's wave model")
         has = info.primal_solution_status >= 2
         value = info.objective_function_value if has else math.inf
         bound = info.mip_dual_bound
@@ -167,7 +171,7 @@ class WaveModelResult:
 
 def wave_model(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                *, max_waves: int | None = None, start: Sequence[Wave] = (), start_ms: float = 0.0,
-               time_limit_s: float = 0.2, max_nodes: int | None = None) -> WaveModelResult | None:
+               time_limit_s: float = SOLVER_SAFETY_S, max_nodes: int | None = None) -> WaveModelResult | None:
     """Model 2 of the module docstring with ``K = max_waves`` (default ``Σ L``: exact); ``None`` without HiGHS."""
     if highspy is None:
         return None
@@ -269,12 +273,12 @@ class LevelSolve:
 
 def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
                 c_star_ms: float, heuristic: Sequence[Wave], *, start_ms: float = 0.0,
-                time_limit_s: float = 0.1, gap_worth: float = 0.02, max_nodes: int | None = MAX_NODES,
+                time_limit_s: float = SOLVER_SAFETY_S, gap_worth: float = 0.02, max_nodes: int | None = MAX_NODES,
                 exact_max_cells: int = EXACT_MAX_CELLS) -> LevelSolve:
     """Bound one level and try to beat the heuristic's schedule.
 
     The wave model stops after ``max_nodes`` branch-and-bound nodes (the same work, hence the same plan, on
-    any machine) or ``time_limit_s`` seconds, whichever comes first (a safety net on a slow or busy machine).
+    any machine); ``time_limit_s`` is only a safety net (module docstring).
 
     1. Model 1 (area, solved exactly by :mod:`.area`, HiGHS or not) gives a bound; 2. when the exact wave
     model (``K = Σ L``) is small, it is solved, warm-started from the heuristic: its dual bound is certified,
@@ -311,7 +315,7 @@ def solve_level(level: int, metaops: Sequence[MetaOp], curves: Mapping[str, Scal
 
 
 def level_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-                c_star_ms: float, *, time_limit_s: float = 0.2) -> tuple[float, str]:
+                c_star_ms: float, *, time_limit_s: float = SOLVER_SAFETY_S) -> tuple[float, str]:
     """The best certified lower bound of one level and how it was found (see :class:`LevelSolve`)."""
     r = solve_level(-1, metaops, curves, num_devices, c_star_ms, [], time_limit_s=time_limit_s)
     return r.bound_ms, r.bound_kind
