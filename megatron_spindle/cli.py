@@ -13,11 +13,11 @@ from . import compare
 from .argtypes import add_workload_args, positive_int
 from .atomic import check_output
 from .log import setup_logging
-from .planner.analytic import CurvesFile
-from .planner.build import make_plan
-from .planner.cluster import load_cluster
-from .planner.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
-from .planner.workloads import build_graph, resolve_passes
+from .planner.workload.analytic import CurvesFile
+from .planner.step.build import make_plan
+from .planner.workload.cluster import load_cluster
+from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
+from .planner.workload.workloads import build_graph, resolve_passes
 from .profiler import cli as profiler_cli
 
 

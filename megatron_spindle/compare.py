@@ -1,11 +1,11 @@
 """``spindle compare``: Spindle against the baselines, every plan timed by the same step simulator.
 
-For each device count the command plans one step with every system of :data:`.planner.baselines.SYSTEMS`,
-simulates it on the cluster (:func:`.planner.simulate.simulate`) and prints a table: step time, Spindle's
+For each device count the command plans one step with every system of :data:`.planner.step.baselines.SYSTEMS`,
+simulates it on the cluster (:func:`.planner.step.simulate.simulate`) and prints a table: step time, Spindle's
 speedup over the system, the breakdown (compute, inter-wave transfer, parameter sync, idle; the paper's
 Figure 10), peak memory per device (max and spread), and the lower bound ``Σ C*`` with Spindle's ratio to it.
 Spindle's plan is chosen by this same simulated step among its own waves and the baselines' schedules
-(:mod:`.planner.choose`), so it is never slower than a baseline; the table says when a baseline's schedule won.
+(:mod:`.planner.step.choose`), so it is never slower than a baseline; the table says when a baseline's schedule won.
 ``--plot`` draws grouped bars of throughput relative to ``sequential`` (the paper's Figure 8); ``--json``
 prints one object instead of tables.
 
@@ -27,14 +27,14 @@ from typing import Sequence
 
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
-from .planner.analytic import CurvesFile, DeviceModel
-from .planner.baselines import SYSTEMS, lower_bound_ms
-from .planner.build import plan_system
-from .planner.cluster import DEFAULT_PRESET, load_cluster
-from .planner.graph import TaskGraph
-from .planner.simulate import StepSimulation, simulate
-from .planner.validate import PlanError, check_plan
-from .planner.workloads import build_graph, resolve_passes
+from .planner.workload.analytic import CurvesFile, DeviceModel
+from .planner.step.baselines import SYSTEMS, lower_bound_ms
+from .planner.step.build import plan_system
+from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
+from .planner.workload.graph import TaskGraph
+from .planner.step.simulate import StepSimulation, simulate
+from .planner.step.validate import PlanError, check_plan
+from .planner.workload.workloads import build_graph, resolve_passes
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -48,11 +48,11 @@ class SystemResult:
     sim: StepSimulation | None = None
     error: str | None = None
     ideal_makespan_ms: float | None = None
-    """Baselines: compute time with their concurrent lanes unaligned (see :mod:`.planner.baselines`)."""
+    """Baselines: compute time with their concurrent lanes unaligned (see :mod:`.planner.step.baselines`)."""
     over_memory: str | None = None
     """Set when the plan exceeds the cluster's memory (it is timed all the same)."""
     schedule: str | None = None
-    """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.choose`), else ``None``."""
+    """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.step.choose`), else ``None``."""
 
     @property
     def ok(self) -> bool:
@@ -190,7 +190,7 @@ def format_table(cmp: Comparison) -> str:
                      f"(ΣC* bounds compute of level-by-level schedules only)")
     if sp is not None and sp.ok and sp.schedule:
         lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
-                     f"candidates (see planner/choose.py)")
+                     f"candidates (see planner/step/choose.py)")
     if notes:
         lines.append("no plan, or over the memory limit (!):")
         lines.extend(notes)

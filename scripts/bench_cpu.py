@@ -5,9 +5,9 @@ One run, ``--nproc`` gloo processes (default: one per core), the same tiny multi
 1. **profile** (:mod:`megatron_spindle.profiler`) every MetaOp on these processes at 1 … ``nproc`` devices, and
    the gloo link (latency, bandwidth), unless ``--curves FILE`` (a ``spindle profile`` output with its
    ``cluster``) is given;
-2. **plan** with those curves on that link: the Spindle plan (:func:`~megatron_spindle.planner.build.make_plan`)
+2. **plan** with those curves on that link: the Spindle plan (:func:`~megatron_spindle.planner.step.build.make_plan`)
    and the ``sequential`` baseline plan, and **predict** both steps with the simulator
-   (:func:`~megatron_spindle.planner.simulate.simulate`: compute from the curves, inter-wave transfers and the
+   (:func:`~megatron_spindle.planner.step.simulate.simulate`: compute from the curves, inter-wave transfers and the
    gradient all-reduces from the measured link);
 3. **train** both on the same processes, steps interleaved (A B B A …, so slow drift in other load on the
    machine hits both alike), after ``--warmup`` steps:
@@ -56,7 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megatron_spindle.planner.graph import TaskGraph  # noqa: E402  (pure Python)
+from megatron_spindle.planner.workload.graph import TaskGraph  # noqa: E402  (pure Python)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
 
     from megatron_spindle import comm
     from megatron_spindle.models.data import SyntheticData
-    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.planner.workload.workloads import build_graph
     from megatron_spindle.profiler.run import ProfileConfig, profile_rank
     from megatron_spindle.compat.cpu import apply_cpu_patches
 
@@ -323,12 +323,12 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
 
 def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link."""
-    from megatron_spindle.planner.analytic import CurvesFile
-    from megatron_spindle.planner.build import plan_system
-    from megatron_spindle.planner.build import make_plan
-    from megatron_spindle.planner.cluster import Cluster
-    from megatron_spindle.planner.render import grid, metaop_table
-    from megatron_spindle.planner.simulate import simulate
+    from megatron_spindle.planner.workload.analytic import CurvesFile
+    from megatron_spindle.planner.step.build import plan_system
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import Cluster
+    from megatron_spindle.planner.step.render import grid, metaop_table
+    from megatron_spindle.planner.step.simulate import simulate
 
     if "cluster" not in doc:
         raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")

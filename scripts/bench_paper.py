@@ -9,7 +9,7 @@ met or missed and why), ``paper_fig8.png`` (speedup over sequential, the paper's
 that made it, for the README). Pure planner code: no GPU, no torch; a few minutes on two CPU cores.
 
 Nothing here is tuned: the cluster is the ``--cluster`` preset (constants and their sources in
-``megatron_spindle/planner/cluster.py``), the curves are the analytic device model, the global batches are the
+``megatron_spindle/planner/workload/cluster.py``), the curves are the analytic device model, the global batches are the
 built-in workloads' defaults (the published recipes' global batches per optimizer step, split over the specs'
 passes per step). The two sensitivity runs change one documented input each (InfiniBand per GPU instead of per
 node; one pass of the former per-pass defaults, no accumulation) to show which conclusions depend on it.
@@ -24,9 +24,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_spindle.compare import Comparison, compare, plot  # noqa: E402
-from megatron_spindle.planner.baselines import BASELINES  # noqa: E402
-from megatron_spindle.planner.cluster import PRESETS, load_cluster  # noqa: E402
-from megatron_spindle.planner.workloads import build_graph, resolve_passes  # noqa: E402
+from megatron_spindle.planner.step.baselines import BASELINES  # noqa: E402
+from megatron_spindle.planner.workload.cluster import PRESETS, load_cluster  # noqa: E402
+from megatron_spindle.planner.workload.workloads import build_graph, resolve_passes  # noqa: E402
 
 #: The paper's Figure 8 grid: (model, tasks, device counts).
 GRID = [("multitask-clip", k, (8, 16, 32)) for k in (4, 7, 10)] + \
@@ -217,7 +217,7 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
                     and share(c, "spindle-naive-placement", "transfer") < share(c, "spindle", "transfer")]
     naive_faster = [f"{n} {c.gpus}" for n, c in ok if c.results["spindle-naive-placement"].ok
                     and c.speedup("spindle", "spindle-naive-placement") < 1 - 1e-12]
-    from megatron_spindle.planner.simulate import GRAD_BYTES_PER_PARAM, allreduce_time_ms
+    from megatron_spindle.planner.step.simulate import GRAD_BYTES_PER_PARAM, allreduce_time_ms
     clip_params = build_graph("multitask-clip", tasks=4).total_params()
     clip_sync_ms = allreduce_time_ms(range(32), clip_params * GRAD_BYTES_PER_PARAM, load_cluster(cluster, num_devices=32))
     clip32 = [c.results["sequential"].sim.makespan_ms for m, _, _, cmps in main for c in cmps
@@ -246,7 +246,7 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
 
     out = [f"# Spindle against the baselines on the paper's workloads (simulated)", "",
            f"Made by `{command}` in {seconds:.0f} s on this machine's CPUs (pure planner code, no GPU). "
-           f"Every plan is timed by the same step simulator (`megatron_spindle/planner/simulate.py`; its "
+           f"Every plan is timed by the same step simulator (`megatron_spindle/planner/step/simulate.py`; its "
            f"docstring states the model: waves and their transfers one after another, transfers charged per NVLink "
            f"device and per InfiniBand node, fp32 gradients all-reduced in buckets per parameter device group as soon "
            f"as their last backward wave ends, overlapped with the rest of the backward; a step is the spec's passes "
@@ -254,14 +254,14 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
            f"* cluster `{cluster}`: {cl.gpus_per_node} devices per island, {cl.intra_bandwidth_gbps:g} GB/s NVLink per "
            f"device, {cl.inter_bandwidth_gbps:g} GB/s InfiniBand per node, {cl.memory_gib:g} GiB "
            f"({cl.usable_memory_fraction:g} usable), {cl.peak_tflops:g} TFLOP/s; constants and sources in "
-           f"`megatron_spindle/planner/cluster.py` (achieved = line rate x 0.8, NCCL's measured efficiency);",
-           "* curves: the analytic device model (`planner/analytic.py`), not profiled curves;",
+           f"`megatron_spindle/planner/workload/cluster.py` (achieved = line rate x 0.8, NCCL's measured efficiency);",
+           "* curves: the analytic device model (`planner/workload/analytic.py`), not profiled curves;",
            "* global batch per task per optimizer step: the specs' defaults, from the published recipes (README, "
            "'Default batches'): Multitask-CLIP 512, 2048 for the audio tasks (ImageBind), 16 passes; OFASys 256 "
            "(OFA's 2048 in total), 4 passes; Qwen-VAL 4096, 2048 for language (Qwen-VL stage 2, Qwen-7B), 512 passes. "
            "Each pass is planned; `batch/task` below is global = passes x per pass;",
            "* sequential = Megatron-LM/DeepSpeed, task-level = Spindle-Optimus, intra-task = DistMM-MT "
-           "(`planner/baselines.py`); `*` marks a baseline whose plan exceeds device memory in the wave runtime "
+           "(`planner/step/baselines.py`); `*` marks a baseline whose plan exceeds device memory in the wave runtime "
            "(timed all the same, see Memory below).", "",
            "The paper's speedups are over DeepSpeed/Megatron-LM, i.e. our `sequential` column.", "",
            "## Speedup of Spindle (ratio of simulated step times)", "",
@@ -281,7 +281,7 @@ def report(main, extra, sens_ib, sens_batch, cluster: str, seconds: float, comma
                  breakdown_rows(main)), "",
            "## Beyond the paper's grid", "",
            "Spindle's plan is chosen by the simulated step among its own level-by-level waves (island-aware and naive placement), "
-           "waves across levels (backfilled or cross-level) and the baselines' schedules (`planner/choose.py`); "
+           "waves across levels (backfilled or cross-level) and the baselines' schedules (`planner/step/choose.py`); "
            "the step column names the schedule when it is not Spindle's level-by-level waves.", "",
            table(["workload", "GPUs", "Spindle step ms", "over sequential", "over task-level", "over intra-task",
                   "over naive placement", "task-level / intra-task over sequential"], speedup_rows(extra)), "",

@@ -3,8 +3,8 @@
 
 Prints one row per built-in workload and device count (8, 16, 32, 64): the makespan of Spindle's
 level-by-level waves, Σ C* (the relaxed bound), the certified integer-aware bound of level-by-level wave
-schedules (:mod:`megatron_spindle.planner.solver`) and how its levels were bounded, both ratios, which
-schedule the whole-step choice kept (:mod:`megatron_spindle.planner.choose`; with its compute makespan when
+schedules (:mod:`megatron_spindle.planner.level.solver`) and how its levels were bounded, both ratios, which
+schedule the whole-step choice kept (:mod:`megatron_spindle.planner.step.choose`; with its compute makespan when
 it is not Spindle's level-by-level waves), the number of waves of the chosen plan, and the planning time
 (process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
 seconds) and the first 16 hex digits of the sha256 of the plan's JSON (the bytes ``spindle plan --out`` writes:
@@ -28,12 +28,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_spindle.planner import solver  # noqa: E402
-from megatron_spindle.planner.analytic import build_curves  # noqa: E402
-from megatron_spindle.planner.build import make_metaops, make_plan, schedule  # noqa: E402
-from megatron_spindle.planner.cluster import load_cluster  # noqa: E402
-from megatron_spindle.planner.render import bound_kinds, certified_bound_ms  # noqa: E402
-from megatron_spindle.planner.workloads import build_graph  # noqa: E402
+from megatron_spindle.planner.level import solver  # noqa: E402
+from megatron_spindle.planner.workload.analytic import build_curves  # noqa: E402
+from megatron_spindle.planner.step.build import make_metaops, make_plan, schedule  # noqa: E402
+from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
+from megatron_spindle.planner.step.render import bound_kinds, certified_bound_ms  # noqa: E402
+from megatron_spindle.planner.workload.workloads import build_graph  # noqa: E402
 
 WORKLOADS = [("multitask-clip", 4), ("multitask-clip", 7), ("multitask-clip", 10),
              ("ofasys", 4), ("ofasys", 7), ("qwen-val", 3)]
@@ -60,7 +60,7 @@ def own_makespan(model: str, tasks: int, gpus: int, search: bool) -> float:
 
 
 def schedule_of(plan) -> str:
-    """Which whole-step candidate won (:mod:`megatron_spindle.planner.choose`)."""
+    """Which whole-step candidate won (:mod:`megatron_spindle.planner.step.choose`)."""
     v = plan.levels[0].variant if plan.levels else ""
     if "whole step" in v:
         return v.split(" schedule")[0]

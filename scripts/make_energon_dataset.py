@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory: one dataset per task goes to OUT/<task>")
     args = p.parse_args(argv)
     from megatron_spindle.models.data import stream_specs
-    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.planner.workload.workloads import build_graph
     try:
         graph = build_graph(args.model, tasks=args.tasks, size=args.size)
     except ValueError as e:

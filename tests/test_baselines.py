@@ -4,18 +4,18 @@ import functools
 import pytest
 
 from megatron_spindle.compare import compare
-from megatron_spindle.planner.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
+from megatron_spindle.planner.step.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
                                                 lower_bound_ms, marginal_gain_shares, task_metaops)
-from megatron_spindle.planner.analytic import build_curves
-from megatron_spindle.planner.build import assemble_plan, make_metaops, plan_system, schedule
-from megatron_spindle.planner.placement import place, sequential_placement
-from megatron_spindle.planner.simulate import simulate
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.curves import ScalingCurve, Segment
-from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph
-from megatron_spindle.planner.metaops import contract
-from megatron_spindle.planner.validate import check_plan
-from megatron_spindle.planner.workloads import WORKLOADS, build_graph
+from megatron_spindle.planner.workload.analytic import build_curves
+from megatron_spindle.planner.step.build import assemble_plan, make_metaops, plan_system, schedule
+from megatron_spindle.planner.step.placement import place, sequential_placement
+from megatron_spindle.planner.step.simulate import simulate
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
+from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
+from megatron_spindle.planner.workload.metaops import contract
+from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.workload.workloads import WORKLOADS, build_graph
 
 #: The paper's Figure 8: (model, tasks, device counts).
 PAPER_GRID = [("multitask-clip", k, (8, 16, 32)) for k in (4, 7, 10)] + \
@@ -122,7 +122,7 @@ def test_island_aware_placement_moves_less_than_naive_placement():
     total = {s: sum(c.results[s].sim.breakdown.transfer_ms for c in paper_results())
              for s in ("spindle", "spindle-naive-placement")}
     assert total["spindle"] < total["spindle-naive-placement"]
-    # per configuration, Spindle's plan is chosen by the whole step (:mod:`.planner.choose`), which may be
+    # per configuration, Spindle's plan is chosen by the whole step (:mod:`.planner.step.choose`), which may be
     # another schedule than the naive placement's waves: compare the placements on the same waves
     for model, k, gpus in PAPER_GRID[:3]:
         graph, cluster = build_graph(model, tasks=k), load_cluster(None, num_devices=gpus[0])

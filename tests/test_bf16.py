@@ -18,7 +18,7 @@ BF16_LOSS_RTOL = 3e-2
 def test_bf16_layer_takes_fp32_inputs_and_returns_fp32_loss():
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.models.reference import ReferenceModel
-    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.planner.workload.workloads import build_graph
 
     graph = build_graph("multitask-clip", tasks=4, size="tiny", batch=4)
     batch = SyntheticData(graph, seed=3).batch(0)

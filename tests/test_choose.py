@@ -2,14 +2,14 @@
 waves they start from, and the plan with the shortest simulated step wins."""
 import pytest
 
-from megatron_spindle.planner.analytic import build_curves
-from megatron_spindle.planner.backfill import backfill
-from megatron_spindle.planner.build import assemble_plan, make_metaops, make_plan, schedule
-from megatron_spindle.planner.choose import cross_level_waves, step_ms
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.placement import sequential_placement
-from megatron_spindle.planner.validate import check_plan
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.workload.analytic import build_curves
+from megatron_spindle.planner.step.backfill import backfill
+from megatron_spindle.planner.step.build import assemble_plan, make_metaops, make_plan, schedule
+from megatron_spindle.planner.step.choose import cross_level_waves, step_ms
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.step.placement import sequential_placement
+from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.workload.workloads import build_graph
 
 
 @pytest.mark.parametrize("model,k,n", [("multitask-clip", 10, 8), ("ofasys", 7, 16), ("qwen-val", 3, 64),
@@ -43,8 +43,8 @@ def test_backfill_helps_where_devices_stay_free():
 
 @pytest.mark.parametrize("model,k,n", [("ofasys", 7, 64), ("multitask-clip", 10, 8), ("ofasys", 4, 8)])
 def test_the_chosen_plan_has_the_shortest_step(model, k, n):
-    from megatron_spindle.planner.baselines import BASELINES
-    from megatron_spindle.planner.build import plan_system
+    from megatron_spindle.planner.step.baselines import BASELINES
+    from megatron_spindle.planner.step.build import plan_system
     graph, cluster = build_graph(model, tasks=k), load_cluster(None, num_devices=n)
     plan = make_plan(graph, cluster)
     assert plan.system == "spindle"

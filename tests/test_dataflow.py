@@ -1,4 +1,4 @@
-"""The data flow of a plan (planner/dataflow.py): layouts, routing, edges, the stored messages. Pure, no torch."""
+"""The data flow of a plan (planner/step/dataflow.py): layouts, routing, edges, the stored messages. Pure, no torch."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from megatron_spindle.planner.build import make_plan
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.dataflow import (Layout, boundaries, messages, plan_transfers, rank_messages,
+from megatron_spindle.planner.step.build import make_plan
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.step.dataflow import (Layout, boundaries, messages, plan_transfers, rank_messages,
                                                slice_layout)
-from megatron_spindle.planner.plan import Plan
-from megatron_spindle.planner.validate import PlanError, check_plan
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.step.plan import Plan
+from megatron_spindle.planner.step.validate import PlanError, check_plan
+from megatron_spindle.planner.workload.workloads import build_graph
 
 BATCH = 8
 # (producer layout, consumer layout): replicas of other sizes, tensor parallelism on either side, a

@@ -143,3 +143,29 @@ def test_function_level_imports_are_optional_dependencies_and_say_so():
     bad = [f"{p.relative_to(PKG)}:{line}: {src.strip()}" for p, imps in _all().items()
            for m, line, inside, src in imps if inside and "# optional" not in src]
     assert not bad, "imports inside functions without '# optional: why':\n" + "\n".join(bad)
+
+
+#: The planner's stages in pipeline order: a stage imports only itself and earlier stages (and the planner's
+#: shared modules ``exact``, ``limits``, ``jsonfile``), so its folders read as the pipeline.
+STAGES = ("megatron_spindle.planner.workload", "megatron_spindle.planner.level", "megatron_spindle.planner.step")
+
+
+def test_planner_stages_import_only_earlier_stages():
+    bad = []
+    for p, imps in _all().items():
+        me = _module_name(p)
+        mine = next((i for i, s in enumerate(STAGES) if _under(me, s)), None)
+        if mine is None:
+            continue
+        for m, line, _, _ in imps:
+            theirs = next((i for i, s in enumerate(STAGES) if _under(m, s)), None)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{p.relative_to(PKG)}:{line} imports the later stage {m}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_fits_in_a_head():
+    """A few hundred lines per module, one idea each (STYLE.md): none over 450."""
+    long = [f"{p.relative_to(PKG)}: {n} lines" for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 450]
+    assert not long, "\n".join(long)

@@ -12,8 +12,8 @@ from megatron_spindle.models.layers import (LOSS_OP_TYPES, build_layer, example_
                                             num_parameters, output_shape, shard_tensor, table_rows,
                                             unshard_tensors)
 from megatron_spindle.models.reference import ReferenceModel, split_parameter_name
-from megatron_spindle.planner.graph import OP_TYPES
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.workload.graph import OP_TYPES
+from megatron_spindle.planner.workload.workloads import build_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from megatron_spindle.planner.build import make_plan
-from megatron_spindle.planner.cluster import load_cluster
+from megatron_spindle.planner.step.build import make_plan
+from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.limits import MAX_BATCH, MAX_DEVICES, divisors, factorize
-from megatron_spindle.planner.metaops import contract
-from megatron_spindle.planner.render import idle_devices, idle_warning
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.workload.metaops import contract
+from megatron_spindle.planner.step.render import idle_devices, idle_warning
+from megatron_spindle.planner.workload.workloads import build_graph
 
 
 def spindle(*args):

@@ -386,9 +386,9 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
 
 def _tp_plan(path: str) -> None:
     """Every MetaOp on both ranks in level order, the text encoder with tensor parallelism 2."""
-    from megatron_spindle.planner.manual import plan_from_waves
-    from megatron_spindle.planner.metaops import contract
-    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.planner.step.manual import plan_from_waves
+    from megatron_spindle.planner.workload.metaops import contract
+    from megatron_spindle.planner.workload.workloads import build_graph
 
     graph = build_graph("multitask-clip", tasks=4, size="tiny", batch=MICRO * WORLD)
     waves = [[(m.name, 0, m.num_layers, tuple(range(WORLD if m.batch_splittable else 1)))]

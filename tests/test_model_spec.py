@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from megatron_spindle import cli
-from megatron_spindle.planner.layer_types import LayerCost, custom_layer_type, register_layer_type
-from megatron_spindle.planner.spec import SpecError, load_spec, parse_spec, shipped_models
-from megatron_spindle.planner.workloads import WORKLOADS, build_graph
+from megatron_spindle.planner.workload.layer_types import LayerCost, custom_layer_type, register_layer_type
+from megatron_spindle.planner.workload.spec import SpecError, load_spec, parse_spec, shipped_models
+from megatron_spindle.planner.workload.workloads import WORKLOADS, build_graph
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -4,11 +4,11 @@ import sys
 
 import pytest
 
-from megatron_spindle.planner.allocate import allocate_level, bipoint
-from megatron_spindle.planner.curves import ScalingCurve, Segment, fit_piecewise
-from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph, data_input
-from megatron_spindle.planner.metaops import contract, levels
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.level.allocate import allocate_level, bipoint
+from megatron_spindle.planner.workload.curves import ScalingCurve, Segment, fit_piecewise
+from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph, data_input
+from megatron_spindle.planner.workload.metaops import contract, levels
+from megatron_spindle.planner.workload.workloads import build_graph
 
 
 def linear_curve(a: float, counts=(1, 2, 3, 4)) -> ScalingCurve:
@@ -160,9 +160,9 @@ def test_planner_never_imports_torch():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
             "import importlib, pkgutil, megatron_spindle.planner as P\n"
             "for m in pkgutil.iter_modules(P.__path__): importlib.import_module('megatron_spindle.planner.' + m.name)\n"
-            "from megatron_spindle.planner.build import make_plan\n"
-            "from megatron_spindle.planner.cluster import load_cluster\n"
-            "from megatron_spindle.planner.workloads import build_graph\n"
+            "from megatron_spindle.planner.step.build import make_plan\n"
+            "from megatron_spindle.planner.workload.cluster import load_cluster\n"
+            "from megatron_spindle.planner.workload.workloads import build_graph\n"
             "make_plan(build_graph('qwen-val'), load_cluster(None, num_devices=16))\n"
             "assert not any(k.startswith(('torch', 'megatron.')) and sys.modules[k] is not None for k in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -174,13 +174,13 @@ def test_polish_keeps_a_valid_schedule_and_never_lengthens_it(model, tasks, gpus
     """:func:`.polish.polish` on Algorithm 1's waves of every level: whole layers in order, every layer once,
     one slice per MetaOp per wave, valid counts within the devices, times that match the curves, no longer
     span, and the same result on a second run (deterministic); and so are throughput waves."""
-    from megatron_spindle.planner.allocate import bipoint as bp
-    from megatron_spindle.planner.analytic import build_curves
-    from megatron_spindle.planner.build import make_metaops
-    from megatron_spindle.planner.cluster import load_cluster
-    from megatron_spindle.planner.knapsack import throughput_waves
-    from megatron_spindle.planner.polish import polish
-    from megatron_spindle.planner.waves import schedule_level
+    from megatron_spindle.planner.level.allocate import bipoint as bp
+    from megatron_spindle.planner.workload.analytic import build_curves
+    from megatron_spindle.planner.step.build import make_metaops
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.level.knapsack import throughput_waves
+    from megatron_spindle.planner.level.polish import polish
+    from megatron_spindle.planner.level.waves import schedule_level
     metaops = make_metaops(build_graph(model, tasks=tasks), load_cluster(None, num_devices=gpus))
     curves = build_curves(metaops, gpus)
     for lv in levels(metaops):

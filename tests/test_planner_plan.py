@@ -11,18 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_spindle.planner.allocate import allocate_level
-from megatron_spindle.planner.analytic import CurvesFile
-from megatron_spindle.planner.build import make_plan
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.curves import fit_piecewise
-from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph, data_input
-from megatron_spindle.planner.metaops import contract
-from megatron_spindle.planner.placement import PlacementError
-from megatron_spindle.planner.plan import Plan, SliceRef
-from megatron_spindle.planner.scheduler import plan_level
-from megatron_spindle.planner.validate import PlanError, check_plan
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.level.allocate import allocate_level
+from megatron_spindle.planner.workload.analytic import CurvesFile
+from megatron_spindle.planner.step.build import make_plan
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.workload.curves import fit_piecewise
+from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph, data_input
+from megatron_spindle.planner.workload.metaops import contract
+from megatron_spindle.planner.step.placement import PlacementError
+from megatron_spindle.planner.step.plan import Plan, SliceRef
+from megatron_spindle.planner.level.scheduler import plan_level
+from megatron_spindle.planner.step.validate import PlanError, check_plan
+from megatron_spindle.planner.workload.workloads import build_graph
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,10 +102,10 @@ def test_validation_rules_name_the_wave_and_device():
 
 
 def test_placement_keeps_tp_groups_in_islands_and_prefers_local_flows():
-    from megatron_spindle.planner.analytic import build_curves
-    from megatron_spindle.planner.build import assemble_plan, make_metaops, schedule
-    from megatron_spindle.planner.choose import step_ms
-    from megatron_spindle.planner.placement import place, sequential_placement
+    from megatron_spindle.planner.workload.analytic import build_curves
+    from megatron_spindle.planner.step.build import assemble_plan, make_metaops, schedule
+    from megatron_spindle.planner.step.choose import step_ms
+    from megatron_spindle.planner.step.placement import place, sequential_placement
     graph, cluster = build_graph("qwen-val"), load_cluster(None, num_devices=32)
     p = make_plan(graph, cluster)
     for s in p.slices():

@@ -10,9 +10,9 @@ import pytest
 
 from mp_harness import run_ranks
 
-from megatron_spindle.planner.build import make_plan
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.step.build import make_plan
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.workload.workloads import build_graph
 
 WORLD, LR, MOMENTUM, TOL = 4, 0.05, 0.9, 1e-5
 ALL = ("vision-text", "audio-text", "vision-depth", "vision-thermal")

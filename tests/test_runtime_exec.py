@@ -25,12 +25,12 @@ import pytest
 
 from mp_harness import RanksFailed, run_ranks
 
-from megatron_spindle.planner.build import make_plan
-from megatron_spindle.planner.cluster import load_cluster
-from megatron_spindle.planner.simulate import boundary_time_ms, simulate
-from megatron_spindle.planner.manual import plan_from_waves
-from megatron_spindle.planner.metaops import contract
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.step.build import make_plan
+from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.step.simulate import boundary_time_ms, simulate
+from megatron_spindle.planner.step.manual import plan_from_waves
+from megatron_spindle.planner.workload.metaops import contract
+from megatron_spindle.planner.workload.workloads import build_graph
 
 WORLD = 4
 STEPS = 3
@@ -336,7 +336,7 @@ def test_a_hung_peer_fails_the_others_with_wave_slice_and_peer(tmp_path):
 
 
 def test_plan_for_another_world_or_model_is_refused():
-    from megatron_spindle.planner.validate import PlanError, check_plan
+    from megatron_spindle.planner.step.validate import PlanError, check_plan
     g = graph()
     plan = plans()["a-sequential"]
     with pytest.raises(PlanError, match="plan is for 4 devices but the job has 2"):

@@ -4,16 +4,16 @@ import math
 
 import pytest
 
-from megatron_spindle.planner.build import assemble_plan, make_plan
-from megatron_spindle.planner.cluster import PRESETS, Cluster, load_cluster
-from megatron_spindle.planner.curves import ScalingCurve, Segment
-from megatron_spindle.planner.graph import LayerConfig, Operator, TaskGraph
-from megatron_spindle.planner.metaops import contract
-from megatron_spindle.planner.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
+from megatron_spindle.planner.step.build import assemble_plan, make_plan
+from megatron_spindle.planner.workload.cluster import PRESETS, Cluster, load_cluster
+from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
+from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
+from megatron_spindle.planner.workload.metaops import contract
+from megatron_spindle.planner.step.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
                                                allreduce_time_ms, boundary_time_ms, simulate, sync_time_ms)
-from megatron_spindle.planner.validate import check_plan
-from megatron_spindle.planner.waves import Wave, WaveSlice
-from megatron_spindle.planner.workloads import build_graph
+from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.level.waves import Wave, WaveSlice
+from megatron_spindle.planner.workload.workloads import build_graph
 
 # Round numbers so every expectation below is mental arithmetic: 100 GB/s and 10 µs inside an island,
 # 10 GB/s per node and 50 µs between islands.

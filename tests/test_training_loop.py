@@ -152,9 +152,9 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
         "error: unknown model 'gpt5'; built-in models: multitask-clip, ofasys, qwen-val (or give the path of a "
         ".toml model spec)"]
     # a plan for another model, and for another world size
-    from megatron_spindle.planner.build import make_plan
-    from megatron_spindle.planner.cluster import load_cluster
-    from megatron_spindle.planner.workloads import build_graph
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
     other = tmp_path / "ofasys.json"
     make_plan(build_graph("ofasys", tasks=4, size="tiny", batch=8), load_cluster(None, num_devices=1)).save(str(other))
     r = _cli(["--spindle", "--spindle-plan", str(other), "--train-iters", "1"])

@@ -1,14 +1,14 @@
 """The ``mlp_projector`` layer type of ``llava.toml``: LLaVA-1.5's two-layer GELU MLP from the vision
 encoder's width into the LLM's, tensor-parallel the Megatron way (column-parallel then row-parallel).
 
-Registered from Python with :func:`megatron_spindle.planner.layer_types.register_layer_type`: the cost
+Registered from Python with :func:`megatron_spindle.planner.workload.layer_types.register_layer_type`: the cost
 function is plain arithmetic (the planner imports this file without torch); the build function imports
 torch and megatron.core only when a rank builds the layer, and takes its tensor-parallel group explicitly.
 
 The layer gets ``[b, tokens, input_dim]`` (the vision encoder's output, batch first) and returns
 ``[b, tokens, hidden]``; ``ffn_hidden`` is the width between the two linears.
 """
-from megatron_spindle.planner.layer_types import LayerCost, register_layer_type
+from megatron_spindle.planner.workload.layer_types import LayerCost, register_layer_type
 
 BF16_BYTES = 2
 

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..models.data import StreamSpec, stream_specs
-from ..planner.graph import TaskGraph
-from ..planner.plan import Plan
+from ..planner.workload.graph import TaskGraph
+from ..planner.step.plan import Plan
 from .sharding import RankReads, rank_reads
 
 

@@ -18,10 +18,10 @@ import os
 from typing import Callable
 
 from ..atomic import check_output
-from ..planner.analytic import CurvesFile
-from ..planner.cluster import load_cluster
-from ..planner.plan import Plan
-from ..planner.workloads import build_graph
+from ..planner.workload.analytic import CurvesFile
+from ..planner.workload.cluster import load_cluster
+from ..planner.step.plan import Plan
+from ..planner.workload.workloads import build_graph
 from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
 
 

@@ -20,13 +20,13 @@ from .. import comm
 from ..compat import apply_cpu_patches
 from ..log import get_logger
 from ..models.data import SyntheticData
-from ..planner.analytic import CurvesFile
-from ..planner.build import plan_system
-from ..planner.cluster import load_cluster
-from ..planner.plan import Plan
-from ..planner.render import gantt, grid, summary
-from ..planner.validate import check_plan
-from ..planner.workloads import build_graph
+from ..planner.workload.analytic import CurvesFile
+from ..planner.step.build import plan_system
+from ..planner.workload.cluster import load_cluster
+from ..planner.step.plan import Plan
+from ..planner.step.render import gantt, grid, summary
+from ..planner.step.validate import check_plan
+from ..planner.workload.workloads import build_graph
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
 

@@ -1,6 +1,6 @@
 """The live prediction of a whole training step, part by part, against what this rank measured.
 
-Predicted: :func:`..planner.simulate.simulate` of the run's plan (its curves) on the run's cluster, with the
+Predicted: :func:`..planner.step.simulate.simulate` of the run's plan (its curves) on the run's cluster, with the
 step's passes (gradient accumulation) and the gradient bytes the runtime reduces (2 for a bf16 model unless
 ``--accumulate-allreduce-grads-in-fp32``, else 4), plus the step's end from the profile's measurements
 (:class:`StepCosts`). Measured: the :class:`..runtime.trace.StepTrace` spans of that step on this rank. The
@@ -15,7 +15,7 @@ parts, seen from one rank:
   past its end); measured: the ``gradient sync wait`` span (the time :meth:`GradSync.finish` blocks);
 * **norm + loss all-reduce**: the two all-reduces over every rank at the step's end (the gradient norm for
   clipping, the task losses for the log); predicted: two all-reduces of a few bytes over all ranks
-  (:func:`..planner.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
+  (:func:`..planner.step.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
 * **optimizer**: predicted from the profile's optimizer measurement
   (:mod:`megatron_spindle.profiler.step_costs`) for this rank's parameter tensors and elements; measured: the
   ``optimizer`` span;
@@ -40,8 +40,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..planner.cluster import Cluster
-from ..planner.simulate import allreduce_time_ms, simulate
+from ..planner.workload.cluster import Cluster
+from ..planner.step.simulate import allreduce_time_ms, simulate
 from ..profiler.step_costs import optimizer_ms
 
 #: The executor's per-boundary span: time this rank spent posting and blocked on transfers (the exposed part).
@@ -136,7 +136,7 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
     part over ``steps`` (one step number or several: one step of a CPU run is noisy).
 
     ``early_sends``: the runtime posts sends as soon as their data exists (gloo; see
-    :func:`..planner.simulate.simulate`)."""
+    :func:`..planner.step.simulate.simulate`)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
                    compute_scale=compute_scale, early_sends=early_sends)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))

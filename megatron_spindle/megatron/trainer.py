@@ -29,8 +29,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from .. import comm
 from ..log import get_logger, setup_logging
-from ..planner.render import grid
-from ..planner.validate import PlanError
+from ..planner.step.render import grid
+from ..planner.step.validate import PlanError
 from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace

@@ -30,7 +30,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal
 
-from ..planner.graph import Operator
+from ..planner.workload.graph import Operator
 
 INIT_STD = 0.02
 _BACKENDS = ("auto", "local", "te")

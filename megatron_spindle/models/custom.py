@@ -1,4 +1,4 @@
-"""The torch side of custom layer types (registered in :mod:`megatron_spindle.planner.layer_types`).
+"""The torch side of custom layer types (registered in :mod:`megatron_spindle.planner.workload.layer_types`).
 
 A custom type's build function returns a module whose ``forward(x)`` maps the concatenation of the
 operator's inputs, ``[b, input_seq_len, input_dim]`` (batch first), to ``[b, seq_len, hidden]``.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..planner.graph import Operator
-from ..planner.layer_types import custom_layer_type
+from ..planner.workload.graph import Operator
+from ..planner.workload.layer_types import custom_layer_type
 
 
 def build_custom_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype) -> nn.Module:

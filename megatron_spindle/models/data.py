@@ -36,7 +36,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ..planner.graph import DATA_PREFIX, Operator, TaskGraph
+from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
 
 LATENT_DIM = 8
 PATCH_NOISE = 0.1

@@ -6,15 +6,24 @@ another plan (another tp degree). Sharded parameters are recognised by megatron'
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
+from torch import Tensor, nn
 
 from .. import comm
-from torch import Tensor
 
-if TYPE_CHECKING:
-    from .layers import OperatorLayer
+
+class ShardedLayer(Protocol):
+    """What these functions read of a layer (:class:`.layers.OperatorLayer` has it; this module does not
+    import that one, which imports this one)."""
+
+    core: nn.Module
+    op: object
+    tp_group: object
+    tp_size: int
+    tp_rank: int
+    use_te: bool
 
 #: TransformerEngine fuses the pre-attention / pre-MLP norms into the following linear; names are
 #: reported in the local spec's form so that states move between GPU (TE) and CPU (local) runs.
@@ -56,7 +65,7 @@ def _canonical(name: str, use_te: bool) -> str:
     return name
 
 
-def full_state_dict(layer: "OperatorLayer", tp_group=None) -> dict[str, Tensor]:
+def full_state_dict(layer: ShardedLayer, tp_group=None) -> dict[str, Tensor]:
     """The unsharded parameters of ``layer`` as CPU tensors, keyed by name within the layer.
 
     Collective over the layer's tp group (``tp_group`` defaults to the one it was built with): every tp
@@ -76,7 +85,7 @@ def full_state_dict(layer: "OperatorLayer", tp_group=None) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def load_full_state_dict(layer: "OperatorLayer", state: dict[str, Tensor]) -> None:
+def load_full_state_dict(layer: ShardedLayer, state: dict[str, Tensor]) -> None:
     """Copy unsharded parameters (as from :func:`full_state_dict` or ``ReferenceModel.layer_state``)
     into ``layer``'s shard. Every parameter must be present with its full shape; no communication."""
     params = dict(layer.core.named_parameters())
@@ -95,6 +104,6 @@ def load_full_state_dict(layer: "OperatorLayer", state: dict[str, Tensor]) -> No
         p.copy_(full)
 
 
-def num_parameters(layer: "OperatorLayer") -> int:
+def num_parameters(layer: ShardedLayer) -> int:
     """Parameters of the unsharded layer (shards counted at full size)."""
     return sum(p.numel() * (layer.tp_size if shard_spec(p) else 1) for p in layer.core.parameters())

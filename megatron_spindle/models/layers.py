@@ -1,10 +1,10 @@
 """Torch layers for the operators of a task graph, built from megatron.core blocks.
 
-:func:`build_layer` turns one :class:`~megatron_spindle.planner.graph.Operator` into an
+:func:`build_layer` turns one :class:`~megatron_spindle.planner.workload.graph.Operator` into an
 :class:`OperatorLayer`: ``layer(inputs) -> Tensor`` where ``inputs`` are the operator's inputs in the order
 of ``op.inputs`` (``data:`` streams included), each batch-first and already sliced to the local batch.
 
-Conventions (from the docstring of ``planner/graph.py``, followed exactly):
+Conventions (from the docstring of ``planner/workload/graph.py``, followed exactly):
 
 * activations between operators are ONE batch-first tensor ``[b, seq, hidden]`` (``[b, proj_dim]`` after a
   pool head); megatron blocks work sequence-first, so the layers transpose in and out (views, no copies);
@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from ..planner.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
+from ..planner.workload.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
 from .megatron_state import ensure_megatron_globals
 from .custom import build_custom_core, custom_forward, custom_input_shape, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..planner.graph import DATA_PREFIX, TaskGraph
+from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
 from .layers import LOSS_OP_TYPES, OperatorLayer, build_layer
 

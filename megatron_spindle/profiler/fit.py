@@ -1,14 +1,14 @@
 """From measured points to a curves file: fit each target's piecewise curve and write it. Pure Python.
 
-The file is the planner's ``--curves`` format (:mod:`megatron_spindle.planner.analytic`): one entry per target
+The file is the planner's ``--curves`` format (:mod:`megatron_spindle.planner.workload.analytic`): one entry per target
 with its ``signature`` and measured ``points`` ``[[devices, ms], ...]``; the planner refits the points with the
 MetaOp's own valid counts. Keys the planner does not read are there for people:
 
 * ``metaops``: the MetaOps the entry applies to; ``detail``: per point the local batch, the median and the
-  range of the repeats; ``fit``: the fitted :class:`~megatron_spindle.planner.curves.ScalingCurve` (segments,
+  range of the repeats; ``fit``: the fitted :class:`~megatron_spindle.planner.workload.curves.ScalingCurve` (segments,
   points, ``fit_error`` = largest relative error at a point); ``fit_error`` again at the top of the entry;
 * top level: ``measured`` (model, backend, device type, processes, repeats, how long it took) and, when two or
-  more processes ran, ``cluster``: the backend's measured link as :class:`~megatron_spindle.planner.cluster.Cluster`
+  more processes ran, ``cluster``: the backend's measured link as :class:`~megatron_spindle.planner.workload.cluster.Cluster`
   fields (``spindle compare --cluster FILE`` reads such a file; see :mod:`.link`);
 * ``device``: ``memory_gib`` of one device, the one device constant a measured profile replaces (the planner
   also uses it to choose tensor-parallel degrees, so the profile contracts the model with the same value).
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..planner.analytic import CURVES_SCHEMA_VERSION, CurvesFile
-from ..planner.curves import ScalingCurve, fit_piecewise
-from ..planner.metaops import MetaOp
+from ..planner.workload.analytic import CURVES_SCHEMA_VERSION, CurvesFile
+from ..planner.workload.curves import ScalingCurve, fit_piecewise
+from ..planner.workload.metaops import MetaOp
 from .points import Target
 
 

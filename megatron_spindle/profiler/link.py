@@ -1,6 +1,6 @@
 """The backend's link, measured: latency and bandwidth in the simulator's own cost model.
 
-The step simulator (:mod:`megatron_spindle.planner.simulate`) times communication with two formulas over one
+The step simulator (:mod:`megatron_spindle.planner.step.simulate`) times communication with two formulas over one
 latency ``λ`` and one bandwidth ``B`` per link kind:
 
 * a wave boundary (batched send/recv, every device sending and receiving ``S`` bytes): ``t = λ + S / B``;
@@ -14,7 +14,7 @@ enforced by refitting the other parameter alone. The link takes the exchange's l
 bandwidth (see :func:`fit_link`); the fit error (largest relative error at a measurement) says how well one
 ``(λ, B)`` describes the backend: gloo's all-reduce is not a textbook ring.
 
-:func:`cluster_fields` writes the result as :class:`~megatron_spindle.planner.cluster.Cluster` fields, one
+:func:`cluster_fields` writes the result as :class:`~megatron_spindle.planner.workload.cluster.Cluster` fields, one
 island (intra = inter), for ``spindle compare --cluster FILE`` and the CPU benchmark.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def fit_link(measurements: Sequence[Mapping]) -> dict:
 
 
 def cluster_fields(link: Mapping, *, name: str, gpus_per_node: int, memory_gib: float) -> dict:
-    """:class:`~megatron_spindle.planner.cluster.Cluster` fields for the measured link (one island): the
+    """:class:`~megatron_spindle.planner.workload.cluster.Cluster` fields for the measured link (one island): the
     link's latency and bandwidth, and the all-reduce's own ring-step latency when both kinds were measured."""
     bw = float(link["bandwidth_gbps"])
     lat = max(float(link["latency_us"]), 1e-3)

@@ -1,7 +1,7 @@
 """What the profiler measures, and the cache that remembers it. Pure Python (no torch).
 
 A **target** is one distinct workload: the MetaOps of a model that share a signature
-(:attr:`~megatron_spindle.planner.metaops.MetaOp.signature`: op type, global batch, sequence, width, TP degree)
+(:attr:`~megatron_spindle.planner.workload.metaops.MetaOp.signature`: op type, global batch, sequence, width, TP degree)
 get one scaling curve, so they are measured once, on the layer of the first of them. The planner keys curves
 by signature alone, so MetaOps whose layers differ in something the signature leaves out (an ``lm_head`` with
 another number of loss tokens, a causal and a bidirectional layer of one width) share that curve. A **point** is the time (ms) of ONE
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from ..atomic import write_json
-from ..planner.graph import LayerConfig
+from ..planner.workload.graph import LayerConfig
 from ..planner.jsonfile import read_json
-from ..planner.metaops import MetaOp
+from ..planner.workload.metaops import MetaOp
 
 CACHE_SCHEMA_VERSION = 1
 CACHE_KIND = "spindle-profile-cache"

@@ -33,9 +33,9 @@ from .. import comm
 from ..atomic import write_json
 from ..compat.cpu import apply_cpu_patches
 from ..log import get_logger
-from ..planner.build import make_metaops
-from ..planner.cluster import Cluster
-from ..planner.workloads import build_graph
+from ..planner.step.build import make_metaops
+from ..planner.workload.cluster import Cluster
+from ..planner.workload.workloads import build_graph
 from . import launch
 from .fit import curves_document, summary_table
 from .link import cluster_fields, fit_link, measure_link

@@ -18,7 +18,7 @@ import torch
 
 from .. import comm
 from ..models.layers import build_layer, example_inputs
-from ..planner.graph import TaskGraph
+from ..planner.workload.graph import TaskGraph
 
 
 def time_layer(graph: TaskGraph, operator: str, local_batch: int, *, warmup: int, repeats: int,

@@ -3,7 +3,7 @@
 A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :meth:`finalize_grads`):
 
 1. **forward**, for each wave ``w`` in order: post this rank's receives of the plan's transfers into ``w``
-   (``plan.transfers``, computed by :mod:`..planner.dataflow`; the executor derives none of its own; local
+   (``plan.transfers``, computed by :mod:`..planner.step.dataflow`; the executor derives none of its own; local
    copies need no communication), then run this rank's slices of ``w``, each waiting for exactly its own
    inputs' receives; a slice's sends (to every later wave) are posted as soon as it has run. A slice's
    received inputs are leaves that require grad, so each slice has its own autograd graph;
@@ -12,7 +12,7 @@ A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :m
    receives that feed it), posting each slice's input gradients back to their producers as soon as they
    exist, one holder per sample; then post the receives of the boundary before the wave;
 
-Transfers are asynchronous (:class:`_Transfers`): every point-to-point call goes through :func:`post_p2p`,
+Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`,
 sends are waited at the end of the pass (their tensors are never reused inside it). Under gloo an ``isend``
 is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags number the
 messages of a whole pass (forward, then backward), so no two outstanding messages of a pair share one.
@@ -47,38 +47,19 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..models.layers import build_layer, output_shape
-from ..planner.dataflow import boundaries, rank_messages, slice_layout
-from ..planner.graph import DATA_PREFIX, TaskGraph
-from ..planner.plan import Message, Plan, Slice, Transfer
-from ..planner.validate import check_plan
+from ..planner.step.dataflow import boundaries, rank_messages, slice_layout
+from ..planner.workload.graph import DATA_PREFIX, TaskGraph
+from ..planner.step.plan import Message, Plan, Slice, Transfer
+from ..planner.step.validate import check_plan
 from .grad_sync import GradSync
+from .p2p import PassTransfers, Posted, SpindleTimeout, post_p2p  # noqa: F401 - SpindleTimeout re-exported
 from .groups import ProcessGroupRegistry
 from .rank_sets import plan_rank_sets, tp_group_name
 from .trace import StepTrace
 
 
-class SpindleTimeout(RuntimeError):
-    """A peer did not answer in time (dead or hung): names the wave, the slice and the peer."""
-
-
 def _module_key(metaop: str, layer: int) -> str:
     return f"{metaop}#{layer}".replace(".", "/")
-
-
-def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]]) -> list:
-    """Post ``("send" | "recv", tensor, peer, tag)`` operations in one ``batch_isend_irecv`` (through
-    :mod:`megatron_spindle.comm`, which moves a send to the communication device; a receive buffer must be
-    there already, :func:`megatron_spindle.comm.empty`). The executor's only point-to-point call; returns the
-    works in ``ops`` order."""
-    p2p = []
-    for kind, t, peer, tag in ops:
-        if kind == "send":
-            p2p.append(comm.send_op(t, peer, tag=tag))
-        elif kind == "recv":
-            p2p.append(comm.recv_op(t, peer, tag=tag))
-        else:
-            raise ValueError(f"point-to-point operation {kind!r} is neither 'send' nor 'recv'")
-    return comm.batch_isend_irecv(p2p)
 
 
 @dataclass
@@ -89,31 +70,6 @@ class StepState:
     inputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # (slice, input index) -> leaf
     grads: dict[str, Tensor] = field(default_factory=dict)         # slice name -> grad of its output
     losses: dict[str, Tensor] = field(default_factory=dict)        # task -> local loss (counted once per TP)
-
-
-@dataclass
-class _Posted:
-    """One posted message: its work, what the timeout error names, its trace span and where it goes."""
-
-    work: object
-    desc: str
-    span: str
-    t0: float
-    wave: int
-    e: Transfer
-    msg: Message
-    buf: Tensor | None
-    tensor: Tensor  # kept alive until the wait
-
-
-@dataclass
-class _Transfers:
-    """A pass's outstanding messages: sends (waited at the end of the pass), receives by the slice that
-    consumes them, and per boundary the seconds the host spent posting and blocked waiting."""
-
-    sends: list[_Posted] = field(default_factory=list)
-    recvs: dict[str, list[_Posted]] = field(default_factory=dict)
-    blocked: dict[int, float] = field(default_factory=dict)
 
 
 class SpindleModel(nn.Module):
@@ -175,7 +131,7 @@ class SpindleModel(nn.Module):
             for item in bwd:
                 if item[2].src == self.rank != item[2].dst:
                     self._bwd_sends_of.setdefault(item[1].dst, []).append(item)
-        self._xfer = _Transfers()
+        self._xfer = PassTransfers()
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
@@ -268,10 +224,10 @@ class SpindleModel(nn.Module):
         t0 = time.perf_counter()
         works = post_p2p(ops)
         for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
-            item = _Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
+            item = Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
             (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
 
-    def _complete(self, items: list["_Posted"], recv_into=None) -> None:
+    def _complete(self, items: list[Posted], recv_into=None) -> None:
         """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
         blocked time per boundary, and hand received buffers to ``recv_into``."""
         for it in items:
@@ -293,7 +249,7 @@ class SpindleModel(nn.Module):
         now = time.perf_counter()
         for w in range(len(self.plan.waves)):
             self.trace.span("transfer", f"w{w} {phase} transfer", now - self._xfer.blocked.get(w, 0.0), now)
-        self._xfer = _Transfers()
+        self._xfer = PassTransfers()
 
     def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
         src = self.slice_of[e.src]
@@ -322,7 +278,7 @@ class SpindleModel(nn.Module):
         def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
             pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
 
-        self._xfer = _Transfers()
+        self._xfer = PassTransfers()
         for w in range(len(self.plan.waves)):
             fwd = self.messages[w][0]
             # the boundary's receives and local copies; its sends too where they were not posted early
@@ -392,7 +348,7 @@ class SpindleModel(nn.Module):
                 st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
             st.grads[e.src][msg.start - a:msg.stop - a] += t
 
-        self._xfer = _Transfers()
+        self._xfer = PassTransfers()
         for w in range(len(self.plan.waves) - 1, -1, -1):
             for s in reversed(self.my_slices[w]):
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs

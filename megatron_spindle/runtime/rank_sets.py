@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from ..planner.plan import Plan
+from ..planner.step.plan import Plan
 
 
 def tp_group_name(slice_name: str, replica: int) -> str:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from .. import comm
 
-from ..planner.graph import TaskGraph
-from ..planner.plan import Plan
+from ..planner.workload.graph import TaskGraph
+from ..planner.step.plan import Plan
 from .executor import SpindleModel
 
 

@@ -1,0 +1,147 @@
+"""Polish a level's wave schedule by moving layers between its waves (a descent on the span).
+
+Algorithm 1 (:mod:`.waves`) fixes each wave's slices from allocation tuples; the waves it builds often
+leave a wave ending on a few slices while other waves have room. The waves of one level commute (its
+MetaOps are independent), so a schedule stays valid when a layer of MetaOp ``m`` moves from one wave to
+another, as long as every wave keeps at most one slice of ``m``, whole layers on valid counts and at most
+``N`` devices (the layers are renumbered in wave order afterwards). Moves, longest wave first:
+
+* **shed**: every slice that ends wave ``w`` gives up one layer (so ``w`` gets shorter), each to the wave
+  where it lengthens the schedule least: into ``m``'s slice there, or as a new slice of ``m`` on free devices
+  (the valid count that fits and adds least);
+* **widen**: the one slice that ends wave ``w`` moves to a larger valid count that fits the wave's free
+  devices.
+
+The polished waves keep the order of the waves they came from (an emptied wave drops out).
+
+A move is made only when it shortens the level's span (``Σ`` wave durations) by more than a relative
+``1e-9``; it stops when no move does or after :data:`MAX_MOVES` moves, so it never lengthens a schedule
+and its result depends only on its input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from ..workload.curves import ScalingCurve
+from ..workload.metaops import MetaOp
+from .waves import Wave, build_waves
+
+#: Work limit: moves made per call.
+MAX_MOVES = 200
+_EPS = 1e-9
+
+
+def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
+           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+    """A schedule of the same level no longer than ``waves`` (the input is not changed; fewer than two waves
+    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`."""
+    if len(waves) < 2:
+        return list(waves)
+    N = num_devices
+    order = [m.name for m in metaops]
+    valid = {m.name: m.valid_counts(N) for m in metaops}
+    T = times if times is not None else {n: {c: curves[n].count_time(c) for c in valid[n]} for n in order}
+    # state: per wave, MetaOp -> [devices, layers]
+    state = [{s.metaop: [s.devices, s.layers] for s in w.slices} for w in waves]
+
+    def dur(w: dict) -> float:
+        return max((k * T[n][c] for n, (c, k) in w.items()), default=0.0)
+
+    D = [dur(w) for w in state]
+    F = [N - sum(c for c, _ in w.values()) for w in state]
+    for _ in range(MAX_MOVES):
+        if not _move(state, D, F, T, valid, sum(D) * _EPS, dur):
+            break
+    return _assemble([w for w in state if w], order, T, waves[0].level, waves[0].start_ms)
+
+
+def _assemble(state, order, T, level: int, start_ms: float) -> list[Wave]:
+    """Waves from per-wave ``{MetaOp: [devices, layers]}``, in the given order, layers numbered in it."""
+    return build_waves(level, [[(n, *w[n]) for n in order if n in w] for w in state], T, start_ms)
+
+
+def _move(state, D, F, T, valid, eps, dur) -> bool:
+    """Make the first improving move (waves longest first); whether one was made. ``D``, ``F``: each wave's
+    duration and free devices, kept up to date."""
+    W = len(state)
+    for w1 in sorted(range(W), key=lambda i: (-D[i], i)):
+        w = state[w1]
+        if not w:
+            continue
+        d1 = D[w1] * (1 - 1e-12)
+        crit = [n for n, (c, k) in w.items() if k * T[n][c] >= d1]
+        # widen: a single slice ends the wave and free devices let it run faster
+        if len(crit) == 1 and F[w1] > 0:
+            n = crit[0]
+            c, k = w[n]
+            for c2 in valid[n]:
+                if c < c2 <= c + F[w1] and T[n][c2] < T[n][c]:
+                    w[n] = [c2, k]
+                    d = dur(w)
+                    if d < D[w1] - eps:
+                        D[w1] = d
+                        F[w1] -= c2 - c
+                        return True
+                    w[n] = [c, k]
+        # shed: every slice ending the wave gives up one layer to the wave where it costs least
+        t1 = dict(w)
+        f1 = F[w1]
+        for n in crit:
+            c, k = t1[n]
+            if k == 1:
+                del t1[n]
+                f1 += c
+            else:
+                t1[n] = [c, k - 1]
+        new1 = dur(t1)
+        gain = D[w1] - new1
+        if gain <= eps:
+            continue
+        changed: dict[int, dict] = {}  # destination waves, changed copies
+        tD, tF = {}, {}
+        for n in crit:
+            # the least (cost, count, wave): waves come in order, so a later one wins only on cost or count
+            bc, bw, bcount, bk = math.inf, -1, 0, 0
+            Tn, vn = T[n], valid[n]
+            for w2 in range(W):
+                if w2 == w1:
+                    continue
+                x = changed[w2] if w2 in changed else state[w2]
+                d2 = tD[w2] if w2 in tD else D[w2]
+                if n in x:
+                    c2, k2 = x[n]
+                    cost = (k2 + 1) * Tn[c2] - d2
+                    if cost < 0.0:
+                        cost = 0.0
+                    if cost < bc or (cost == bc and c2 < bcount):
+                        bc, bw, bcount, bk = cost, w2, c2, k2 + 1
+                else:
+                    room = tF[w2] if w2 in tF else F[w2]
+                    for c2 in vn:
+                        if c2 > room:
+                            break
+                        cost = Tn[c2] - d2
+                        if cost < 0.0:
+                            cost = 0.0
+                        if cost < bc or (cost == bc and c2 < bcount):
+                            bc, bw, bcount, bk = cost, w2, c2, 1
+            if bw < 0:
+                gain = -1.0
+                break
+            cost, w2, c2, k2 = bc, bw, bcount, bk
+            x = changed.setdefault(w2, dict(state[w2]))
+            if n not in x:
+                tF[w2] = tF.get(w2, F[w2]) - c2
+            x[n] = [c2, k2]
+            tD[w2] = max(tD.get(w2, D[w2]), k2 * Tn[c2])
+            gain -= cost
+            if gain <= eps:
+                break
+        if gain > eps:
+            state[w1], D[w1], F[w1] = t1, new1, f1
+            for w2, x in changed.items():
+                state[w2], D[w2] = x, tD[w2]
+                F[w2] = tF.get(w2, F[w2])
+            return True
+    return False

@@ -1,0 +1,238 @@
+"""Wavefront scheduling (the paper's Algorithm 1), one MetaLevel at a time.
+
+Input: for every MetaOp of the level a queue of allocation tuples ``⟨n, l⟩`` from bi-point discretization.
+Each wave is built in four steps, repeated until every layer is scheduled:
+
+(a) **Propose.** Take each MetaOp's head tuple; sort by devices (largest first), then by remaining time
+    ``l·T(n)`` (longest first); add greedily while devices remain. At most one slice per MetaOp per wave.
+(b) **Extend.** While devices are idle, move a candidate to its next larger valid count that fits, preferring
+    the MetaOp with the most remaining work (all of its tuples). The extension holds for this wave only.
+    Our addition: if no candidate can extend, a waiting MetaOp whose head tuple did not fit runs at its
+    largest valid count that does (so devices are not left idle while work is waiting).
+(c) **Align.** The wave lasts as long as its shortest candidate (all of its remaining layers); every other
+    candidate runs only the layers that fit in that span (``⌊span / T(n)⌋``, at least one when a layer is no
+    longer than ``1 + ALIGN_SLACK`` spans), and its remaining layers go back to its queue. A candidate that
+    fits no layer drops out of the wave.
+(d) **Commit.** Set start times and advance the clock by the wave's duration (its longest slice).
+
+Each wave completes at least one tuple, so a level has at most ``2 × MetaOps`` waves. Consecutive waves in
+which every MetaOp continues on the same device count are merged afterwards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .allocate import AllocTuple
+from ..workload.curves import ScalingCurve
+from ..workload.metaops import MetaOp
+
+#: A candidate whose one layer is at most this much longer than the wave's span still runs one layer
+#: (stretching the wave slightly) instead of leaving its devices idle.
+ALIGN_SLACK = 0.25
+
+
+@dataclass
+class WaveSlice:
+    """A slice before placement: ``layers`` layers of ``metaop`` from ``layer_start`` on ``devices`` devices."""
+
+    metaop: str
+    layer_start: int
+    layers: int
+    devices: int
+    time_ms: float
+
+
+@dataclass
+class Wave:
+    level: int
+    start_ms: float
+    duration_ms: float
+    slices: list[WaveSlice] = field(default_factory=list)
+
+
+def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],
+                   curves: Mapping[str, ScalingCurve], num_devices: int, start_ms: float = 0.0,
+                   *, propose: str = "all", align: str = "finisher", across_levels: bool = False,
+                   times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+    """Algorithm 1 for one level; returns its waves in time order, starting at ``start_ms``.
+
+    ``across_levels=True`` schedules MetaOps of several levels together (the paper's readiness rule: a
+    MetaOp is proposed only once all its producers among ``metaops`` finished in earlier waves); a wave's
+    ``level`` is then the highest level it has reached so far (so levels never go back). ``times``: the
+    curves' ``count_time`` of every MetaOp on every valid count, when the caller has them already.
+    """
+    N = num_devices
+    by_name = {m.name: m for m in metaops}
+    producers = {m.name: [p for p in m.producers if p in by_name] for m in metaops}
+    valid = {m.name: m.valid_counts(N) for m in metaops}
+    queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
+    next_layer = {m.name: 0 for m in metaops}
+    table = times if times is not None else {
+        name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
+    # the next larger valid count of each valid count (infinite for the largest)
+    nextv = {n: {c: (v[i + 1] if i + 1 < len(v) else math.inf) for i, c in enumerate(v)} for n, v in valid.items()}
+    has_producers = any(producers.values())
+
+    waves: list[Wave] = []
+    clock = start_ms
+    order = [m.name for m in metaops]
+    guard = 0
+    while any(queue[n] for n in order):
+        guard += 1
+        if guard > 100 * (len(order) + 1) * 4:
+            raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
+        # (a) propose: every waiting MetaOp at the smallest count of its remaining tuples, then
+        # upgrades to its larger tuple, longest remaining work first
+        if has_producers:
+            heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
+        else:
+            heads = [n for n in order if queue[n]]
+        # remaining work (all of a MetaOp's tuples) does not change before the commit step
+        work = {n: sum(l * table[n][d] for d, l in queue[n]) for n in heads}
+        free = N
+        cand: dict[str, int] = {}
+        pick: dict[str, int] = {}
+        if propose == "paper":
+            for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * table[n][queue[n][0][0]])):
+                if queue[n][0][0] <= free:
+                    cand[n], pick[n] = queue[n][0][0], 0
+                    free -= queue[n][0][0]
+        else:
+            for n in sorted(heads, key=lambda n: -work[n]):
+                q = queue[n]
+                i = 0  # the first tuple with the fewest devices
+                for j in range(1, len(q)):
+                    if q[j][0] < q[i][0]:
+                        i = j
+                d = q[i][0]
+                if d <= free:
+                    cand[n], pick[n] = d, i
+                    free -= d
+            for n in sorted(cand, key=lambda n: -work[n]):
+                q = queue[n]
+                i = 0  # the first tuple with the most devices
+                for j in range(1, len(q)):
+                    if q[j][0] > q[i][0]:
+                        i = j
+                d = q[i][0]
+                if d > cand[n] and d - cand[n] <= free:
+                    free -= d - cand[n]
+                    cand[n], pick[n] = d, i
+        # (b) extend
+        while free > 0:
+            ext = [(work[n], n) for n in cand if nextv[n][cand[n]] <= cand[n] + free]
+            if ext:
+                _, n = max(ext)
+                v = nextv[n][cand[n]]
+                free -= v - cand[n]
+                cand[n] = v
+                continue
+            fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
+            if not fill:
+                break
+            _, n = max(fill)
+            v = max(v for v in valid[n] if v <= free)
+            cand[n], pick[n] = v, 0
+            free -= v
+        # (c) align
+        layers = _align({n: (table[n][cand[n]], queue[n][pick[n]][1], cand[n]) for n in cand}, N,
+                        shortest_only=(align == "shortest"))
+        # (d) commit
+        if across_levels:
+            level = max([level] + [by_name[n].level for n in layers])
+        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        for n in order:
+            if n not in layers:
+                continue
+            k, d = layers[n], cand[n]
+            t = k * table[n][d]
+            wave.slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
+            wave.duration_ms = max(wave.duration_ms, t)
+            next_layer[n] += k
+            queue[n][pick[n]][1] -= k
+            if queue[n][pick[n]][1] == 0:
+                queue[n].pop(pick[n])
+        clock += wave.duration_ms
+        waves.append(wave)
+    return merge_waves(waves)
+
+
+def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
+           shortest_only: bool = False) -> dict[str, int]:
+    """Layers per candidate for one wave; ``cands`` maps name -> (time per layer, layers left, devices).
+
+    The wave ends when one candidate finishes its tuple. The paper picks the shortest candidate; we try
+    every candidate as the one that finishes, give the others the whole number of layers that best fills
+    that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
+    choice with the least idle device-time per unit of work done (ties: the shortest wave).
+    """
+    items = [(n, t1, left, d) for n, (t1, left, d) in cands.items()]
+    spans = [t1 * left for _, t1, left, _ in items]
+    shortest = min(spans)
+    best_key, best_layers = None, None
+    tried = set()
+    for span in spans:
+        # candidates finishing at the same span give the same wave: try each span once
+        if (shortest_only and span > shortest) or span in tried:
+            continue
+        tried.add(span)
+        hi = span * (1 + ALIGN_SLACK)
+        layers = {}
+        dur = 0.0
+        work = 0.0
+        for n, t1, left, d in items:
+            k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
+            if k >= left:
+                k = left
+            elif (k + 1) * t1 <= hi:
+                k += 1
+            if k > 0:
+                layers[n] = k
+                t = k * t1
+                if t > dur:
+                    dur = t
+                work += t * d
+        key = ((num_devices * dur - work) / work, dur)
+        if best_key is None or key < best_key:
+            best_key, best_layers = key, layers
+    return best_layers
+
+
+def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
+                times: Mapping[str, Mapping[int, float]], start_ms: float) -> list[Wave]:
+    """Waves back to back from ``start_ms``, one per entry of ``choices`` (its ``(MetaOp, devices, layers)``
+    slices in the given order), each MetaOp's layers numbered from 0 in time order; merged (:func:`merge_waves`)."""
+    out, nxt, clock = [], {}, start_ms
+    for ch in choices:
+        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        for n, c, k in ch:
+            t = k * times[n][c]
+            wave.slices.append(WaveSlice(metaop=n, layer_start=nxt.get(n, 0), layers=k, devices=c, time_ms=t))
+            nxt[n] = nxt.get(n, 0) + k
+            wave.duration_ms = max(wave.duration_ms, t)
+        clock += wave.duration_ms
+        out.append(wave)
+    return merge_waves(out)
+
+
+def merge_waves(waves: list[Wave]) -> list[Wave]:
+    """Merge consecutive waves whose MetaOps and device counts are identical and whose layers continue."""
+    out: list[Wave] = []
+    for w in waves:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.level == w.level
+                and [(s.metaop, s.devices) for s in prev.slices] == [(s.metaop, s.devices) for s in w.slices]
+                and all(a.layer_start + a.layers == b.layer_start for a, b in zip(prev.slices, w.slices))):
+            for a, b in zip(prev.slices, w.slices):
+                a.layers += b.layers
+                a.time_ms += b.time_ms
+            prev.duration_ms = max(s.time_ms for s in prev.slices)
+            continue
+        out.append(w)
+    clock = out[0].start_ms if out else 0.0
+    for w in out:
+        w.start_ms = clock
+        clock += w.duration_ms
+    return out

@@ -1,0 +1,208 @@
+"""Choose Spindle's plan by the whole step, with the baselines' schedules among the candidates.
+
+The scheduler (:mod:`.scheduler`) picks each level's waves by compute span; a step also pays the
+inter-wave transfers and the parameter sync, which depend on how many waves there are and where the
+slices sit. So the last choice is made on the step simulator's time (:func:`.simulate.simulate`: compute,
+transfer and sync, as the runtime runs them) over these whole-step candidates:
+
+1. Spindle's wave schedule with island-aware placement, each level's waves the shortest span found; and
+   1': the same with some levels' waves replaced by an alternative candidate of that level (the paper's
+   pipeline, the best before the local searches, the fewest waves within 3% of the shortest span, the first
+   local search's result) where that shortens the whole step (one pass over the
+   levels that take at least :data:`MIN_LEVEL_SHARE` of the makespan, each trial timed with the naive
+   placement); and 1'': every level's first-search waves (Algorithm 1's, before polishing) together, placed
+   both ways (the order and shape of a level's waves move transfers and gradient syncs);
+2. the same waves with the naive placement (consecutive devices in slice order);
+3. waves across levels, with the paper's readiness rule (a MetaOp may run once its producers have
+   finished) instead of a barrier after every level, so a task's next MetaOp need not wait for the slowest
+   MetaOp of the whole level: the shorter of *backfilled* waves (1's waves with later levels' ready layers
+   moved onto idle devices, :mod:`.backfill`) and *cross-level* waves (Algorithm 1 over all MetaOps at
+   once from each level's winning allocation tuples), placed like 1 and 2 when its compute makespan is
+   shorter than the level-by-level one;
+4. the schedules of the baselines (:mod:`.baselines`): sequential, task-level and intra-task, on the same
+   MetaOps and curves.
+
+``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
+others are not bound by them and may end below ``Σ C*``.
+
+Every candidate is an executable plan that passes the same validation rules; the one with the shortest
+simulated step that fits the devices' memory wins (ties keep the earlier candidate). Hence, under the
+simulator's model, Spindle's plan is never slower than any baseline's, at any scale; the plan's level
+``variant`` names the schedule that won when it is not Spindle's own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+from . import baselines
+from .assemble import assemble_plan
+from .backfill import backfill
+from ..workload.cluster import Cluster
+from ..workload.curves import ScalingCurve
+from ..workload.graph import TaskGraph
+from ..workload.metaops import MetaOp
+from .placement import place, sequential_placement
+from .plan import Plan
+from .simulate import simulate
+from ..level.waves import Wave, WaveSlice, schedule_level
+
+#: Levels shorter than this share of the makespan keep their shortest-span waves (candidate 1').
+MIN_LEVEL_SHARE = 0.05
+
+
+def step_ms(plan: Plan, cluster: Cluster, passes: int = 1) -> float:
+    """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (memory not checked)."""
+    return simulate(plan, cluster, check_memory=False, passes=passes).step_ms
+
+
+def _fits(plan: Plan, cluster: Cluster) -> bool:
+    return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
+
+
+def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                          curves: Mapping[str, ScalingCurve]) -> list[tuple[str, Callable[[], Plan]]]:
+    """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``)."""
+    prepared = (tuple(metaops), dict(curves))
+    return [(name, lambda f=f: f(graph, cluster, validate=False, prepared=prepared))
+            for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
+                            ("intra-task", baselines.plan_intra_task))]
+
+
+def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
+                      tuples: Mapping[str, list]) -> list:
+    """Candidate 3: the shortest of Algorithm 1's propose/align variants over all MetaOps at once."""
+    best = None
+    for propose in ("paper", "all"):
+        for align in ("shortest", "finisher"):
+            waves = schedule_level(0, metaops, tuples, curves, num_devices, propose=propose, align=align,
+                                   across_levels=True)
+            span = sum(w.duration_ms for w in waves)
+            if best is None or span < best[0] * (1 - 1e-12):
+                best = (span, waves)
+    return best[1]
+
+
+def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                       curves: Mapping[str, ScalingCurve], tuples: Mapping[str, list]) -> list[tuple[str, Plan]]:
+    own_waves = [Wave(level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
+                      slices=[WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.num_layers,
+                                        devices=len(s.ranks), time_ms=s.time_ms) for s in w.slices])
+                 for w in own.waves]
+    options = [("cross-level", cross_level_waves(metaops, curves, cluster.num_devices, tuples)),
+               ("backfilled", backfill(own_waves, metaops, curves, cluster.num_devices))]
+    kind, waves = min(options, key=lambda o: sum(w.duration_ms for w in o[1]))
+    if sum(w.duration_ms for w in waves) >= own.makespan_ms * (1 - 1e-9):
+        return []
+    out = []
+    for name, placer in ((kind, lambda: place(metaops, waves, cluster)),
+                         (f"{kind}, naive placement", lambda: sequential_placement(waves))):
+        try:
+            ranks = placer()
+        except ValueError:  # no placement fits memory
+            continue
+        out.append((name, assemble_plan(graph, cluster, metaops, curves, own.levels, waves, ranks,
+                                        system="cross-level")))
+    return out
+
+
+def first_search_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence) -> list[tuple[str, Plan]]:
+    """Candidate 1'': every level's first-search waves (:attr:`.scheduler.LevelSchedule.first_search`, not
+    polished) together, placed both ways; none when no level has them."""
+    firsts = [ls.first_search or ls for ls in level_schedules]
+    if all(f is ls for f, ls in zip(firsts, level_schedules)):
+        return []
+    waves = _restart([w for f in firsts for w in f.waves])
+    levels = tuple(dataclasses.replace(lv, variant=f.variant + ("" if f is ls else " (first search)"))
+                   for lv, f, ls in zip(own.levels, firsts, level_schedules))
+    out = []
+    for name, placer in (("spindle, first-search waves", lambda: place(metaops, waves, cluster)),
+                         ("spindle, first-search waves, naive placement", lambda: sequential_placement(waves))):
+        try:
+            ranks = placer()
+        except ValueError:  # no placement fits memory
+            continue
+        out.append((name, assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks, system="spindle")))
+    return out
+
+
+def _restart(waves: Sequence[Wave]) -> list[Wave]:
+    """Copies of ``waves`` laid end to end from time 0."""
+    out, clock = [], 0.0
+    for w in waves:
+        out.append(Wave(level=w.level, start_ms=clock, duration_ms=w.duration_ms,
+                        slices=[dataclasses.replace(s) for s in w.slices]))
+        clock += w.duration_ms
+    return out
+
+
+def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
+                      curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
+                      passes: int = 1) -> list[tuple[str, Plan]]:
+    """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
+    on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
+    combination beats the levels' shortest spans, it is returned placed both ways."""
+    if not any(ls.alternatives for ls in level_schedules):
+        return []
+    pick = [ls for ls in level_schedules]
+
+    def plan_of(choice, ranks_fn):
+        waves = _restart([w for ls in choice for w in ls.waves])
+        levels = tuple(dataclasses.replace(lv, variant=ls.variant + ("" if ls is orig else " (by step)"))
+                       for lv, ls, orig in zip(own.levels, choice, level_schedules))
+        return assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks_fn(waves), system="spindle")
+
+    best = step_ms(plan_of(pick, sequential_placement), cluster, passes)
+    total = sum(ls.span_ms for ls in level_schedules)
+    for i, ls in enumerate(level_schedules):
+        if ls.span_ms < MIN_LEVEL_SHARE * total:  # a short level moves the step little: not worth a trial
+            continue
+        for alt in ls.alternatives:
+            trial = pick[:i] + [alt] + pick[i + 1:]
+            t = step_ms(plan_of(trial, sequential_placement), cluster, passes)
+            if t < best * (1 - 1e-9):
+                best, pick = t, trial
+    if all(a is b for a, b in zip(pick, level_schedules)):
+        return []
+    out = [("spindle, per-level by step, naive placement", plan_of(pick, sequential_placement))]
+    try:
+        out.insert(0, ("spindle, per-level by step", plan_of(pick, lambda w: place(metaops, w, cluster))))
+    except ValueError:
+        pass
+    return out
+
+
+def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
+                      metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
+                      baselines: bool = True, level_schedules: Sequence | None = None, passes: int = 1) -> Plan:
+    """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
+
+    ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
+    unless ``baselines`` is false (``--no-search``: the paper's pipeline only), and, when the levels'
+    schedules are given, their alternatives chosen by the step and the waves across levels. The step is
+    ``passes`` passes of the plan and one gradient sync (gradient accumulation).
+    """
+    if level_schedules is not None and baselines:
+        tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
+        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, passes) \
+            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules) \
+            + _cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples)
+    scored: list[tuple[float, int, str, Plan]] = []
+    for i, (name, p) in enumerate(plans):
+        scored.append((step_ms(p, cluster, passes), i, name, p))
+    extra = whole_step_candidates(graph, cluster, metaops, curves) if baselines else []
+    for j, (name, build) in enumerate(extra):
+        try:
+            p = build()
+        except ValueError:  # that baseline has no schedule here (too few devices for its shares)
+            continue
+        scored.append((step_ms(p, cluster, passes), len(plans) + j, name, p))
+    fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
+    t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+    if best.system == "spindle":
+        return best  # Spindle's own level-by-level waves (1, 1' or 2)
+    own = plans[0][1]
+    name = name.split(",")[0]
+    levels = tuple(dataclasses.replace(lv, variant=f"{name} schedule (shortest whole step)") for lv in own.levels)
+    return dataclasses.replace(best, system="spindle", levels=levels)

@@ -1,0 +1,86 @@
+"""Communication cost primitives of the step simulator (:mod:`.simulate`, items 2 and 3 of its docstring).
+
+Pure Python, hand-checkable (the tests use them directly): a wave boundary's batched point-to-point time, a
+ring all-reduce's time, and all-reduces scheduled on shared devices and NICs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from ..workload.cluster import Cluster
+
+
+def boundary_time_ms(flows: Iterable[tuple[int, int, float]], cluster: Cluster) -> float:
+    """Time of one wave boundary moving ``(src, dst, bytes)`` flows concurrently (see the module docstring)."""
+    dev_out: dict[int, float] = defaultdict(float)
+    dev_in: dict[int, float] = defaultdict(float)
+    node_out: dict[int, float] = defaultdict(float)
+    node_in: dict[int, float] = defaultdict(float)
+    for src, dst, nbytes in flows:
+        if src == dst or nbytes <= 0:
+            continue
+        if cluster.island(src) == cluster.island(dst):
+            dev_out[src] += nbytes
+            dev_in[dst] += nbytes
+        else:
+            node_out[cluster.island(src)] += nbytes
+            node_in[cluster.island(dst)] += nbytes
+    t = 0.0
+    if dev_out:
+        peak = max(max(dev_out.values()), max(dev_in.values()))
+        t = max(t, peak / (cluster.intra_bandwidth_gbps * 1e9) * 1e3 + cluster.intra_latency_us * 1e-3)
+    if node_out:
+        peak = max(max(node_out.values()), max(node_in.values()))
+        t = max(t, peak / (cluster.inter_bandwidth_gbps * 1e9) * 1e3 + cluster.inter_latency_us * 1e-3)
+    return t
+
+
+def ring_bytes(n: int, nbytes: float) -> float:
+    """Bytes each member of a ring all-reduce over ``n`` devices sends (and receives)."""
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def allreduce_time_ms(ranks: Sequence[int], nbytes: float, cluster: Cluster) -> float:
+    """Standalone time of a ring all-reduce of ``nbytes`` over ``ranks`` (0 for one device)."""
+    n = len(set(ranks))
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if cluster.spans_islands(ranks):
+        bw, lat = cluster.inter_bandwidth_gbps, cluster.inter_latency_us
+    else:
+        bw = cluster.intra_bandwidth_gbps
+        lat = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
+    return 2 * (n - 1) * lat * 1e-3 + ring_bytes(n, nbytes) / (bw * 1e9) * 1e3
+
+
+def schedule_collectives(collectives: Iterable[tuple[Sequence[int], float, float]],
+                         cluster: Cluster) -> list[tuple[float, float]]:
+    """``(start, end)`` of every gradient all-reduce ``(ranks, bytes, ready_ms)``, posted in the given order
+    (see the module docstring, item 3): each starts when it is ready, when every device of it has finished
+    the all-reduces posted before it, and, when it spans islands, when every NIC of its nodes has moved the
+    bytes of the cross-island all-reduces posted before it."""
+    dev_free: dict[int, float] = defaultdict(float)
+    nic_free: dict[int, float] = defaultdict(float)
+    out = []
+    for ranks, nbytes, ready in collectives:
+        t = allreduce_time_ms(ranks, nbytes, cluster)
+        if t == 0.0:
+            out.append((ready, ready))
+            continue
+        members = set(ranks)
+        nodes = {cluster.island(d) for d in members} if cluster.spans_islands(ranks) else set()
+        start = max([ready] + [dev_free[d] for d in members] + [nic_free[n] for n in nodes])
+        end = start + t
+        for d in members:
+            dev_free[d] = end
+        for n in nodes:
+            nic_free[n] = start + ring_bytes(len(members), nbytes) / (cluster.inter_bandwidth_gbps * 1e9) * 1e3
+        out.append((start, end))
+    return out
+
+
+def sync_time_ms(collectives: Iterable[tuple[Sequence[int], float]], cluster: Cluster) -> float:
+    """Time of gradient all-reduces ``(ranks, bytes)`` all ready at once, posted in the given order."""
+    return max((end for _, end in schedule_collectives(((r, b, 0.0) for r, b in collectives), cluster)),
+               default=0.0)

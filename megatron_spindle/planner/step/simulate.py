@@ -1,0 +1,399 @@
+"""Step simulator: predict one training step of any plan (Spindle's or a baseline's) on a cluster.
+
+Pure Python. The same code times every system, so the comparison is only as biased as the plans.
+
+The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): waves run one after
+another, each boundary's transfers block (under NCCL; on gloo sends leave early, item 2b) and the gradient
+all-reduces, which megatron.core's DDP posts during the backward, overlap compute:
+
+1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
+   scaling curve: forward + backward of one layer). A wave lasts as long as its longest slice. Of that,
+   :data:`FORWARD_SHARE` is forward (backward costs twice the forward FLOPs); the split places the
+   boundaries on the timeline (so when gradients are complete, item 3), the totals do not depend on it.
+2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
+   messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
+   them again). A message that stays on its device is free. Inside an island a message uses the sender's and
+   the receiver's NVLink (full duplex); across islands it uses the sending node's and the receiving node's
+   NICs (shared by the node's devices). All messages of a boundary go at once (batched point-to-point), so::
+
+       t_boundary = max( max_d max(out_d, in_d) / B_intra + λ_intra,  max_node max(out, in) / B_inter + λ_inter )
+
+   (each latency ``λ`` counted once, only when that kind of link is used). Backward: after wave ``w``'s
+   backward pass the plan's backward messages of the same transfers return the gradients (as many bytes,
+   each piece from one holder), timed the same way.
+
+   2b. **Early sends** (``early_sends=True``: the runtime on gloo, :mod:`megatron_spindle.runtime.executor`).
+   A producer slice's messages leave when its forward ends (its gradient messages when the consumer's
+   backward ends) and only the wait where they are consumed is exposed (:func:`_early_exposure`). Under
+   NCCL the runtime posts a boundary's sends with its receives, as timed above.
+3. **Parameter sync** (overlapped). A parameter group's (:class:`.plan.ParamGroup`) gradient is complete when
+   the last backward wave using it on one of its ranks ends: wave ``w* = min`` over its ranks of the first
+   wave using it, at the latest end of those of ``w*``'s slices that hold it on a member. Groups with the
+   same ranks and the same ``w*`` form one bucket (the runtime's DDP instance per rank set posts its buckets
+   in that order), reduced by one ring all-reduce of :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's
+   default for bf16 training) or 2 (bf16, ``grad_bytes=2``) bytes per parameter. A ring over ``n`` devices
+   sends and receives ``2(n-1)/n · S`` bytes per member::
+
+       T_c = 2(n-1) · λ + 2(n-1)/n · S / B          (B = B_inter per node if the group spans islands, else B_intra)
+
+   (``λ``: the cluster's ``allreduce_latency_us`` inside an island where a profile measured it, else the link's
+   latency.)
+
+   Buckets are posted in order of readiness; each starts when ready, when every one of its devices has
+   finished the all-reduces posted before it (all-reduces sharing a device run one after another; on
+   disjoint devices concurrently, and alongside compute and transfers: the model charges no contention
+   with them), and, if it spans islands, when its nodes' NICs have moved the cross-island bytes posted
+   before it (``2(n-1)/n · S / B_inter`` each). Only what runs past the end of the backward is exposed::
+
+       t_sync = max(0, max_c end_c − t_pass)
+
+   With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
+4. **Step.** One pass ``t_pass = Σ_w duration_w + Σ_w (forward + backward transfer before/after w)``: the
+   forwards of waves ``0..W-1`` (each after its forward transfer), then the backwards of ``W-1..0`` (each
+   followed by its gradient transfer back). With gradient accumulation over ``K`` passes (``passes=K``, one
+   sync after the last pass): ``step = K · t_pass + t_sync``. The breakdown (the paper's Figure 10):
+   *compute* ``= K · Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *idle* ``= K · Σ_w duration_w −
+   compute`` (devices waiting for the wave's longest slice, or unused), *transfer* (``K ×`` the boundaries),
+   *sync* (exposed); the four add up to the step.
+5. **Memory.** The plan's per-device estimate (:func:`.build.device_memory`: model states of every layer the
+   device holds plus every stashed activation, since all forward waves run before any backward wave),
+   checked against the cluster's usable memory.
+
+Worked example (one island at 100 GB/s and 10 µs; ``tests/test_simulate.py`` checks it): two waves, one
+layer each of 4 ms (forward + backward) on devices 0-1, 100 M parameters (400 MB of fp32 gradients) per
+layer, nothing to move between the waves. Forward 0 → 8/3 ms; backward of wave 1 8/3 → 16/3 ms, of wave 0
+16/3 → 8 ms = ``t_pass``. One all-reduce: ``2·10 µs + 1·400e6/100e9 s = 4.02 ms``. Layer 1's bucket is
+ready at 16/3 and ends at 9.353 ms; layer 0's is ready at 8 ms but shares devices 0-1, so it runs 9.353 →
+13.373 ms: exposed sync 5.373 ms (8.04 ms if posted after the backward). Layer 1 on devices 2-3 instead:
+its reduce runs beside layer 0's and ends before it; exposed 4.02 ms. bf16 gradients (2.02 ms each, on 0-1):
+5.333 → 7.353, then 8 → 10.02: exposed 2.02 ms. ``K = 4`` passes: step ``4 · 8 + 5.373 = 37.373`` ms.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..workload.cluster import Cluster
+from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
+                         schedule_collectives, sync_time_ms)
+from .plan import Plan, Slice
+
+#: Share of a layer's forward + backward time spent in the forward pass (backward ≈ 2 × forward FLOPs).
+FORWARD_SHARE = 1.0 / 3.0
+#: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
+#: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
+#: all-reduce to be done in fp32").
+GRAD_BYTES_PER_PARAM = 4
+
+
+class SimulationError(ValueError):
+    """The plan cannot run on the cluster as given (too few devices, other islands, memory)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one step's time goes (ms); the four parts add up to the step."""
+
+    compute_ms: float
+    """Mean busy time of a device (forward + backward)."""
+    transfer_ms: float
+    """Inter-wave activation and gradient transfers."""
+    sync_ms: float
+    """Gradient all-reduces over parameter device groups."""
+    idle_ms: float
+    """Devices waiting inside waves (for the longest slice, or unused)."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.transfer_ms + self.sync_ms + self.idle_ms
+
+    def shares(self) -> dict[str, float]:
+        t = self.total_ms or 1.0
+        return {"compute": self.compute_ms / t, "transfer": self.transfer_ms / t, "sync": self.sync_ms / t,
+                "idle": self.idle_ms / t}
+
+    def to_json(self) -> dict:
+        return {"compute_ms": self.compute_ms, "transfer_ms": self.transfer_ms, "sync_ms": self.sync_ms,
+                "idle_ms": self.idle_ms}
+
+
+@dataclass(frozen=True)
+class WaveTiming:
+    index: int
+    duration_ms: float
+    """Forward + backward compute of the wave (its longest slice)."""
+    busy_ms: float
+    """Mean busy time over all devices."""
+    transfer_fwd_ms: float
+    """Activations moved before the wave (forward)."""
+    transfer_bwd_ms: float
+    """Gradients moved back after the wave's backward."""
+    moved_bytes: float
+    """Forward bytes that leave their device before the wave."""
+    cross_island_bytes: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One bucketed gradient all-reduce."""
+
+    ranks: tuple[int, ...]
+    bytes: float
+    time_ms: float
+    """Standalone time (:func:`allreduce_time_ms`)."""
+    wave: int | None = None
+    """The plan wave whose backward completes the bucket (None: no member uses it; ready at the pass end)."""
+    ready_ms: float = 0.0
+    """When the bucket is complete on every member, from the start of the step's last pass."""
+    start_ms: float = 0.0
+    end_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepSimulation:
+    """The predicted step of one plan on one cluster."""
+
+    system: str
+    cluster: str
+    world_size: int
+    step_ms: float
+    breakdown: Breakdown
+    waves: tuple[WaveTiming, ...]
+    collectives: tuple[Collective, ...]
+    peak_memory_bytes: tuple[float, ...]
+    """Estimated peak memory of every device."""
+    makespan_ms: float
+    """Compute only: Σ wave durations."""
+    lower_bound_ms: float
+    """Σ over levels of C* (compute only; no schedule of these curves beats it)."""
+    passes: int = 1
+    """Passes of the plan per optimizer step (gradient accumulation)."""
+    grad_bytes_per_param: int = GRAD_BYTES_PER_PARAM
+    pass_ms: float = 0.0
+    """One pass: Σ wave durations + Σ transfers."""
+    sync_standalone_ms: float = 0.0
+    """What the sync would cost if every bucket were posted after the backward (no overlap)."""
+
+    @property
+    def max_memory_gib(self) -> float:
+        return max(self.peak_memory_bytes) / 2**30
+
+    @property
+    def memory_spread_gib(self) -> float:
+        """Max minus min peak memory over devices."""
+        return (max(self.peak_memory_bytes) - min(self.peak_memory_bytes)) / 2**30
+
+    def to_json(self) -> dict:
+        return {"system": self.system, "cluster": self.cluster, "gpus": self.world_size, "step_ms": self.step_ms,
+                "breakdown": self.breakdown.to_json(), "shares": self.breakdown.shares(),
+                "makespan_ms": self.makespan_ms, "lower_bound_ms": self.lower_bound_ms,
+                "peak_memory_gib": self.max_memory_gib, "peak_memory_spread_gib": self.memory_spread_gib,
+                "num_waves": len(self.waves), "num_collectives": len(self.collectives), "passes": self.passes,
+                "grad_bytes_per_param": self.grad_bytes_per_param, "pass_ms": self.pass_ms,
+                "sync_standalone_ms": self.sync_standalone_ms}
+
+
+# --------------------------------------------------------------------------------------------------
+# The simulator
+# --------------------------------------------------------------------------------------------------
+def check_fits(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> None:
+    """Raise :class:`SimulationError` when ``plan`` cannot run on ``cluster``."""
+    if plan.world_size > cluster.num_devices:
+        raise SimulationError(f"plan ({plan.system}, {plan.model}) uses {plan.world_size} devices but cluster "
+                              f"{cluster.name!r} has {cluster.num_devices}")
+    if plan.gpus_per_node != cluster.gpus_per_node:
+        raise SimulationError(f"plan ({plan.system}) was placed for islands of {plan.gpus_per_node} devices but "
+                              f"cluster {cluster.name!r} has {cluster.gpus_per_node} per island: re-plan")
+    if check_memory:
+        limit = cluster.memory_limit_bytes
+        over = [(b, d) for d, b in enumerate(plan.device_memory_bytes) if b > limit * (1 + 1e-9)]
+        if over:
+            b, d = max(over)
+            raise SimulationError(
+                f"plan ({plan.system}) is out of memory on {len(over)} device(s): device {d} needs "
+                f"{b / 2**30:.2f} GiB, cluster {cluster.name!r} allows {limit / 2**30:.2f} GiB "
+                f"({cluster.memory_gib:g} GiB × {cluster.usable_memory_fraction:g} usable)")
+
+
+def _slice_time(s: Slice, curves: Mapping) -> float:
+    return s.num_layers * curves[s.metaop].time(len(s.ranks))
+
+
+def transfer_flows(plan: Plan, cluster: Cluster, *,
+                   backward: bool = False) -> dict[int, list[tuple[int, int, float]]]:
+    """``(src, dst, bytes)`` of the plan's stored messages per consumer wave, forward or backward."""
+    names = {s.name for s in plan.slices()}
+    out: dict[int, list[tuple[int, int, float]]] = defaultdict(list)
+    for t in plan.transfers:
+        for name in (t.src, t.dst):
+            if name not in names:
+                raise SimulationError(f"plan ({plan.system}) has a transfer naming unknown slice {name!r}")
+        out[t.wave].extend((m.src, m.dst, m.bytes) for m in (t.backward if backward else t.forward))
+    return out
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """The gradients of one rank set completed by one backward wave: one all-reduce."""
+
+    ranks: tuple[int, ...]
+    wave: int | None
+    """The plan wave (first in forward, last in backward) at which a member still uses one of them."""
+    bytes: float
+    slices: tuple[str, ...]
+    """Slices of ``wave`` whose backward produces these gradients on a member (the bucket is complete when
+    the last of them ends)."""
+
+
+def gradient_buckets(plan: Plan, *, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> list[GradBucket]:
+    """One bucket per (parameter rank set, last backward wave using it), as the runtime posts them
+    (:mod:`megatron_spindle.runtime.grad_sync`), sorted by rank set then wave."""
+    metaops = {m.name: m for m in plan.metaops}
+    first_use: dict[tuple[int, str], int] = {}
+    users: dict[tuple[int, str], list[Slice]] = defaultdict(list)  # (wave, key) -> slices holding it
+    for w in plan.waves:
+        for s in w.slices:
+            for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
+                if not key:
+                    continue
+                users[(w.index, key)].append(s)
+                for r in s.ranks:
+                    first_use.setdefault((r, key), w.index)
+    sizes: dict[tuple[tuple[int, ...], int | None], float] = defaultdict(float)
+    producers: dict[tuple[tuple[int, ...], int | None], set] = defaultdict(set)
+    for g in plan.param_groups:
+        ranks = tuple(sorted(g.ranks))
+        waves = [first_use[(r, g.param_key)] for r in ranks if (r, g.param_key) in first_use]
+        wave = min(waves) if waves else None
+        sizes[(ranks, wave)] += g.params * grad_bytes
+        if wave is not None:
+            producers[(ranks, wave)].update(s.name for s in users[(wave, g.param_key)]
+                                            if set(s.ranks) & set(ranks))
+    return [GradBucket(ranks=k[0], wave=k[1], bytes=b, slices=tuple(sorted(producers[k])))
+            for k, b in sorted(sizes.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
+
+
+def _early_exposure(plan: Plan, cluster: Cluster, duration: Mapping[int, float],
+                    slice_ms: Mapping[str, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Exposed transfer time per wave when sends leave as soon as their data exists (item 2b).
+
+    Forward: the messages of one producer slice into one wave are sent together when that slice's forward
+    ends and take :func:`boundary_time_ms` of their flows; wave ``w`` starts when the previous wave's forward
+    has ended and every message into it has arrived; the wait is ``w``'s forward transfer. Backward: a
+    consumer slice's gradient messages to one producer wave leave when its backward ends; the wait before
+    wave ``p``'s backward is charged to the wave just before it in backward order (``p + 1``: "after that
+    wave's backward", as in the blocking model). Messages posted at different times do not share link time.
+    """
+    wave_of = {s.name: w.index for w in plan.waves for s in w.slices}
+    fwd: dict[tuple[int, str], list] = defaultdict(list)
+    bwd: dict[tuple[int, str], list] = defaultdict(list)
+    for t in plan.transfers:
+        fwd[(t.wave, t.src)].extend((m.src, m.dst, m.bytes) for m in t.forward)
+        bwd[(wave_of[t.src], t.dst)].extend((m.src, m.dst, m.bytes) for m in t.backward)
+    into_f: dict[int, list] = defaultdict(list)
+    into_b: dict[int, list] = defaultdict(list)
+    for (w, src), flows in fwd.items():
+        into_f[w].append((src, boundary_time_ms(flows, cluster)))
+    for (p, dst), flows in bwd.items():
+        into_b[p].append((dst, boundary_time_ms(flows, cluster)))
+    order = [w.index for w in plan.waves]
+    exposed_f, exposed_b, start = {}, {w: 0.0 for w in order}, {}
+    clock = 0.0
+    for w in order:
+        need = max((start[wave_of[src]] + FORWARD_SHARE * slice_ms[src] + t for src, t in into_f[w]), default=0.0)
+        exposed_f[w] = max(0.0, need - clock)
+        clock += exposed_f[w]
+        start[w] = clock
+        clock += FORWARD_SHARE * duration[w]
+    prev = None
+    for w in reversed(order):
+        need = max((start[wave_of[dst]] + (1 - FORWARD_SHARE) * slice_ms[dst] + t for dst, t in into_b[w]),
+                   default=0.0)
+        wait = max(0.0, need - clock)
+        if prev is not None:
+            exposed_b[prev] = wait
+        clock += wait
+        start[w] = clock
+        clock += (1 - FORWARD_SHARE) * duration[w]
+        prev = w
+    return exposed_f, exposed_b
+
+
+def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int = 1,
+             grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
+             compute_scale: float = 1.0, early_sends: bool = False) -> StepSimulation:
+    """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
+
+    ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last);
+    ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2: bf16); ``overlap_sync``: post
+    each bucket when its last backward wave ends (the runtime's default) rather than after the backward;
+    ``compute_scale``: every slice takes that many times its curve's time (CPU ranks sharing cores, as the live
+    prediction of :mod:`megatron_spindle.megatron.prediction` sees them), so buckets become ready later too;
+    ``early_sends``: the runtime's gloo path, which posts each slice's sends when its output exists (item 2b
+    of the module docstring) instead of at the consumer's boundary (NCCL, the default here).
+    """
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive integer, got {passes!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    check_fits(plan, cluster, check_memory=check_memory)
+    N = plan.world_size
+    curves = dict(plan.curves)
+    flows = transfer_flows(plan, cluster)
+    back = transfer_flows(plan, cluster, backward=True)
+    waves = []
+    slice_ms: dict[str, float] = {}
+    for w in plan.waves:
+        times = [compute_scale * _slice_time(s, curves) for s in w.slices]
+        slice_ms.update((s.name, t) for s, t in zip(w.slices, times))
+        duration = max(times, default=0.0)
+        busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
+        f = flows.get(w.index, [])
+        fwd = boundary_time_ms(f, cluster)
+        bwd = boundary_time_ms(back.get(w.index, []), cluster)
+        waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
+                                transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
+                                cross_island_bytes=sum(x for a, b, x in f
+                                                       if cluster.island(a) != cluster.island(b))))
+    if early_sends:
+        exposed_f, exposed_b = _early_exposure(plan, cluster, {w.index: w.duration_ms for w in waves}, slice_ms)
+        waves = [dataclasses.replace(w, transfer_fwd_ms=exposed_f[w.index], transfer_bwd_ms=exposed_b[w.index])
+                 for w in waves]
+    # one pass: forward transfer + forward of every wave, then backward of every wave in reverse, each followed
+    # by its gradients' transfer back
+    clock = sum(w.transfer_fwd_ms + FORWARD_SHARE * w.duration_ms for w in waves)
+    bwd_start: dict[int, float] = {}
+    for w in reversed(waves):
+        bwd_start[w.index] = clock
+        clock += (1 - FORWARD_SHARE) * w.duration_ms + w.transfer_bwd_ms
+    pass_ms = clock
+    buckets = gradient_buckets(plan, grad_bytes=grad_bytes)
+
+    def ready(b: GradBucket) -> float:
+        if not overlap_sync or b.wave is None:
+            return pass_ms
+        return max((bwd_start[b.wave] + (1 - FORWARD_SHARE) * slice_ms[s] for s in b.slices),
+                   default=bwd_start[b.wave])
+
+    posted = sorted(((ready(b), b) for b in buckets), key=lambda rb: (rb[0], rb[1].ranks))
+    spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
+    colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
+                             wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)
+                  for (r, b), (start, end) in zip(posted, spans))
+    sync = max([c.end_ms for c in colls] + [pass_ms]) - pass_ms
+    standalone = sync_time_ms(((c.ranks, c.bytes) for c in colls), cluster)
+    makespan = sum(w.duration_ms for w in waves)
+    compute = sum(w.busy_ms for w in waves)
+    transfer = sum(w.transfer_fwd_ms + w.transfer_bwd_ms for w in waves)
+    bd = Breakdown(compute_ms=passes * compute, transfer_ms=passes * transfer, sync_ms=sync,
+                   idle_ms=passes * (makespan - compute))
+    return StepSimulation(system=plan.system, cluster=cluster.name, world_size=N, step_ms=passes * pass_ms + sync,
+                          breakdown=bd, waves=tuple(waves), collectives=colls,
+                          peak_memory_bytes=tuple(plan.device_memory_bytes), makespan_ms=makespan,
+                          lower_bound_ms=plan.lower_bound_ms, passes=passes, grad_bytes_per_param=grad_bytes,
+                          pass_ms=pass_ms, sync_standalone_ms=standalone)
