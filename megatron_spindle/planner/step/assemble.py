@@ -115,16 +115,18 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
 
 def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                   curves: Mapping[str, ScalingCurve], level_info: Sequence[LevelInfo], waves: Sequence[Wave],
-                  ranks: Mapping[tuple[int, int], tuple[int, ...]], *, system: str) -> Plan:
+                  ranks: Mapping[tuple[int, int], tuple[int, ...]], *, system: str, passes: int = 1,
+                  distributed_optimizer: bool = False) -> Plan:
     by_name = {m.name: m for m in metaops}
     wave_plans = []
     for wi, w in enumerate(waves):
         slices = tuple(Slice(wave=wi, metaop=s.metaop, layer_start=s.layer_start, num_layers=s.layers,
                              ranks=tuple(ranks[(wi, si)]), tp=by_name[s.metaop].tp, time_ms=s.time_ms)
                        for si, s in enumerate(w.slices))
-        wave_plans.append(WavePlan(index=wi, level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
-                                   slices=slices))
+        wave_plans.append(WavePlan(index=wi, level=w.level, phase=w.phase, start_ms=w.start_ms,
+                                   duration_ms=w.duration_ms, slices=slices))
     all_slices = [s for w in wave_plans for s in w.slices]
+    phase_of = {w.index: w.phase for w in wave_plans}
     return Plan(
         system=system, model=graph.model, graph_fingerprint=graph.fingerprint(), tasks=graph.tasks,
         task_weights=graph.task_weights, world_size=cluster.num_devices, gpus_per_node=cluster.gpus_per_node,
@@ -132,20 +134,36 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
         curves=tuple((m.name, curves[m.name]) for m in metaops), levels=tuple(level_info),
         waves=tuple(wave_plans), transfers=tuple(transfers(metaops, all_slices, cluster.gpus_per_node)),
         param_groups=tuple(param_groups(metaops, all_slices)),
-        device_memory_bytes=tuple(device_memory(by_name, all_slices, cluster.num_devices)),
+        device_memory_bytes=tuple(device_memory(by_name, all_slices, cluster.num_devices, phase_of=phase_of,
+                                                distributed_optimizer=distributed_optimizer)),
         makespan_ms=sum(w.duration_ms for w in wave_plans),
-        lower_bound_ms=sum(lv.c_star_ms for lv in level_info))
+        lower_bound_ms=sum(lv.c_star_ms for lv in level_info), passes=passes,
+        distributed_optimizer=distributed_optimizer)
 
 
-def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int) -> list[float]:
-    """Estimated peak bytes per device; a device holding two TP shards of one weight pays for both."""
-    held: list[dict[tuple[str, int], float]] = [{} for _ in range(num_devices)]
-    act = [0.0] * num_devices
+def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int, *,
+                  phase_of: Mapping[int, int] | None = None, distributed_optimizer: bool = False) -> list[float]:
+    """Estimated peak bytes per device (:mod:`..workload.memory`): the states of every layer shard it holds
+    (a device holding two TP shards of one weight pays for both; the distributed optimizer splits a shard's
+    optimizer state over its holders) plus its largest phase's stashed activations."""
+    holders: dict[tuple[str, int], set[int]] = {}
+    act = [dict() for _ in range(num_devices)]
     for s in slices:
         m = by_name[s.metaop]
         a = slice_activation_bytes(m, s.num_layers, len(s.ranks))
+        phase = phase_of.get(s.wave, 0) if phase_of else 0
         for pos, r in enumerate(s.ranks):
-            act[r] += a
+            act[r][phase] = act[r].get(phase, 0.0) + a
             for k in slice_param_keys(m, s.layer_start, s.num_layers):
-                held[r][(k, pos % m.tp)] = layer_state_bytes(m)
-    return [act[d] + sum(held[d].values()) for d in range(num_devices)]
+                holders.setdefault((k, pos % m.tp), set()).add(r)
+    owner = {}
+    for m in by_name.values():
+        for k in m.param_keys:
+            if k:
+                owner.setdefault(k, m)
+    held = [0.0] * num_devices
+    for (k, shard), devs in holders.items():
+        b = layer_state_bytes(owner[k], holders=len(devs), distributed_optimizer=distributed_optimizer)
+        for r in devs:
+            held[r] += b
+    return [held[d] + max(act[d].values(), default=0.0) for d in range(num_devices)]

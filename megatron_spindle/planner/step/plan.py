@@ -21,8 +21,10 @@ from ..jsonfile import read_json
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 
-SCHEMA_VERSION = 2
-"""2: transfers carry their forward and backward messages (1 had byte totals only)."""
+SCHEMA_VERSION = 3
+"""3: MetaOps carry ``recompute``, ``trainable`` and ``input_grad``; waves a ``phase``; the plan its ``passes``
+per step and ``distributed_optimizer``. 2: transfers carry their forward and backward messages (1 had byte
+totals only)."""
 PLAN_KIND = "spindle-plan"
 
 _SLICE_RE = re.compile(r"^w(\d+):([A-Za-z0-9_.+\-]+)\[(\d+)-(\d+)\]x(\d+)(?:tp(\d+))?$")
@@ -105,15 +107,19 @@ class WavePlan:
     start_ms: float
     duration_ms: float
     slices: tuple[Slice, ...]
+    phase: int = 0
+    """The runtime runs a pass phase by phase: the forward of the phase's waves in order, then their backward
+    in reverse, then the next phase (so a phase's activations are freed before the next one's exist). Phases
+    are non-decreasing with the wave index and no transfer crosses one (validation rule 11)."""
 
     def to_json(self) -> dict:
-        return {"index": self.index, "level": self.level, "start_ms": self.start_ms,
+        return {"index": self.index, "level": self.level, "phase": self.phase, "start_ms": self.start_ms,
                 "duration_ms": self.duration_ms, "slices": [s.to_json() for s in self.slices]}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "WavePlan":
-        return cls(index=d["index"], level=d["level"], start_ms=d["start_ms"], duration_ms=d["duration_ms"],
-                   slices=tuple(Slice.from_json(s) for s in d["slices"]))
+        return cls(index=d["index"], level=d["level"], phase=d["phase"], start_ms=d["start_ms"],
+                   duration_ms=d["duration_ms"], slices=tuple(Slice.from_json(s) for s in d["slices"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +281,12 @@ class Plan:
     """Predicted compute time of one step (sum of wave durations; transfers and sync not included)."""
     lower_bound_ms: float
     """Σ over levels of C*."""
+    passes: int = 1
+    """Passes of the plan per optimizer step (gradient accumulation; each pass carries ``1/passes`` of every
+    task's global batch per step)."""
+    distributed_optimizer: bool = False
+    """Whether the optimizer state is sharded over each weight's devices (megatron.core's distributed optimizer);
+    the memory estimate assumes it."""
 
     # -- lookups ------------------------------------------------------------------------------------
     def metaop(self, name: str) -> MetaOp:
@@ -308,6 +320,14 @@ class Plan:
     def num_levels(self) -> int:
         return len(self.levels)
 
+    @property
+    def phases(self) -> list[list[int]]:
+        """Wave indices of each phase, in execution order (see :attr:`WavePlan.phase`)."""
+        out: dict[int, list[int]] = {}
+        for w in self.waves:
+            out.setdefault(w.phase, []).append(w.index)
+        return [out[p] for p in sorted(out)]
+
     # -- JSON -----------------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {
@@ -323,6 +343,7 @@ class Plan:
             "param_groups": [g.to_json() for g in self.param_groups],
             "device_memory_bytes": list(self.device_memory_bytes),
             "makespan_ms": self.makespan_ms, "lower_bound_ms": self.lower_bound_ms,
+            "passes": self.passes, "distributed_optimizer": self.distributed_optimizer,
         }
 
     @classmethod
@@ -345,7 +366,8 @@ class Plan:
                 transfers=tuple(Transfer.from_json(t) for t in d["transfers"]),
                 param_groups=tuple(ParamGroup.from_json(g) for g in d["param_groups"]),
                 device_memory_bytes=tuple(d["device_memory_bytes"]),
-                makespan_ms=d["makespan_ms"], lower_bound_ms=d["lower_bound_ms"])
+                makespan_ms=d["makespan_ms"], lower_bound_ms=d["lower_bound_ms"], passes=d["passes"],
+                distributed_optimizer=d["distributed_optimizer"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__}: {e}") from None
 

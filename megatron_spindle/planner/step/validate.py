@@ -15,7 +15,11 @@ Rules:
 8. parameter device groups are exactly the devices that hold each weight shard;
 9. the plan is for the graph it is used with (fingerprint and world size), when those are given;
 10. the stored data flow (transfers and their messages) is what :mod:`.dataflow` derives from the slices, so
-    the simulator and the executor, which read only the stored messages, agree with the slices.
+    the simulator and the executor, which read only the stored messages, agree with the slices;
+11. execution settings: phases never go back with the wave index and no transfer crosses a phase (a phase's
+    backward runs before the next phase's forward, so an edge between phases would return its gradient too
+    late); a MetaOp recomputes only if its layer type can (:mod:`..workload.recompute`); ``passes`` is a
+    positive integer.
 
 :func:`check_plan` raises :class:`PlanError` listing every violation, with the wave × device grid and the
 offending cell marked (``>…<``).
@@ -25,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..workload.recompute import options as recompute_options
 from .dataflow import param_groups, plan_transfers
-from .plan import Plan
+from .plan import Plan, SliceRef
 from .render import grid
 
 
@@ -166,6 +171,24 @@ def violations(plan: Plan) -> list[Violation]:
     if len(out) == before and list(plan.transfers) != derived_list:
         out.append(Violation(10, "transfers are not in plan order (consumer wave, slice, input index): the "
                                  "message tags would not match between ranks"))
+    # 11
+    phase = -1
+    for w in plan.waves:
+        if w.phase < phase:
+            out.append(Violation(11, f"phase {w.phase} after phase {phase}", w.index))
+        phase = max(phase, w.phase)
+    phase_of = {w.index: w.phase for w in plan.waves}
+    for t in plan.transfers:
+        a, b = SliceRef.from_str(t.src).wave, SliceRef.from_str(t.dst).wave
+        if phase_of.get(a) != phase_of.get(b):
+            out.append(Violation(11, f"transfer {t.src} -> {t.dst} crosses from phase {phase_of.get(a)} to "
+                                     f"phase {phase_of.get(b)}", b))
+    for m in plan.metaops:
+        if m.recompute not in recompute_options(m):
+            out.append(Violation(11, f"{m.name} ({m.op_type}) cannot recompute {m.recompute!r}; it can "
+                                     f"{recompute_options(m)}"))
+    if isinstance(plan.passes, bool) or not isinstance(plan.passes, int) or plan.passes < 1:
+        out.append(Violation(11, f"passes={plan.passes!r} must be a positive integer"))
     return out
 
 

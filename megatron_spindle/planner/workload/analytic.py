@@ -33,6 +33,7 @@ from ..jsonfile import read_json
 from .curves import ScalingCurve, fit_piecewise
 from ..exact import on_grid
 from .metaops import MetaOp
+from .recompute import time_factor
 
 CURVES_SCHEMA_VERSION = 1
 
@@ -174,11 +175,11 @@ def build_curves(metaops: Sequence[MetaOp], num_devices: int, *, curves_file: Cu
             raise ValueError(f"MetaOp {m.name!r} needs {m.tp} devices (tensor parallel) but only "
                              f"{num_devices} are available")
         if entry is None:
-            out[m.name] = analytic_curve(m, device, num_devices)
+            c = analytic_curve(m, device, num_devices)
         elif "curve" in entry:
-            c = ScalingCurve.from_json(entry["curve"])
-            out[m.name] = dataclasses.replace(c, counts=counts)
+            c = dataclasses.replace(ScalingCurve.from_json(entry["curve"]), counts=counts)
         else:
             pts = [(float(a), float(b)) for a, b in entry["points"]]
-            out[m.name] = fit_piecewise(pts, batch=m.batch, counts=counts, source="measured")
+            c = fit_piecewise(pts, batch=m.batch, counts=counts, source="measured")
+        out[m.name] = c.scaled(time_factor(m))  # the profile times forward + backward, nothing recomputed
     return out

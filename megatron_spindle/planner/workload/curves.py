@@ -173,6 +173,16 @@ class ScalingCurve:
                 break
         return hi
 
+    def scaled(self, factor: float) -> "ScalingCurve":
+        """The same curve with every time multiplied by ``factor`` (a MetaOp that recomputes, or runs less
+        backward: :func:`.recompute.time_factor`); positive and non-increasing like this one."""
+        if factor == 1.0:
+            return self
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"curve scale factor must be positive and finite, got {factor!r}")
+        segs = tuple(Segment(s.x_start, s.alpha_ms * factor, s.beta_ms * factor) for s in self.segments)
+        return dataclasses.replace(self, segments=segs, points=tuple((n, t * factor) for n, t in self.points))
+
     # -- JSON -----------------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"batch": self.batch,

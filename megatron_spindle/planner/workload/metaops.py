@@ -42,6 +42,8 @@ from ..limits import divisors
 BYTES_PER_PARAM_STATE = 18
 #: Share of a device's memory that one MetaOp's model states may take before tensor parallelism is used.
 TP_MEMORY_FRACTION = 0.25
+#: Activation recompute modes of a MetaOp (:mod:`.recompute`).
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,17 @@ class MetaOp:
     """Tensor-parallel degree inside each data-parallel replica."""
     batch_splittable: bool = True
     tp_splittable: bool = True
+    recompute: str = "none"
+    """Activation recompute of every layer (:mod:`.recompute`): ``none``, ``selective`` or ``full``; chosen by
+    the planner where memory binds, executed by the runtime."""
+    trainable: bool = True
+    """Whether its weights train (``False``: a frozen module; no gradient, sync or optimizer state)."""
+    input_grad: bool = True
+    """Whether its backward must produce its input's gradient (some MetaOp before it trains)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"MetaOp {self.name!r}: recompute={self.recompute!r} is not one of {RECOMPUTE}")
 
     @property
     def num_layers(self) -> int:
