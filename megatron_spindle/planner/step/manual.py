@@ -26,24 +26,31 @@ SliceSpec = tuple[str, int, int, Sequence[int]]
 
 
 def plan_from_waves(graph: TaskGraph, num_devices: int, waves: Sequence[Sequence[SliceSpec]], *,
-                    tp: Mapping[str, int] | None = None, cluster: Cluster | None = None,
-                    partial: bool = False, system: str = "manual") -> Plan:
+                    tp: Mapping[str, int] | None = None, recompute: Mapping[str, str] | None = None,
+                    phases: Sequence[int] | None = None, passes: int = 1, distributed_optimizer: bool = False,
+                    cluster: Cluster | None = None, partial: bool = False, system: str = "manual") -> Plan:
     """Build (and validate, unless ``partial``) a plan from explicit waves.
 
-    ``tp`` maps a MetaOp name to its tensor-parallel degree (MetaOps sharing weights must agree).
+    ``tp`` maps a MetaOp name to its tensor-parallel degree (MetaOps sharing weights must agree);
+    ``recompute`` a MetaOp name to its recompute mode (:mod:`..workload.recompute`); ``phases`` gives each
+    wave's phase (default all 0); ``passes`` and ``distributed_optimizer`` are stored in the plan as given.
     """
     cluster = cluster or load_cluster(None, num_devices=num_devices, gpus_per_node=min(8, num_devices))
     metaops = list(make_metaops(graph, cluster))
-    if tp:
-        unknown = set(tp) - {m.name for m in metaops}
+    for what, given in (("tp", tp), ("recompute", recompute)):
+        unknown = set(given or ()) - {m.name for m in metaops}
         if unknown:
-            raise ValueError(f"tp given for unknown MetaOps {sorted(unknown)}")
-        metaops = [dataclasses.replace(m, tp=tp.get(m.name, m.tp)) for m in metaops]
+            raise ValueError(f"{what} given for unknown MetaOps {sorted(unknown)}")
+    if tp or recompute:
+        metaops = [dataclasses.replace(m, tp=(tp or {}).get(m.name, m.tp),
+                                       recompute=(recompute or {}).get(m.name, m.recompute)) for m in metaops]
+    if phases is not None and len(phases) != len(waves):
+        raise ValueError(f"{len(phases)} phases for {len(waves)} waves")
     by_name = {m.name: m for m in metaops}
     curves = build_curves(metaops, num_devices)
     out_waves, ranks, clock = [], {}, 0.0
     for wi, wave in enumerate(waves):
-        w = Wave(level=0, start_ms=clock, duration_ms=0.0)
+        w = Wave(level=0, start_ms=clock, duration_ms=0.0, phase=phases[wi] if phases is not None else 0)
         for si, (name, start, layers, rk) in enumerate(wave):
             if name not in by_name:
                 raise ValueError(f"wave {wi}: unknown MetaOp {name!r}")
@@ -58,7 +65,8 @@ def plan_from_waves(graph: TaskGraph, num_devices: int, waves: Sequence[Sequence
         out_waves[i].level = max(out_waves[i].level, out_waves[i - 1].level)
     levels = [LevelInfo(index=lv, c_star_ms=0.0, n_star=(), variant=system)
               for lv in sorted({m.level for m in metaops})]
-    plan = assemble_plan(graph, cluster, metaops, curves, levels, out_waves, ranks, system=system)
+    plan = assemble_plan(graph, cluster, metaops, curves, levels, out_waves, ranks, system=system, passes=passes,
+                         distributed_optimizer=distributed_optimizer)
     if not partial:
         check_plan(plan)
     return plan
