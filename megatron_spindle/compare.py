@@ -1,18 +1,20 @@
-"""``spindle compare``: Spindle against the baselines, every plan timed by the same step simulator.
+"""``spindle compare``: Spindle against the baselines, each at its own best configuration, timed by one simulator.
 
-For each device count the command plans one step with every system of :data:`.planner.step.baselines.SYSTEMS`,
-simulates it on the cluster (:func:`.planner.step.simulate.simulate`) and prints a table: step time, Spindle's
-speedup over the system, the breakdown (compute, inter-wave transfer, parameter sync, idle; the paper's
-Figure 10), peak memory per device (max and spread), and the lower bound ``Σ C*`` with Spindle's ratio to it.
-Spindle's plan is chosen by this same simulated step among its own waves and the baselines' schedules
-(:mod:`.planner.step.choose`), so it is never slower than a baseline; the table says when a baseline's schedule won.
+For each device count every system of :data:`.planner.step.baselines.SYSTEMS` is tuned to its own best step
+(:mod:`.planner.step.tuning`: passes per step, activation recompute, the distributed optimizer, tensor
+parallelism, Spindle's phases, each under that system's own runtime memory), simulated on the cluster
+(:func:`.planner.step.simulate.simulate`; the static grids by :mod:`.planner.step.static_grids`), and printed
+as a table: step time, Spindle's speedup over the system, the configuration each chose, the breakdown
+(compute, inter-wave transfer, parameter sync, idle; the paper's Figure 10) and peak memory per device.
+``--fixed-passes`` instead holds every system to one configuration (the spec's passes, nothing recomputed:
+the comparison of earlier releases); a plan that then exceeds memory is timed all the same and flagged.
 ``--plot`` draws grouped bars of throughput relative to ``sequential`` (the paper's Figure 8); ``--json``
-prints one object instead of tables.
+prints one object, with every configuration each tuner tried.
 
-A system with no plan (no placement fits) is reported with its error instead of numbers. A plan whose only
-fault is memory (validation rule 7: the wave runtime stashes every activation until the backward pass) is
-still timed, and flagged as over the memory limit. The exit status is 2 when Spindle itself has no plan for
-a requested device count.
+Spindle's whole-step choice has the baselines' schedules among its candidates at their own best
+configurations (:mod:`.planner.step.choose`), so it is never slower than a baseline whose schedule the wave
+runtime can execute within memory; the table says when a baseline's schedule won. The exit status is 2 when
+Spindle itself has no plan for a requested device count.
 
 Curves: the analytic device model takes the cluster's peak rate and memory (``--cluster h200`` plans with
 H200 curves); a ``--curves`` file replaces it entirely.
@@ -27,19 +29,20 @@ from typing import Sequence
 
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
-from .planner.workload.analytic import CurvesFile, DeviceModel
-from .planner.step.baselines import SYSTEMS, lower_bound_ms
-from .planner.step.build import plan_system
-from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
-from .planner.workload.graph import TaskGraph
+from .planner.step.baselines import BASELINES, SYSTEMS
+from .planner.step.build import make_plan
+from .planner.step.execution import Execution
 from .planner.step.simulate import StepSimulation, simulate
-from .planner.step.validate import PlanError, check_plan
-from .planner.workload.workloads import build_graph, resolve_passes
+from .planner.step.tune_spindle import tune_spindle
+from .planner.step.tuning import Tuned, Workload, tune_baseline, tune_static_grids
+from .planner.workload.analytic import CurvesFile, DeviceModel
+from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
+from .planner.workload.workloads import resolve_passes
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
           "task-level": "task-level (Optimus-style)", "intra-task": "intra-task (DistMM-MT)",
-          "spindle-naive-placement": "Spindle, naive placement"}
+          "static-grids": "module grids (megatron.core MIMO)", "spindle-naive-placement": "Spindle, naive placement"}
 
 
 @dataclass
@@ -47,12 +50,13 @@ class SystemResult:
     system: str
     sim: StepSimulation | None = None
     error: str | None = None
-    ideal_makespan_ms: float | None = None
-    """Baselines: compute time with their concurrent lanes unaligned (see :mod:`.planner.step.baselines`)."""
+    execution: Execution | None = None
+    """The configuration the system runs at (its best, or the fixed one)."""
     over_memory: str | None = None
-    """Set when the plan exceeds the cluster's memory (it is timed all the same)."""
+    """Set (``--fixed-passes`` only) when the plan exceeds the cluster's memory; it is timed all the same."""
     schedule: str | None = None
     """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.step.choose`), else ``None``."""
+    tuned: Tuned | None = None
 
     @property
     def ok(self) -> bool:
@@ -60,17 +64,22 @@ class SystemResult:
 
     def to_json(self) -> dict:
         if not self.ok:
-            return {"error": self.error}
-        s = self.sim
-        d = {"step_ms": s.step_ms, "breakdown": s.breakdown.to_json(), "shares": s.breakdown.shares(),
-             "peak_memory_gib": s.max_memory_gib, "peak_memory_spread_gib": s.memory_spread_gib,
-             "makespan_ms": s.makespan_ms, "num_waves": len(s.waves)}
-        if self.ideal_makespan_ms is not None:
-            d["unaligned_makespan_ms"] = self.ideal_makespan_ms
+            d = {"error": self.error}
+        else:
+            s = self.sim
+            d = {"step_ms": s.step_ms, "breakdown": s.breakdown.to_json(), "shares": s.breakdown.shares(),
+                 "peak_memory_gib": s.max_memory_gib, "peak_memory_spread_gib": s.memory_spread_gib,
+                 "makespan_ms": s.makespan_ms, "num_waves": len(s.waves)}
+        if self.execution is not None:
+            d["configuration"] = {**self.execution.to_json(), "label": self.execution.label()}
         if self.over_memory:
             d["over_memory"] = self.over_memory
         if self.schedule:
             d["schedule"] = self.schedule
+        if self.tuned is not None:
+            d["tried"] = [t.to_json() for t in self.tuned.tried]
+            if self.tuned.extra:
+                d["details"] = self.tuned.extra
         return d
 
 
@@ -84,9 +93,10 @@ class Comparison:
     cluster: str
     gpus_per_node: int
     lower_bound_ms: float
+    """Σ C* of one pass at Spindle's passes (0 without a Spindle plan)."""
     results: dict[str, SystemResult] = field(default_factory=dict)
-    passes: int = 1
-    """Passes of the plan per optimizer step (gradient accumulation): a step is ``passes`` passes + one sync."""
+    tuned: bool = True
+    """Every system at its own best configuration (``False``: ``--fixed-passes``)."""
 
     def step_ms(self, system: str) -> float | None:
         r = self.results.get(system)
@@ -97,89 +107,109 @@ class Comparison:
         a, b = self.step_ms(system), self.step_ms(over)
         return b / a if a and b else None
 
+    @property
+    def passes(self) -> int:
+        r = self.results.get("spindle")
+        return r.execution.passes if r is not None and r.execution is not None else 0
+
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": self.tasks, "gpus": self.gpus, "cluster": self.cluster,
-                "lower_bound_ms": self.lower_bound_ms, "passes": self.passes,
+                "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned,
                 "systems": {k: r.to_json() for k, r in self.results.items()}}
 
 
-def _first_line(e: Exception) -> str:
-    if isinstance(e, PlanError):
-        v = e.violations
-        return f"invalid plan: {v[0]}" + (f" (and {len(v) - 1} more violations)" if len(v) > 1 else "")
-    lines = str(e).splitlines()
-    return lines[0] if lines else type(e).__name__
+def _result(t: Tuned, cluster, fixed: bool) -> SystemResult:
+    r = SystemResult(t.system, tuned=t, execution=t.execution)
+    if t.sim is not None:
+        r.sim = t.sim
+    elif fixed and t.extra.get("over_sim") is not None:  # held to one configuration: timed all the same
+        r.sim, r.execution = t.extra["over_sim"], t.extra["over_execution"]
+        r.over_memory = t.extra["over_memory"]
+    else:
+        r.error = t.error
+    if t.plan is not None and t.system == "spindle":
+        won = t.plan.levels[0].variant if t.plan.levels else ""
+        r.schedule = won.split(" schedule")[0] if "whole step" in won else None
+    return r
 
 
-def _memory_note(e: PlanError) -> str:
-    worst = max((v for v in e.violations), key=lambda v: v.message)
-    return (f"out of memory on {len(e.violations)} device(s), e.g. device {worst.device}: "
-            f"{worst.message}")
-
-
-def compare(graph: TaskGraph, gpus: Sequence[int], *, cluster: str | None = DEFAULT_PRESET,
+def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DEFAULT_PRESET,
             curves_file: CurvesFile | None = None, systems: Sequence[str] = SYSTEMS,
-            passes: int = 1) -> list[Comparison]:
-    """Plan one pass of ``graph`` with every system on every device count and simulate a step of ``passes``
-    passes (gradient accumulation) with one gradient sync."""
+            fixed: Execution | None = None) -> list[Comparison]:
+    """Every system of ``systems`` on every device count, each at its own best configuration (``fixed``: all at
+    that one)."""
     out = []
     for n in gpus:
         cl = load_cluster(cluster, num_devices=n)
         device = None if curves_file else DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib)
-        cmp = Comparison(model=graph.model, tasks=len(graph.tasks), gpus=n, cluster=cl.name,
-                         gpus_per_node=cl.gpus_per_node, passes=passes,
-                         lower_bound_ms=lower_bound_ms(graph, cl, curves_file=curves_file, device=device))
+        kw = dict(curves_file=curves_file, device=device, fixed=fixed)
+        tuned: dict[str, Tuned] = {}
         for system in systems:
-            report: dict = {}
-            try:
-                plan = plan_system(system, graph, cl, curves_file=curves_file, device=device, report=report,
-                                   validate=False, passes=passes)
-                note = None
-                try:
-                    check_plan(plan)
-                except PlanError as e:
-                    if any(v.rule != 7 for v in e.violations):
-                        raise
-                    note = _memory_note(e)
-                won = plan.levels[0].variant if system == "spindle" and plan.levels else ""
-                cmp.results[system] = SystemResult(system, sim=simulate(plan, cl, check_memory=False, passes=passes),
-                                                   ideal_makespan_ms=report.get("ideal_makespan_ms"),
-                                                   over_memory=note,
-                                                   schedule=won.split(" schedule")[0] if "whole step" in won else None)
-            except (ValueError, KeyError) as e:
-                cmp.results[system] = SystemResult(system, error=_first_line(e))
+            if system in BASELINES:
+                tuned[system] = tune_baseline(system, workload, cl, **kw)
+            elif system == "static-grids":
+                tuned[system] = tune_static_grids(workload, cl, **kw)
+        if "spindle" in systems or "spindle-naive-placement" in systems:
+            hints = [t.execution for t in tuned.values() if t.execution is not None and t.system in BASELINES]
+            tuned["spindle"] = tune_spindle(workload, cl, hints=hints, **kw)
+        graph0 = workload.graph(1)
+        spindle = tuned.get("spindle")
+        cmp = Comparison(model=graph0.model, tasks=len(graph0.tasks), gpus=n, cluster=cl.name,
+                         gpus_per_node=cl.gpus_per_node, tuned=fixed is None,
+                         lower_bound_ms=spindle.plan.lower_bound_ms if spindle and spindle.plan else 0.0)
+        for system in systems:
+            if system == "spindle-naive-placement":
+                cmp.results[system] = _naive(workload, cl, spindle, curves_file, device)
+            else:
+                cmp.results[system] = _result(tuned[system], cl, fixed is not None)
         out.append(cmp)
     return out
+
+
+def _naive(workload: Workload, cl, spindle: Tuned | None, curves_file, device) -> SystemResult:
+    """The ablation: Spindle's own waves at its configuration, placed on consecutive devices."""
+    if spindle is None or spindle.execution is None:
+        return SystemResult("spindle-naive-placement", error="Spindle has no plan here")
+    ex = spindle.execution
+    try:
+        plan = make_plan(workload.graph(ex.passes), cl, curves_file=curves_file, device=device, validate=False,
+                         placement="sequential", execution=ex)
+    except (ValueError, KeyError) as e:
+        return SystemResult("spindle-naive-placement", error=str(e).splitlines()[0], execution=ex)
+    over = max(plan.device_memory_bytes) > cl.memory_limit_bytes * (1 + 1e-9)
+    return SystemResult("spindle-naive-placement", sim=simulate(plan, cl, check_memory=False), execution=ex,
+                        over_memory="over the memory limit" if over else None)
 
 
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
 def format_table(cmp: Comparison) -> str:
+    how = "each system at its own best configuration" if cmp.tuned else "every system at one configuration"
     head = (f"{cmp.model} ({cmp.tasks} tasks) on {cmp.gpus} devices, cluster {cmp.cluster} "
-            f"({cmp.gpus_per_node} per island), {cmp.passes} pass{'es' if cmp.passes > 1 else ''} per step: "
-            f"lower bound ΣC* = {cmp.lower_bound_ms:.1f} ms per pass")
-    cols = ("system", "step ms", "Spindle speedup", "compute", "transfer", "sync", "idle", "mem max GiB",
-            "mem spread GiB")
+            f"({cmp.gpus_per_node} per island), {how}: lower bound ΣC* = {cmp.lower_bound_ms:.1f} ms per pass "
+            f"at Spindle's {cmp.passes} pass{'es' if cmp.passes != 1 else ''} per step")
+    cols = ("system", "step ms", "Spindle speedup", "configuration", "compute", "transfer", "sync", "idle",
+            "mem max GiB")
     rows = []
     notes = []
     for name, r in cmp.results.items():
+        conf = r.execution.label() if r.execution is not None else ""
         if not r.ok:
-            rows.append((name, "-", "-", "", "", "", "", "", ""))
+            rows.append((name, "-", "-", conf, "", "", "", "", ""))
             notes.append(f"  {name}: {r.error}")
             continue
         sh = r.sim.breakdown.shares()
         sp = cmp.speedup("spindle", name)
-        rows.append((name, f"{r.sim.step_ms:.1f}", "-" if name == "spindle" or sp is None else f"{sp:.2f}x",
+        rows.append((name, f"{r.sim.step_ms:.1f}", "-" if name == "spindle" or sp is None else f"{sp:.2f}x", conf,
                      f"{sh['compute']:.1%}", f"{sh['transfer']:.1%}", f"{sh['sync']:.1%}", f"{sh['idle']:.1%}",
-                     f"{r.sim.max_memory_gib:.1f}" + ("!" if r.over_memory else ""),
-                     f"{r.sim.memory_spread_gib:.1f}"))
+                     f"{r.sim.max_memory_gib:.1f}" + ("!" if r.over_memory else "")))
         if r.over_memory:
             notes.append(f"  {name}: {r.over_memory}")
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
     def line(vals):
-        return "  ".join(v.ljust(width[0]) if i == 0 else v.rjust(width[i]) for i, v in enumerate(vals))
+        return "  ".join(v.ljust(width[i]) if i in (0, 3) else v.rjust(width[i]) for i, v in enumerate(vals))
 
     lines = [head, line(cols), "-" * len(line(cols))] + [line(r) for r in rows]
     sp = cmp.results.get("spindle")
@@ -191,6 +221,10 @@ def format_table(cmp: Comparison) -> str:
     if sp is not None and sp.ok and sp.schedule:
         lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
                      f"candidates (see planner/step/choose.py)")
+    grids = cmp.results.get("static-grids")
+    if grids is not None and grids.ok and grids.tuned is not None and grids.tuned.extra.get("grids"):
+        g = grids.tuned.extra["grids"]
+        lines.append("static grids (devices per module): " + ", ".join(f"{k} {v['ranks']}" for k, v in g.items()))
     if notes:
         lines.append("no plan, or over the memory limit (!):")
         lines.extend(notes)
@@ -202,7 +236,8 @@ def to_json(cmps: Sequence[Comparison]) -> dict:
 
 
 def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
-         systems: Sequence[str] = ("sequential", "task-level", "intra-task", "spindle-naive-placement", "spindle"),
+         systems: Sequence[str] = ("sequential", "task-level", "intra-task", "static-grids", "spindle-naive-placement",
+                                   "spindle"),
          reference: str = "sequential", paper: dict | None = None) -> None:
     """Grouped bars (one panel per workload, one group per device count): throughput relative to ``reference``.
 
@@ -214,7 +249,7 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         import matplotlib.pyplot as plt  # optional: matplotlib (--plot only)
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
-    colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868",
+    colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868", "static-grids": "#8172b3",
               "spindle-naive-placement": "#dd8452", "spindle": "#c44e52"}
     k = len(groups)
     cols = min(3, k)
@@ -270,6 +305,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
                    help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
+    p.add_argument("--fixed-passes", action="store_true",
+                   help="hold every system to one configuration (--passes, default the model's; nothing recomputed) "
+                        "instead of tuning each to its own best")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw grouped bars of the speedups")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_compare)
@@ -280,10 +318,15 @@ def cmd_compare(args) -> int:
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
     if args.plot:
         check_output(args.plot, "--plot")
-    passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch)
+    graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
+    fixed = None
+    if args.fixed_passes or args.passes is not None:
+        passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
+        workload.graph(passes)  # passes that do not divide a task's batch: fail now
+        fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None
-    cmps = compare(graph, args.gpus, cluster=args.cluster, curves_file=curves, passes=passes)
+    cmps = compare(workload, args.gpus, cluster=args.cluster, curves_file=curves, fixed=fixed)
     if args.plot:
         plot([(f"{graph.model}, {len(graph.tasks)} tasks", cmps)], args.plot)
     if args.json:

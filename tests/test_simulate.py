@@ -2,6 +2,8 @@
 import json
 import math
 
+import dataclasses
+
 import pytest
 
 from megatron_spindle.planner.step.build import assemble_plan, make_plan
@@ -138,9 +140,13 @@ def test_transfer_between_waves_inside_and_across_islands():
     # gradients of layer 0 on 0,1 and layer 1 on 8,9: two groups, each inside its island, concurrent
     ar = 2 * 0.010 + PARAMS * GRAD_BYTES_PER_PARAM / (INTRA_GBPS * 1e9) * 1e3
     assert sim.breakdown.sync_ms == pytest.approx(ar)
-    # staying on the same devices is a local copy: free; same rank set, but one bucket per backward wave
+    # staying on the same devices is a local copy: free; one rank set, and megatron.core DDP packs both
+    # layers' 1000 parameters into one bucket (at least 40 M parameters each), complete after wave 0's backward
     sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))]), c)
     assert sim.breakdown.transfer_ms == 0.0
+    assert [(col.wave, col.bytes) for col in sim.collectives] == [(0, 2 * PARAMS * GRAD_BYTES_PER_PARAM)]
+    # with buckets of 1000 parameters, one bucket per layer, in the order the backward completes them
+    sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))]), c, bucket_size=PARAMS)
     assert [(col.wave, col.bytes) for col in sim.collectives] == [(1, PARAMS * GRAD_BYTES_PER_PARAM),
                                                                   (0, PARAMS * GRAD_BYTES_PER_PARAM)]
 
@@ -206,6 +212,28 @@ def test_sync_on_disjoint_devices_runs_side_by_side():
     assert l1.ranks == (2, 3) and l1.end_ms == pytest.approx(hop + 16 / 3 + 4.02)
     assert l0.ranks == (0, 1) and l0.start_ms == pytest.approx(8.0 + 2 * hop)
     assert sim.breakdown.sync_ms == pytest.approx(4.02)
+
+
+def test_phases_run_forward_then_backward_each():
+    """Two waves in two phases: forward 0, backward 0, forward 1, backward 1 (so wave 0's gradients are
+    complete after 8/3 + 4/3 = 4 ms instead of at the end of the pass); the pass is as long, and a device's
+    memory holds one phase's activations at a time."""
+    from megatron_spindle.planner.step.manual import plan_from_waves
+    c = toy_cluster(16)
+    one = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))], params=BIG)
+    two = dataclasses.replace(one, waves=tuple(dataclasses.replace(w, phase=w.index) for w in one.waves))
+    a, b = simulate(one, c, check_memory=False), simulate(two, c, check_memory=False)
+    assert b.pass_ms == pytest.approx(a.pass_ms) == pytest.approx(8.0)
+    first = min(b.collectives, key=lambda col: col.ready_ms)
+    assert (first.wave, first.ready_ms) == (0, pytest.approx(4.0))
+    assert b.step_ms == pytest.approx(4.0 + 4.02 + 4.02)  # wave 0: 4 -> 8.02; wave 1 (ready at 8) waits, ends 12.04
+    g = build_graph("multitask-clip", tasks=4, size="tiny", batch=8)
+    waves = [[("vision-text.vision.embed", 0, 1, (0,))], [("audio-text.audio.embed", 0, 1, (0,))]]
+    together = plan_from_waves(g, 2, waves, partial=True)
+    apart = plan_from_waves(g, 2, waves, partial=True, phases=[0, 1])
+    acts = [ws.slices[0] for ws in together.waves]
+    assert acts[0].ranks == acts[1].ranks == (0,)
+    assert apart.device_memory_bytes[0] < together.device_memory_bytes[0]
 
 
 def test_gradient_accumulation_syncs_once():

@@ -116,7 +116,10 @@ def tighten(scheds: Sequence[LevelSchedule], by_level: Sequence[Sequence[MetaOp]
 def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                   curves: Mapping[str, ScalingCurve], level_info: Sequence[LevelInfo], waves: Sequence[Wave],
                   ranks: Mapping[tuple[int, int], tuple[int, ...]], *, system: str, passes: int = 1,
-                  distributed_optimizer: bool = False) -> Plan:
+                  distributed_optimizer: bool = False, memory_by: str = "phase") -> Plan:
+    """The plan of placed waves. ``memory_by="task"``: the device memory of a system whose runtime frees a
+    task's activations after that task's backward even when tasks run side by side (task-level lanes,
+    each its own Megatron-LM run); ``"phase"``: the wave runtime's (:func:`device_memory`)."""
     by_name = {m.name: m for m in metaops}
     wave_plans = []
     for wi, w in enumerate(waves):
@@ -126,7 +129,13 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
         wave_plans.append(WavePlan(index=wi, level=w.level, phase=w.phase, start_ms=w.start_ms,
                                    duration_ms=w.duration_ms, slices=slices))
     all_slices = [s for w in wave_plans for s in w.slices]
-    phase_of = {w.index: w.phase for w in wave_plans}
+    if memory_by == "phase":
+        phase_of = {w.index: w.phase for w in wave_plans}
+    elif memory_by == "task":  # the activations that coexist are one task's: key them by task
+        tasks = {t: i for i, t in enumerate(graph.tasks)}
+        phase_of = {s.name: tasks[by_name[s.metaop].task] for s in all_slices}
+    else:
+        raise ValueError(f"memory_by must be 'phase' or 'task', got {memory_by!r}")
     return Plan(
         system=system, model=graph.model, graph_fingerprint=graph.fingerprint(), tasks=graph.tasks,
         task_weights=graph.task_weights, world_size=cluster.num_devices, gpus_per_node=cluster.gpus_per_node,
@@ -142,16 +151,17 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
 
 
 def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int, *,
-                  phase_of: Mapping[int, int] | None = None, distributed_optimizer: bool = False) -> list[float]:
+                  phase_of: Mapping | None = None, distributed_optimizer: bool = False) -> list[float]:
     """Estimated peak bytes per device (:mod:`..workload.memory`): the states of every layer shard it holds
     (a device holding two TP shards of one weight pays for both; the distributed optimizer splits a shard's
-    optimizer state over its holders) plus its largest phase's stashed activations."""
+    optimizer state over its holders) plus its largest phase's stashed activations. ``phase_of`` maps a wave
+    index (or a slice name) to the set of activations it belongs to."""
     holders: dict[tuple[str, int], set[int]] = {}
     act = [dict() for _ in range(num_devices)]
     for s in slices:
         m = by_name[s.metaop]
         a = slice_activation_bytes(m, s.num_layers, len(s.ranks))
-        phase = phase_of.get(s.wave, 0) if phase_of else 0
+        phase = (phase_of.get(s.name, phase_of.get(s.wave, 0))) if phase_of else 0
         for pos, r in enumerate(s.ranks):
             act[r][phase] = act[r].get(phase, 0.0) + a
             for k in slice_param_keys(m, s.layer_start, s.num_layers):

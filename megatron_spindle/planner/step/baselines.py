@@ -51,7 +51,9 @@ from .validate import check_plan
 from ..level.waves import ALIGN_SLACK, Wave, WaveSlice
 
 #: Every system the comparison knows, Spindle first.
-SYSTEMS = ("spindle", "sequential", "task-level", "intra-task", "spindle-naive-placement")
+SYSTEMS = ("spindle", "sequential", "task-level", "intra-task", "static-grids", "spindle-naive-placement")
+#: The baselines written as plans (the static grids, :mod:`.static_grids`, pipeline micro-batches across grids,
+#: which a wave plan cannot express: they are timed with the simulator's cost primitives instead).
 BASELINES = ("sequential", "task-level", "intra-task")
 #: Largest number of share combinations tried exhaustively for the branches of one task (intra-task).
 MAX_COMBINATIONS = 20000
@@ -159,10 +161,14 @@ class _Builder:
         self.clock = 0.0
         self.ideal_ms = 0.0  # the same phases without wave alignment (lanes run freely)
 
+    phase = 0
+    """The phase of the waves emitted next (sequential and intra-task: one per task, as Megatron-LM frees a
+    task's activations after its backward)."""
+
     def wave(self, parts: Sequence[tuple[WaveSlice, tuple[int, ...]]]) -> None:
         wi = len(self.waves)
         w = Wave(level=wi, start_ms=self.clock, duration_ms=max(s.time_ms for s, _ in parts),
-                 slices=[s for s, _ in parts])
+                 slices=[s for s, _ in parts], phase=self.phase)
         for si, (_, r) in enumerate(parts):
             self.ranks[(wi, si)] = r
         self.waves.append(w)
@@ -213,11 +219,13 @@ class _Builder:
 
 
 def _finish(builder: _Builder, graph: TaskGraph, cluster: Cluster, metaops, curves, system: str,
-            validate: bool, report: dict | None) -> Plan:
+            validate: bool, report: dict | None, *, passes: int = 1, distributed_optimizer: bool = False,
+            memory_by: str = "phase") -> Plan:
     if report is not None:
         report["ideal_makespan_ms"] = builder.ideal_ms
     plan = assemble_plan(graph, cluster, metaops, curves, relaxed_levels(metaops, curves, cluster.num_devices, system),
-                         builder.waves, builder.ranks, system=system)
+                         builder.waves, builder.ranks, system=system, passes=passes,
+                         distributed_optimizer=distributed_optimizer, memory_by=memory_by)
     if validate:
         check_plan(plan)
     return plan
@@ -248,15 +256,19 @@ def _blocks(shares: Sequence[int]) -> list[tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------------
 def plan_sequential(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None, prepared=None) -> Plan:
-    """Megatron-LM / DeepSpeed: each task on the whole cluster, one after another."""
+                    report: dict | None = None, prepared=None, passes: int = 1,
+                    distributed_optimizer: bool = False) -> Plan:
+    """Megatron-LM / DeepSpeed: each task on the whole cluster, one after another (one phase per task:
+    a task's activations are freed after its backward)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     b = _Builder()
-    for task in graph.tasks:
+    for i, task in enumerate(graph.tasks):
+        b.phase = i
         for m in task_metaops(metaops, task):
             b.solo(m, curves[m.name], best_count(m, curves[m.name], N, N))
-    return _finish(b, graph, cluster, metaops, curves, "sequential", validate, report)
+    return _finish(b, graph, cluster, metaops, curves, "sequential", validate, report, passes=passes,
+                   distributed_optimizer=distributed_optimizer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,8 +321,11 @@ def pack_lanes(tasks: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCu
 
 def plan_task_level(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None, prepared=None) -> Plan:
-    """Optimus-style: each task a fixed share by greedy marginal gain, tasks concurrent."""
+                    report: dict | None = None, prepared=None, passes: int = 1,
+                    distributed_optimizer: bool = False) -> Plan:
+    """Optimus-style: each task a fixed share by greedy marginal gain, tasks concurrent. Its memory is its
+    own runtime's: each lane runs its tasks one after another, freeing a task's activations after its
+    backward (``memory_by="task"``)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     tasks = [task_metaops(metaops, t) for t in graph.tasks]
@@ -319,7 +334,8 @@ def plan_task_level(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
     shares = marginal_gain_shares(groups, curves, N)
     b = _Builder()
     b.lanes([Lane.of(r, g, curves, N) for r, g in zip(_blocks(shares), groups)], N)
-    return _finish(b, graph, cluster, metaops, curves, "task-level", validate, report)
+    return _finish(b, graph, cluster, metaops, curves, "task-level", validate, report, passes=passes,
+                   distributed_optimizer=distributed_optimizer, memory_by="task")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,12 +418,15 @@ def finish_together_shares(groups: Sequence[Sequence[MetaOp]], curves: Mapping[s
 
 def plan_intra_task(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                     device: DeviceModel | None = None, validate: bool = True,
-                    report: dict | None = None, prepared=None) -> Plan:
-    """DistMM-MT: inside a task, its branches on shares that finish together; tasks one after another."""
+                    report: dict | None = None, prepared=None, passes: int = 1,
+                    distributed_optimizer: bool = False) -> Plan:
+    """DistMM-MT: inside a task, its branches on shares that finish together; tasks one after another (one
+    phase per task)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
     b = _Builder()
-    for task in graph.tasks:
+    for i, task in enumerate(graph.tasks):
+        b.phase = i
         pre, rest = branches(task_metaops(metaops, task))
         if len(pre) == 1:
             rest = pre[0] + rest
@@ -416,7 +435,8 @@ def plan_intra_task(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
             b.lanes([Lane.of(r, g, curves, N) for r, g in zip(_blocks(shares), pre)], N)
         for m in rest:
             b.solo(m, curves[m.name], best_count(m, curves[m.name], N, N))
-    return _finish(b, graph, cluster, metaops, curves, "intra-task", validate, report)
+    return _finish(b, graph, cluster, metaops, curves, "intra-task", validate, report, passes=passes,
+                   distributed_optimizer=distributed_optimizer)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,11 +38,12 @@ from typing import Callable, Mapping, Sequence
 from . import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
+from .execution import Execution
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
-from .placement import place, sequential_placement
+from .placement import NODE_BUDGET, place, sequential_placement
 from .plan import Plan
 from .simulate import simulate
 from ..level.waves import Wave, WaveSlice, schedule_level
@@ -51,8 +52,9 @@ from ..level.waves import Wave, WaveSlice, schedule_level
 MIN_LEVEL_SHARE = 0.05
 
 
-def step_ms(plan: Plan, cluster: Cluster, passes: int = 1) -> float:
-    """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (memory not checked)."""
+def step_ms(plan: Plan, cluster: Cluster, passes: int | None = None) -> float:
+    """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (default the plan's; memory not
+    checked)."""
     return simulate(plan, cluster, check_memory=False, passes=passes).step_ms
 
 
@@ -61,12 +63,35 @@ def _fits(plan: Plan, cluster: Cluster) -> bool:
 
 
 def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
-                          curves: Mapping[str, ScalingCurve]) -> list[tuple[str, Callable[[], Plan]]]:
-    """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``)."""
+                          curves: Mapping[str, ScalingCurve], execution: Execution | None = None
+                          ) -> list[tuple[str, Callable[[], Plan]]]:
+    """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``), on
+    the same MetaOps, curves, passes and optimizer; each with its own phases (a task's activations freed after
+    its backward), which the wave runtime executes as such. Task-level's lanes mix tasks in a wave, so under
+    the wave runtime its memory is one phase's (:func:`.assemble.device_memory`), not its own runtime's."""
     prepared = (tuple(metaops), dict(curves))
-    return [(name, lambda f=f: f(graph, cluster, validate=False, prepared=prepared))
+    ex = execution or Execution()
+    kw = dict(passes=ex.passes, distributed_optimizer=ex.distributed_optimizer)
+    return [(name, lambda f=f: _as_waves(f(graph, cluster, validate=False, prepared=prepared, **kw), graph,
+                                         cluster, metaops, curves))
             for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
                             ("intra-task", baselines.plan_intra_task))]
+
+
+def _as_waves(plan: Plan, graph: TaskGraph, cluster: Cluster, metaops, curves) -> Plan:
+    """A baseline's plan with the wave runtime's memory (task-level's lanes share one phase)."""
+    if plan.system != "task-level":
+        return plan
+    return assemble_plan(graph, cluster, metaops, curves, plan.levels, _waves_of(plan),
+                         {(w.index, i): s.ranks for w in plan.waves for i, s in enumerate(w.slices)},
+                         system=plan.system, passes=plan.passes, distributed_optimizer=plan.distributed_optimizer)
+
+
+def _waves_of(plan: Plan) -> list[Wave]:
+    return [Wave(level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms, phase=w.phase,
+                 slices=[WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.num_layers,
+                                   devices=len(s.ranks), time_ms=s.time_ms) for s in w.slices])
+            for w in plan.waves]
 
 
 def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
@@ -84,30 +109,30 @@ def cross_level_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCur
 
 
 def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
-                       curves: Mapping[str, ScalingCurve], tuples: Mapping[str, list]) -> list[tuple[str, Plan]]:
-    own_waves = [Wave(level=w.level, start_ms=w.start_ms, duration_ms=w.duration_ms,
-                      slices=[WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.num_layers,
-                                        devices=len(s.ranks), time_ms=s.time_ms) for s in w.slices])
-                 for w in own.waves]
+                       curves: Mapping[str, ScalingCurve], tuples: Mapping[str, list],
+                       budget: int = NODE_BUDGET) -> list[tuple[str, Plan]]:
+    own_waves = _waves_of(own)
     options = [("cross-level", cross_level_waves(metaops, curves, cluster.num_devices, tuples)),
                ("backfilled", backfill(own_waves, metaops, curves, cluster.num_devices))]
     kind, waves = min(options, key=lambda o: sum(w.duration_ms for w in o[1]))
     if sum(w.duration_ms for w in waves) >= own.makespan_ms * (1 - 1e-9):
         return []
     out = []
-    for name, placer in ((kind, lambda: place(metaops, waves, cluster)),
+    zero1 = own.distributed_optimizer
+    for name, placer in ((kind, lambda: place(metaops, waves, cluster, distributed_optimizer=zero1, node_budget=budget)),
                          (f"{kind}, naive placement", lambda: sequential_placement(waves))):
         try:
             ranks = placer()
         except ValueError:  # no placement fits memory
             continue
         out.append((name, assemble_plan(graph, cluster, metaops, curves, own.levels, waves, ranks,
-                                        system="cross-level")))
+                                        system="cross-level", passes=own.passes, distributed_optimizer=zero1)))
     return out
 
 
 def first_search_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
-                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence) -> list[tuple[str, Plan]]:
+                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
+                       budget: int = NODE_BUDGET) -> list[tuple[str, Plan]]:
     """Candidate 1'': every level's first-search waves (:attr:`.scheduler.LevelSchedule.first_search`, not
     polished) together, placed both ways; none when no level has them."""
     firsts = [ls.first_search or ls for ls in level_schedules]
@@ -117,13 +142,17 @@ def first_search_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: S
     levels = tuple(dataclasses.replace(lv, variant=f.variant + ("" if f is ls else " (first search)"))
                    for lv, f, ls in zip(own.levels, firsts, level_schedules))
     out = []
-    for name, placer in (("spindle, first-search waves", lambda: place(metaops, waves, cluster)),
+    zero1 = own.distributed_optimizer
+    for name, placer in (("spindle, first-search waves", lambda: place(metaops, waves, cluster,
+                                                                       distributed_optimizer=zero1,
+                                                                       node_budget=budget)),
                          ("spindle, first-search waves, naive placement", lambda: sequential_placement(waves))):
         try:
             ranks = placer()
         except ValueError:  # no placement fits memory
             continue
-        out.append((name, assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks, system="spindle")))
+        out.append((name, assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks, system="spindle",
+                                        passes=own.passes, distributed_optimizer=zero1)))
     return out
 
 
@@ -131,7 +160,7 @@ def _restart(waves: Sequence[Wave]) -> list[Wave]:
     """Copies of ``waves`` laid end to end from time 0."""
     out, clock = [], 0.0
     for w in waves:
-        out.append(Wave(level=w.level, start_ms=clock, duration_ms=w.duration_ms,
+        out.append(Wave(level=w.level, start_ms=clock, duration_ms=w.duration_ms, phase=w.phase,
                         slices=[dataclasses.replace(s) for s in w.slices]))
         clock += w.duration_ms
     return out
@@ -139,7 +168,7 @@ def _restart(waves: Sequence[Wave]) -> list[Wave]:
 
 def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
-                      passes: int = 1) -> list[tuple[str, Plan]]:
+                      budget: int = NODE_BUDGET) -> list[tuple[str, Plan]]:
     """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
     on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
     combination beats the levels' shortest spans, it is returned placed both ways."""
@@ -151,23 +180,25 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
         waves = _restart([w for ls in choice for w in ls.waves])
         levels = tuple(dataclasses.replace(lv, variant=ls.variant + ("" if ls is orig else " (by step)"))
                        for lv, ls, orig in zip(own.levels, choice, level_schedules))
-        return assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks_fn(waves), system="spindle")
+        return assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks_fn(waves), system="spindle",
+                             passes=own.passes, distributed_optimizer=own.distributed_optimizer)
 
-    best = step_ms(plan_of(pick, sequential_placement), cluster, passes)
+    best = step_ms(plan_of(pick, sequential_placement), cluster)
     total = sum(ls.span_ms for ls in level_schedules)
     for i, ls in enumerate(level_schedules):
         if ls.span_ms < MIN_LEVEL_SHARE * total:  # a short level moves the step little: not worth a trial
             continue
         for alt in ls.alternatives:
             trial = pick[:i] + [alt] + pick[i + 1:]
-            t = step_ms(plan_of(trial, sequential_placement), cluster, passes)
+            t = step_ms(plan_of(trial, sequential_placement), cluster)
             if t < best * (1 - 1e-9):
                 best, pick = t, trial
     if all(a is b for a, b in zip(pick, level_schedules)):
         return []
     out = [("spindle, per-level by step, naive placement", plan_of(pick, sequential_placement))]
     try:
-        out.insert(0, ("spindle, per-level by step", plan_of(pick, lambda w: place(metaops, w, cluster))))
+        out.insert(0, ("spindle, per-level by step", plan_of(pick, lambda w: place(
+            metaops, w, cluster, distributed_optimizer=own.distributed_optimizer, node_budget=budget))))
     except ValueError:
         pass
     return out
@@ -175,29 +206,33 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
 
 def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
                       metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
-                      baselines: bool = True, level_schedules: Sequence | None = None, passes: int = 1) -> Plan:
+                      baselines: bool = True, level_schedules: Sequence | None = None,
+                      execution: Execution | None = None, placement_budget: int = NODE_BUDGET) -> Plan:
     """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
 
     ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
     unless ``baselines`` is false (``--no-search``: the paper's pipeline only), and, when the levels'
-    schedules are given, their alternatives chosen by the step and the waves across levels. The step is
-    ``passes`` passes of the plan and one gradient sync (gradient accumulation).
+    schedules are given, their alternatives chosen by the step and the waves across levels (one phase
+    only: waves across levels would cross phases). The step is the execution's passes of the plan and one
+    gradient sync (gradient accumulation).
     """
+    one_phase = len({w.phase for w in plans[0][1].waves}) <= 1
     if level_schedules is not None and baselines:
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
-        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, passes) \
-            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules) \
-            + _cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples)
+        b = placement_budget
+        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, b) \
+            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b) \
+            + (_cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples, b) if one_phase else [])
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
-        scored.append((step_ms(p, cluster, passes), i, name, p))
-    extra = whole_step_candidates(graph, cluster, metaops, curves) if baselines else []
+        scored.append((step_ms(p, cluster), i, name, p))
+    extra = whole_step_candidates(graph, cluster, metaops, curves, execution) if baselines else []
     for j, (name, build) in enumerate(extra):
         try:
             p = build()
         except ValueError:  # that baseline has no schedule here (too few devices for its shares)
             continue
-        scored.append((step_ms(p, cluster, passes), len(plans) + j, name, p))
+        scored.append((step_ms(p, cluster), len(plans) + j, name, p))
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
     t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     if best.system == "spindle":

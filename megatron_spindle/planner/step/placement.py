@@ -5,8 +5,8 @@ Goals, in the paper's order of priority:
 1. keep each slice, and each heavy inter-wave flow, inside one island (NVLink) where possible; the heaviest
    flows choose first; a flow that stays on its device is a free local copy;
 2. tensor-parallel groups never cross an island;
-3. balance memory: every device's estimate (model states of the layers it holds + stashed activations,
-   :mod:`.memory`) stays under the limit; prefer the emptiest devices and co-locate slices that share
+3. balance memory: every device's estimate (model states of the layers it holds + its largest phase's
+   stashed activations, :mod:`..workload.memory`) stays under the limit; prefer the emptiest devices and co-locate slices that share
    parameters (their weights are then stored once);
 4. when a slice fits nowhere, try worse-communication candidates, then backtrack into earlier slices of the
    same wave and up to :data:`BACKTRACK_WAVES` earlier waves (a bounded-depth search).
@@ -39,12 +39,17 @@ class PlacementError(ValueError):
 
 @dataclass
 class _State:
-    mem_act: list[float]
+    mem_act: list[dict[int, float]]  # device -> {phase: stashed activation bytes}
     held: list[dict[tuple[str, int], float]]  # device -> {(param_key, tp shard): bytes}
     placed: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (wave, slot) -> ranks
 
     def mem(self, d: int) -> float:
-        return self.mem_act[d] + sum(self.held[d].values())
+        return max(self.mem_act[d].values(), default=0.0) + sum(self.held[d].values())
+
+    def act_after(self, d: int, phase: int, act: float) -> float:
+        """The device's largest phase's activations once ``act`` more is stashed in ``phase``."""
+        acts = self.mem_act[d]
+        return max(max(acts.values(), default=0.0), acts.get(phase, 0.0) + act)
 
 
 def _gib(b: float) -> str:
@@ -52,8 +57,12 @@ def _gib(b: float) -> str:
 
 
 class Placer:
-    def __init__(self, metaops: Sequence[MetaOp], waves: Sequence[Wave], cluster: Cluster) -> None:
+    def __init__(self, metaops: Sequence[MetaOp], waves: Sequence[Wave], cluster: Cluster, *,
+                 distributed_optimizer: bool = False, node_budget: int = NODE_BUDGET) -> None:
         self.m = {m.name: m for m in metaops}
+        self.distributed_optimizer = distributed_optimizer
+        self.node_budget = node_budget
+        self._states: dict[tuple[str, int], float] = {}
         self.waves = waves
         self.cluster = cluster
         self.N = cluster.num_devices
@@ -189,10 +198,10 @@ class Placer:
         fit = sorted(free_in, key=lambda i: (len(free_in[i]) < n, len(free_in[i]) if len(free_in[i]) >= n
                                              else -len(free_in[i]), i))
         prefs["island"] = [d for i in fit for d in free_in[i]]
-        act_here = slice_activation_bytes(m, s.layers, n)
-        prefs["emptiest"] = sorted(free, key=lambda d: (self._mem_after(d, 0, keys, m, act_here, st), d))
-        seen, out = set(), []
         act = slice_activation_bytes(m, s.layers, n)
+        ph = self.waves[wi].phase
+        prefs["emptiest"] = sorted(free, key=lambda d: (self._mem_after(d, 0, keys, m, act, st, ph, n), d))
+        seen, out = set(), []
         for pref in prefs.values():
             chunks = self._chunks(pref, tp)
             if len(chunks) * tp < n:
@@ -202,19 +211,30 @@ class Placer:
             if frozenset(ranks) in seen:
                 continue
             seen.add(frozenset(ranks))
-            worst = max(self._mem_after(d, pos % tp, keys, m, act, st) for pos, d in enumerate(ranks))
+            worst = max(self._mem_after(d, pos % tp, keys, m, act, st, ph, n) for pos, d in enumerate(ranks))
             score = self.comm_ms(wi, si, ranks, st) + MEMORY_WEIGHT_MS * worst / self.limit
             out.append((score, ranks))
         out.sort(key=lambda x: x[0])
         return out
 
-    def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: _State) -> float:
-        new = sum(layer_state_bytes(m) for k in keys if (k, shard) not in st.held[d])
-        return st.mem(d) + new + act
+    def _state_bytes(self, m: MetaOp, devices: int) -> float:
+        """One layer's states per device; with the distributed optimizer its shard is split over at least the
+        slice's replicas (the final plan counts every holder: never more than this)."""
+        key = (m.name, devices)
+        got = self._states.get(key)
+        if got is None:
+            got = self._states[key] = layer_state_bytes(m, holders=max(1, devices // m.tp),
+                                                        distributed_optimizer=self.distributed_optimizer)
+        return got
+
+    def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: _State, phase: int,
+                   devices: int) -> float:
+        new = sum(self._state_bytes(m, devices) for k in keys if (k, shard) not in st.held[d])
+        return sum(st.held[d].values()) + new + st.act_after(d, phase, act)
 
     # -- search ---------------------------------------------------------------------------------------
     def run(self) -> dict[tuple[int, int], tuple[int, ...]]:
-        st = _State(mem_act=[0.0] * self.N, held=[{} for _ in range(self.N)])
+        st = _State(mem_act=[{} for _ in range(self.N)], held=[{} for _ in range(self.N)])
         ok, _ = self._dfs(0, st, {})
         if not ok:
             raise PlacementError(self.deepest[1])
@@ -230,22 +250,23 @@ class Placer:
         free = set(range(self.N)) - used.get(wi, set())
         keys = set(slice_param_keys(m, s.layer_start, s.layers))
         act = slice_activation_bytes(m, s.layers, s.devices)
+        ph = self.waves[wi].phase
         cands = [c for c in self.candidates(wi, si, free, st)
-                 if all(self._mem_after(d, pos % m.tp, keys, m, act, st) <= self.limit
+                 if all(self._mem_after(d, pos % m.tp, keys, m, act, st, ph, s.devices) <= self.limit
                         for pos, d in enumerate(c[1]))]
         if not cands:
             self._record_failure(i, wi, s, m, free, keys, act, st)
             return False, wi
         fail_wave = wi
         for k, (_, ranks) in enumerate(cands):
-            if k > 0 and self.nodes > NODE_BUDGET:
+            if k > 0 and self.nodes > self.node_budget:
                 break
             added = {d: [(k2, pos % m.tp) for k2 in keys if (k2, pos % m.tp) not in st.held[d]]
                      for pos, d in enumerate(ranks)}
             for d in ranks:
-                st.mem_act[d] += act
+                st.mem_act[d][ph] = st.mem_act[d].get(ph, 0.0) + act
                 for k2 in added[d]:
-                    st.held[d][k2] = layer_state_bytes(m)
+                    st.held[d][k2] = self._state_bytes(m, s.devices)
             st.placed[(wi, si)] = ranks
             used.setdefault(wi, set()).update(ranks)
             ok, fw = self._dfs(i + 1, st, used)
@@ -254,7 +275,7 @@ class Placer:
             used[wi].difference_update(ranks)
             del st.placed[(wi, si)]
             for d in ranks:
-                st.mem_act[d] -= act
+                st.mem_act[d][ph] -= act
                 for k2 in added[d]:
                     del st.held[d][k2]
             fail_wave = max(fail_wave, fw)
@@ -268,8 +289,9 @@ class Placer:
         if not free or len(free) < s.devices:
             msg = f"wave {wi}: slice {m.name}[{s.layer_start}-{s.layer_start + s.layers - 1}] needs {s.devices} devices, {len(free)} free"
         else:  # report the device that decides: the n-th emptiest after placing the slice
-            d = sorted(free, key=lambda d: self._mem_after(d, 0, keys, m, act, st))[s.devices - 1]
-            need = self._mem_after(d, 0, keys, m, act, st) - st.mem(d)
+            ph = self.waves[wi].phase
+            d = sorted(free, key=lambda d: self._mem_after(d, 0, keys, m, act, st, ph, s.devices))[s.devices - 1]
+            need = self._mem_after(d, 0, keys, m, act, st, ph, s.devices) - st.mem(d)
             msg = (f"out of memory in wave {wi}: slice {m.name}[{s.layer_start}-{s.layer_start + s.layers - 1}] "
                    f"on {s.devices} devices needs {_gib(need)} on device {d}, which already holds {_gib(st.mem(d))} "
                    f"(limit {_gib(self.limit)}); no {s.devices} devices can take it, also after "
@@ -277,9 +299,13 @@ class Placer:
         self.deepest = (i, msg)
 
 
-def place(metaops: Sequence[MetaOp], waves: Sequence[Wave], cluster: Cluster) -> dict[tuple[int, int], tuple[int, ...]]:
-    """Ranks of every slice, keyed by (wave index, slice index in the wave)."""
-    return Placer(metaops, waves, cluster).run()
+def place(metaops: Sequence[MetaOp], waves: Sequence[Wave], cluster: Cluster, *,
+          distributed_optimizer: bool = False, node_budget: int = NODE_BUDGET) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Ranks of every slice, keyed by (wave index, slice index in the wave); memory is checked per phase
+    (:attr:`..level.waves.Wave.phase`) with the states of the distributed optimizer when it is on.
+    ``node_budget``: search nodes after which no further alternative is tried (a work limit)."""
+    return Placer(metaops, waves, cluster, distributed_optimizer=distributed_optimizer,
+                  node_budget=node_budget).run()
 
 
 def sequential_placement(waves: Sequence[Wave]) -> dict[tuple[int, int], tuple[int, ...]]:

@@ -26,13 +26,13 @@ all-reduces, which megatron.core's DDP posts during the backward, overlap comput
    A producer slice's messages leave when its forward ends (its gradient messages when the consumer's
    backward ends) and only the wait where they are consumed is exposed (:func:`_early_exposure`). Under
    NCCL the runtime posts a boundary's sends with its receives, as timed above.
-3. **Parameter sync** (overlapped). A parameter group's (:class:`.plan.ParamGroup`) gradient is complete when
-   the last backward wave using it on one of its ranks ends: wave ``w* = min`` over its ranks of the first
-   wave using it, at the latest end of those of ``w*``'s slices that hold it on a member. Groups with the
-   same ranks and the same ``w*`` form one bucket (the runtime's DDP instance per rank set posts its buckets
-   in that order), reduced by one ring all-reduce of :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's
-   default for bf16 training) or 2 (bf16, ``grad_bytes=2``) bytes per parameter. A ring over ``n`` devices
-   sends and receives ``2(n-1)/n · S`` bytes per member::
+3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
+   (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
+   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`.plan.ParamGroup`) gradient
+   is complete when the last backward, in execution order, of a slice holding it on one of its ranks ends;
+   a bucket is ready when its last group is. Each bucket is one ring all-reduce of
+   :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's default for bf16 training) or 2 (bf16, ``grad_bytes=2``)
+   bytes per parameter. A ring over ``n`` devices sends and receives ``2(n-1)/n · S`` bytes per member::
 
        T_c = 2(n-1) · λ + 2(n-1)/n · S / B          (B = B_inter per node if the group spans islands, else B_intra)
 
@@ -48,16 +48,17 @@ all-reduces, which megatron.core's DDP posts during the backward, overlap comput
        t_sync = max(0, max_c end_c − t_pass)
 
    With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
-4. **Step.** One pass ``t_pass = Σ_w duration_w + Σ_w (forward + backward transfer before/after w)``: the
-   forwards of waves ``0..W-1`` (each after its forward transfer), then the backwards of ``W-1..0`` (each
-   followed by its gradient transfer back). With gradient accumulation over ``K`` passes (``passes=K``, one
-   sync after the last pass): ``step = K · t_pass + t_sync``. The breakdown (the paper's Figure 10):
+4. **Step.** A pass runs phase by phase (:attr:`.plan.WavePlan.phase`; one phase unless the plan frees
+   activations early): the forwards of the phase's waves (each after its forward transfer), then their
+   backwards in reverse (each followed by its gradient transfer back), then the next phase; ``t_pass`` is
+   the sum. With gradient accumulation over ``K`` passes (``passes=K``, default the plan's, one sync after
+   the last pass): ``step = K · t_pass + t_sync``. The breakdown (the paper's Figure 10):
    *compute* ``= K · Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *idle* ``= K · Σ_w duration_w −
    compute`` (devices waiting for the wave's longest slice, or unused), *transfer* (``K ×`` the boundaries),
    *sync* (exposed); the four add up to the step.
-5. **Memory.** The plan's per-device estimate (:func:`.build.device_memory`: model states of every layer the
-   device holds plus every stashed activation, since all forward waves run before any backward wave),
-   checked against the cluster's usable memory.
+5. **Memory.** The plan's per-device estimate (:func:`.assemble.device_memory`: model states of every layer
+   the device holds plus the activations its largest phase stashes), checked against the cluster's usable
+   memory.
 
 Worked example (one island at 100 GB/s and 10 µs; ``tests/test_simulate.py`` checks it): two waves, one
 layer each of 4 ms (forward + backward) on devices 0-1, 100 M parameters (400 MB of fp32 gradients) per
@@ -76,12 +77,11 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..workload.cluster import Cluster
+from ..workload.recompute import FORWARD_SHARE
+from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
 from .plan import Plan, Slice
-
-#: Share of a layer's forward + backward time spent in the forward pass (backward ≈ 2 × forward FLOPs).
-FORWARD_SHARE = 1.0 / 3.0
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
 #: all-reduce to be done in fp32").
@@ -237,47 +237,6 @@ def transfer_flows(plan: Plan, cluster: Cluster, *,
     return out
 
 
-@dataclass(frozen=True)
-class GradBucket:
-    """The gradients of one rank set completed by one backward wave: one all-reduce."""
-
-    ranks: tuple[int, ...]
-    wave: int | None
-    """The plan wave (first in forward, last in backward) at which a member still uses one of them."""
-    bytes: float
-    slices: tuple[str, ...]
-    """Slices of ``wave`` whose backward produces these gradients on a member (the bucket is complete when
-    the last of them ends)."""
-
-
-def gradient_buckets(plan: Plan, *, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> list[GradBucket]:
-    """One bucket per (parameter rank set, last backward wave using it), as the runtime posts them
-    (:mod:`megatron_spindle.runtime.grad_sync`), sorted by rank set then wave."""
-    metaops = {m.name: m for m in plan.metaops}
-    first_use: dict[tuple[int, str], int] = {}
-    users: dict[tuple[int, str], list[Slice]] = defaultdict(list)  # (wave, key) -> slices holding it
-    for w in plan.waves:
-        for s in w.slices:
-            for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
-                if not key:
-                    continue
-                users[(w.index, key)].append(s)
-                for r in s.ranks:
-                    first_use.setdefault((r, key), w.index)
-    sizes: dict[tuple[tuple[int, ...], int | None], float] = defaultdict(float)
-    producers: dict[tuple[tuple[int, ...], int | None], set] = defaultdict(set)
-    for g in plan.param_groups:
-        ranks = tuple(sorted(g.ranks))
-        waves = [first_use[(r, g.param_key)] for r in ranks if (r, g.param_key) in first_use]
-        wave = min(waves) if waves else None
-        sizes[(ranks, wave)] += g.params * grad_bytes
-        if wave is not None:
-            producers[(ranks, wave)].update(s.name for s in users[(wave, g.param_key)]
-                                            if set(s.ranks) & set(ranks))
-    return [GradBucket(ranks=k[0], wave=k[1], bytes=b, slices=tuple(sorted(producers[k])))
-            for k, b in sorted(sizes.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))]
-
-
 def _early_exposure(plan: Plan, cluster: Cluster, duration: Mapping[int, float],
                     slice_ms: Mapping[str, float]) -> tuple[dict[int, float], dict[int, float]]:
     """Exposed transfer time per wave when sends leave as soon as their data exists (item 2b).
@@ -304,39 +263,45 @@ def _early_exposure(plan: Plan, cluster: Cluster, duration: Mapping[int, float],
     order = [w.index for w in plan.waves]
     exposed_f, exposed_b, start = {}, {w: 0.0 for w in order}, {}
     clock = 0.0
-    for w in order:
-        need = max((start[wave_of[src]] + FORWARD_SHARE * slice_ms[src] + t for src, t in into_f[w]), default=0.0)
-        exposed_f[w] = max(0.0, need - clock)
-        clock += exposed_f[w]
-        start[w] = clock
-        clock += FORWARD_SHARE * duration[w]
-    prev = None
-    for w in reversed(order):
-        need = max((start[wave_of[dst]] + (1 - FORWARD_SHARE) * slice_ms[dst] + t for dst, t in into_b[w]),
-                   default=0.0)
-        wait = max(0.0, need - clock)
-        if prev is not None:
-            exposed_b[prev] = wait
-        clock += wait
-        start[w] = clock
-        clock += (1 - FORWARD_SHARE) * duration[w]
-        prev = w
+    for phase in plan.phases:  # each phase: its forward waves, then their backward in reverse
+        for w in phase:
+            need = max((start[wave_of[src]] + FORWARD_SHARE * slice_ms[src] + t for src, t in into_f[w]),
+                       default=0.0)
+            exposed_f[w] = max(0.0, need - clock)
+            clock += exposed_f[w]
+            start[w] = clock
+            clock += FORWARD_SHARE * duration[w]
+        prev = None
+        for w in reversed(phase):
+            need = max((start[wave_of[dst]] + (1 - FORWARD_SHARE) * slice_ms[dst] + t for dst, t in into_b[w]),
+                       default=0.0)
+            wait = max(0.0, need - clock)
+            if prev is not None:
+                exposed_b[prev] = wait
+            clock += wait
+            start[w] = clock
+            clock += (1 - FORWARD_SHARE) * duration[w]
+            prev = w
     return exposed_f, exposed_b
 
 
-def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int = 1,
+def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
              grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
-             compute_scale: float = 1.0, early_sends: bool = False) -> StepSimulation:
+             compute_scale: float = 1.0, early_sends: bool = False,
+             bucket_size: int | None = None) -> StepSimulation:
     """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
 
-    ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last);
-    ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2: bf16); ``overlap_sync``: post
-    each bucket when its last backward wave ends (the runtime's default) rather than after the backward;
-    ``compute_scale``: every slice takes that many times its curve's time (CPU ranks sharing cores, as the live
-    prediction of :mod:`megatron_spindle.megatron.prediction` sees them), so buckets become ready later too;
-    ``early_sends``: the runtime's gloo path, which posts each slice's sends when its output exists (item 2b
-    of the module docstring) instead of at the consumer's boundary (NCCL, the default here).
+    ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last;
+    default the plan's own); ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2:
+    bf16); ``overlap_sync``: post each bucket when its last gradient is complete (the runtime's default)
+    rather than after the backward; ``compute_scale``: every slice takes that many times its curve's time
+    (CPU ranks sharing cores, as the live prediction of :mod:`megatron_spindle.megatron.prediction` sees
+    them), so buckets become ready later too; ``early_sends``: the runtime's gloo path, which posts each
+    slice's sends when its output exists (item 2b of the module docstring) instead of at the consumer's
+    boundary (NCCL, the default here); ``bucket_size``: parameters per gradient bucket (default
+    megatron.core's, :mod:`.grad_buckets`).
     """
+    passes = plan.passes if passes is None else passes
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"passes must be a positive integer, got {passes!r}")
     if grad_bytes not in (2, 4):
@@ -364,23 +329,21 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
         exposed_f, exposed_b = _early_exposure(plan, cluster, {w.index: w.duration_ms for w in waves}, slice_ms)
         waves = [dataclasses.replace(w, transfer_fwd_ms=exposed_f[w.index], transfer_bwd_ms=exposed_b[w.index])
                  for w in waves]
-    # one pass: forward transfer + forward of every wave, then backward of every wave in reverse, each followed
-    # by its gradients' transfer back
-    clock = sum(w.transfer_fwd_ms + FORWARD_SHARE * w.duration_ms for w in waves)
+    # one pass, phase by phase: forward transfer + forward of the phase's waves, then their backward in
+    # reverse, each followed by its gradients' transfer back
+    clock = 0.0
     bwd_start: dict[int, float] = {}
-    for w in reversed(waves):
-        bwd_start[w.index] = clock
-        clock += (1 - FORWARD_SHARE) * w.duration_ms + w.transfer_bwd_ms
+    for phase in plan.phases:
+        clock += sum(waves[w].transfer_fwd_ms + FORWARD_SHARE * waves[w].duration_ms for w in phase)
+        for w in reversed(phase):
+            bwd_start[w] = clock
+            clock += (1 - FORWARD_SHARE) * waves[w].duration_ms + waves[w].transfer_bwd_ms
     pass_ms = clock
-    buckets = gradient_buckets(plan, grad_bytes=grad_bytes)
-
-    def ready(b: GradBucket) -> float:
-        if not overlap_sync or b.wave is None:
-            return pass_ms
-        return max((bwd_start[b.wave] + (1 - FORWARD_SHARE) * slice_ms[s] for s in b.slices),
-                   default=bwd_start[b.wave])
-
-    posted = sorted(((ready(b), b) for b in buckets), key=lambda rb: (rb[0], rb[1].ranks))
+    done = {s.name: bwd_start[w.index] + (1 - FORWARD_SHARE) * slice_ms[s.name]
+            for w in plan.waves for s in w.slices}
+    buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size)
+    posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
+    posted.sort(key=lambda rb: (rb[0], rb[1].ranks))
     spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
     colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
                              wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)

@@ -26,6 +26,7 @@ is validated and used as is.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -97,13 +98,27 @@ class DeviceModel:
         return t
 
 
+#: Analytic curves already fitted, by everything they depend on (MetaOps of several tasks with the same layer,
+#: batch and degree share one; the tuner plans the same workload under many configurations). Bounded.
+_FITTED: dict[tuple, ScalingCurve] = {}
+_FITTED_MAX = 4096
+
+
 def analytic_curve(m: MetaOp, device: DeviceModel, num_devices: int) -> ScalingCurve:
     counts = m.valid_counts(num_devices)
     if not counts:
         raise ValueError(f"MetaOp {m.name!r} needs {m.tp} devices (tensor parallel) but only "
                          f"{num_devices} are available")
-    pts = [(float(n), on_grid(device.layer_time_ms(m, n))) for n in counts]  # on the grid: no libm ulp reaches the plan
-    return fit_piecewise(pts, batch=m.batch, counts=counts, source="analytic")
+    key = (json.dumps(device.to_json(), sort_keys=True), m.op_type, m.layer, m.batch, m.fwd_flops_per_layer,
+           m.out_elems_per_sample, m.tp, counts)
+    got = _FITTED.get(key)
+    if got is None:
+        pts = [(float(n), on_grid(device.layer_time_ms(m, n))) for n in counts]  # on the grid: no libm ulp
+        got = fit_piecewise(pts, batch=m.batch, counts=counts, source="analytic")
+        if len(_FITTED) >= _FITTED_MAX:
+            _FITTED.clear()
+        _FITTED[key] = got
+    return got
 
 
 @dataclass(frozen=True)

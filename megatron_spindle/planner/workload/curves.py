@@ -34,6 +34,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -295,7 +296,7 @@ def fit_piecewise(points: Sequence[tuple[float, float]], *, batch: int, max_segm
     for n, t in points:
         merged.setdefault(batch / n, []).append(t)
     xs = np.array(sorted(merged))
-    ys_raw = np.array([float(np.median(merged[x])) for x in xs])
+    ys_raw = np.array([float(statistics.median(merged[x])) for x in xs])
     ys = np.array(_isotonic_increasing(ys_raw))
     k = len(xs)
     best = None
