@@ -118,12 +118,12 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
     splittable = t != "contrastive_loss"
     if t == "patch_embed":
         need(1, 0)
-        cfg = LayerConfig(hidden=h, seq_len=mod["seq_length"], input_dim=mod["input_dim"], **_match(t, mod))
+        cfg = LayerConfig(hidden=h, seq_len=mod["seq_length"], input_dim=mod["input_dim"], **match_fields(t, mod))
         out = _Out(mod["seq_length"], h)
     elif t == "token_embed":
         need(1, 0)
         n = stream_len(data[0], mod.get("seq_length", 0))
-        cfg = LayerConfig(hidden=h, seq_len=n, vocab_size=mod["vocab_size"], **_match(t, mod))
+        cfg = LayerConfig(hidden=h, seq_len=n, vocab_size=mod["vocab_size"], **match_fields(t, mod))
         out = _Out(n, h)
     elif t in ("transformer_layer", "decoder_layer"):
         if t == "decoder_layer":
@@ -134,7 +134,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         seqs()
         ffn = mod.get("ffn_hidden_size", 4 * h)
         common = dict(hidden=h, num_heads=mod["num_attention_heads"], ffn_hidden=ffn,
-                      causal=mod.get("causal", False), swiglu=mod.get("swiglu", False), **_match(t, mod))
+                      causal=mod.get("causal", False), swiglu=mod.get("swiglu", False), **match_fields(t, mod))
         if t == "decoder_layer":
             memory = sum(o.tokens for o in acts[1:])
             cfg = LayerConfig(seq_len=acts[0].seq, memory_seq_len=memory, **common)
@@ -148,7 +148,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         h = mod.get("hidden_size", acts[0].width)
         seqs()
         cfg = LayerConfig(hidden=h, seq_len=acts[0].tokens, proj_dim=mod["proj_dim"], pooling=mod["pooling"],
-                          **_match(t, mod))
+                          **match_fields(t, mod))
         out = _Out(0, mod["proj_dim"])
     elif t == "contrastive_loss":
         need(0, 2)
@@ -186,7 +186,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
             raise bad(f"{n_loss} label tokens (tokens.{data[0]}) exceed the {acts[0].seq} tokens of "
                       f"{act_names[0]!r}")
         cfg = LayerConfig(hidden=h, seq_len=acts[0].seq, vocab_size=mod["vocab_size"], loss_tokens=n_loss,
-                          **_match(t, mod))
+                          **match_fields(t, mod))
         out = _Out(0, 0, loss=True)
     elif custom is not None:
         if data or not acts:
@@ -235,7 +235,7 @@ _MATCH_FIELDS = {"num_query_groups": "num_query_groups", "activation": "activati
                  "norm": "embed_norm"}
 
 
-def _match(t: str, mod: dict) -> dict:
+def match_fields(t: str, mod: dict) -> dict:
     """LayerConfig fields of a module's checkpoint-matching keys; a default position type is stored as "" so
     that a spec spelling out the default gives the same graph (and fingerprint) as one that does not."""
     out = {field: mod[key] for key, field in _MATCH_FIELDS.items() if key in mod}
