@@ -14,6 +14,7 @@ compares, per output, ``max |ours - theirs| / max |theirs|``:
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ def _theirs(path: str, inputs: dict) -> dict[str, torch.Tensor]:
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise ValueError(f"{path}/config.json: architectures {arch!r} is not a transformers class")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager",
                                 dtype=torch.float32).eval()
     kw = {k: inputs[k] for k in ("pixel_values", "input_ids") if k in inputs}
@@ -135,6 +138,7 @@ def compare(rank: int, world: int, path: str, batch: int = 2, seed: int = 0) -> 
     """On every rank of a ``world``-rank job (the tensor-parallel degree): ``[(output, shape, relative
     difference)]`` on rank 0, None elsewhere."""
     apply_cpu_patches()
+    warnings.filterwarnings("ignore", message="When using async grad allreduce")  # a CUDA tuning hint
     inputs = make_inputs(path, batch, seed)
     ours = _ours(path, inputs, world, rank, batch)
     if rank != 0:

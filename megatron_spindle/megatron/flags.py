@@ -21,6 +21,8 @@ from ..atomic import check_output
 from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
+from ..hf.mapping import init_targets
+from ..planner.workload.spec import load_spec
 from ..planner.workload.workloads import build_graph
 from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
 
@@ -64,6 +66,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="change the active tasks mid-training without restarting, e.g. "
                         "'0:vision-text,audio-text;10:vision-text' (iteration:tasks;...): replans and keeps "
                         "parameters and optimizer state")
+    g.add_argument("--spindle-init", action="append", default=[], metavar="MODULE=DIR",
+                   help="start MODULE (a spec module or component, e.g. vision) from the Hugging Face model in "
+                        "DIR (config.json + safetensors; `spindle hf spec DIR` prints matching modules); "
+                        "repeatable; adds to the spec's [model] init. Each rank reads only its own shards")
     g.add_argument("--spindle-nonfinite-skips", type=int, default=0, metavar="N",
                    help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
                         "up to N times in a run; the next one stops training with the task and MetaOp named "
@@ -223,6 +229,18 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
     return out
 
 
+def init_of(args) -> dict[str, str]:
+    """Pretrained weights of this run: the spec's ``[model] init`` at ``--spindle-size``, then every
+    ``--spindle-init MODULE=DIR`` (a flag wins over the spec for the same module)."""
+    init = load_spec(args.spindle_model).init_for(args.spindle_size)
+    for item in getattr(args, "spindle_init", None) or []:
+        module, sep, path = item.partition("=")
+        if not sep or not module or not path:
+            raise ValueError(f"--spindle-init {item!r}: want MODULE=DIR, e.g. vision=hf/clip-vit")
+        init[module] = path
+    return init
+
+
 def world_from_env() -> int:
     """The job's world size before ``torch.distributed`` starts: ``WORLD_SIZE`` (torchrun), else 1."""
     try:
@@ -267,6 +285,9 @@ def check_args(args, world: int) -> None:
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
     parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    init = init_of(args)
+    if init:
+        init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
     if args.spindle_plan:
         Plan.load(args.spindle_plan)
     if args.load:
