@@ -22,6 +22,7 @@ from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..hf.mapping import init_targets
+from .logs import check_log_args
 from ..planner.workload.spec import load_spec
 from ..planner.workload.workloads import build_graph
 from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
@@ -104,6 +105,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "
+                        "iteration-time, samples-per-second, Spindle's predicted and measured step")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="iterations between event writes")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases, offline (wandb sync uploads)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None, metavar="DIR",
+                   help="where W&B writes its offline run (default: <tensorboard-dir or .>/wandb)")
     return parser
 
 
@@ -267,7 +276,8 @@ def check_args(args, world: int) -> None:
                          ("--spindle-tasks", args.spindle_tasks, 1),
                          ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
+                         ("--tensorboard-log-interval", getattr(args, "tensorboard_log_interval", 1), 1)):
         need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     need(math.isfinite(args.spindle_timeout) and args.spindle_timeout > 0,
          f"--spindle-timeout {args.spindle_timeout:g} must be a positive number of seconds")
@@ -285,6 +295,9 @@ def check_args(args, world: int) -> None:
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
     parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    check_log_args(args)
+    if getattr(args, "tensorboard_dir", None):
+        check_output(os.path.join(args.tensorboard_dir, "events.out.tfevents"), "--tensorboard-dir")
     init = init_of(args)
     if init:
         init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
