@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-_PACKAGES = {"--tensorboard-dir": ("tensorboard_dir", "tensorboard", "pip install .[hf] (tensorboard)"),
+_PACKAGES = {"--tensorboard-dir": ("tensorboard_dir", "tensorboard", "pip install .[logs]"),
              "--wandb-project": ("wandb_project", "wandb", "pip install wandb (logged offline: no network)")}
 
 
