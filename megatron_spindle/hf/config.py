@@ -194,7 +194,8 @@ def modules_toml(ts: list[Tower]) -> str:
 
 def model_spec_toml(path: str, ts: list[Tower], *, name: str, batch: int = 8, seq_length: int = 64,
                     temp: float = 0.07) -> str:
-    """A complete spec for the towers ``ts`` of ``path``: one task that trains them, ``init`` set to ``path``.
+    """A complete spec for the towers ``ts`` of ``path``: one task that trains them, ``init`` set to ``path``
+    (absolute).
 
     Two CLIP towers: image-text contrastive; one CLIP tower: the tower against itself (a check, not a
     useful objective); a decoder: next-token prediction over ``seq_length`` tokens.
@@ -206,7 +207,8 @@ def model_spec_toml(path: str, ts: list[Tower], *, name: str, batch: int = 8, se
         embed = {**text.modules["embed"], "seq_length": seq_length}
         text = by["text"] = dataclasses.replace(text, modules={**text.modules, "embed": embed})
         ts = list(by.values())
-    init = ", ".join(f"{t.name} = {json.dumps(path)}" for t in ts)
+    where = os.path.abspath(path)  # a spec's relative paths are taken from its own folder, wherever it is written
+    init = ", ".join(f"{t.name} = {json.dumps(where)}" for t in ts)
     out = [f"# made by `spindle hf spec {path} --model-spec`", "[model]", f"name = {json.dumps(name)}",
            f"batch = {batch}", f"init = {{ {init} }}", "", modules_toml(ts)]
     if "llm" in by:
