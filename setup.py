@@ -14,6 +14,8 @@ setup(
         "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
         "data": ["megatron-energon==7.4.1"],
         "plot": ["matplotlib"],
+        "hf": ["transformers==5.23.0", "safetensors==0.8.0"],  # spindle hf, --spindle-init (pretrained weights)
+        "logs": ["tensorboard==2.21.0"],  # --tensorboard-dir (wandb for --wandb-project is not pinned: optional)
         "test": ["pytest", "hypothesis"],
     },
     entry_points={"console_scripts": ["spindle=megatron_spindle.cli:main"]},

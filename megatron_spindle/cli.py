@@ -1,4 +1,4 @@
-"""The ``spindle`` command line: ``spindle plan``, ``spindle compare`` and ``spindle profile``.
+"""The ``spindle`` command line: ``spindle plan``, ``compare``, ``profile`` and ``hf`` (pretrained models).
 
 Every command turns bad input into one line on stderr naming the offending value and exit status 2.
 """
@@ -18,6 +18,7 @@ from .planner.step.build import make_plan
 from .planner.workload.cluster import load_cluster
 from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
+from .hf import cli as hf_cli
 from .profiler import cli as profiler_cli
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     compare.add_parser(sub)
     profiler_cli.add_parser(sub)
+    hf_cli.add_parser(sub)
     return parser
 
 

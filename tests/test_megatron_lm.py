@@ -14,6 +14,8 @@ What is checked, per model (Multitask-CLIP tiny, Qwen-VAL tiny), in one set of p
 * ``evaluate`` ran (validation losses per task) and checkpoints were written;
 * the losses Megatron logs equal the built-in loop's on the same plan, seeds and data, 1e-6 relative over
   3 steps;
+* (Qwen-VAL) with ``--tensorboard-dir`` every task's loss reaches Megatron's own TensorBoard writer under the
+  task's name at every iteration (read back with tensorboard's ``EventAccumulator``);
 * (CLIP) resuming from the iteration-2 checkpoint reproduces the uninterrupted run's later losses exactly,
   and a checkpoint of 4 tasks resumes with 7 (a task-mix change): the 4 tasks' weights are loaded, the 3 new
   tasks start from their seeds, training continues.
@@ -145,7 +147,9 @@ def _clip_rank(rank: int, world: int, tmp: str) -> dict:
 
 def _qwen_rank(rank: int, world: int, tmp: str) -> dict:
     flags = dict(model="qwen-val", tasks=None, micro=1, glob=2)
-    return {"megatron": _megatron_run(_flags(**flags, iters=3, extra=("--eval-interval", "3", "--eval-iters", "1"))),
+    tb = ("--tensorboard-dir", os.path.join(tmp, "tb"))  # Megatron's own writer (on its last rank)
+    return {"megatron": _megatron_run(_flags(**flags, iters=3, extra=("--eval-interval", "3", "--eval-iters", "1",
+                                                                      *tb))),
             "loop": _loop_run(_flags(**flags, iters=3))}
 
 
@@ -188,3 +192,14 @@ def test_megatron_pretrain_qwen_val(tmp_path):
     assert run["counts"]["evaluate"] >= 1
     for step, (mega, loop) in enumerate(zip(run["losses"], results[0]["loop"])):
         assert _close(mega, loop, 1e-6), f"step {step + 1}: Megatron {mega} vs built-in loop {loop}"
+    # every task's loss reached Megatron's TensorBoard writer, under the task's name, at every iteration
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(run["tasks"]) <= tags and {"learning-rate", "grad-norm"} <= tags, tags
+    for task in run["tasks"]:
+        got = [(e.step, e.value) for e in events.Scalars(task)]
+        assert [s for s, _ in got] == [1, 2, 3], got
+        assert all(abs(v - run["losses"][i][task]) <= 1e-6 * abs(v) for i, (_, v) in enumerate(got)), (task, got)

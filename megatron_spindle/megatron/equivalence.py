@@ -38,7 +38,7 @@ def check_first_step(model, graph, batch, seed: int) -> float:
     worst = torch.zeros((), dtype=torch.float64, device=model.device)
     if dist.get_rank() == 0:
         # fp32 reference on the run's device: a bf16 run is measured against full precision
-        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device)
+        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init)
         out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}

@@ -21,6 +21,9 @@ from ..atomic import check_output
 from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
+from ..hf.mapping import init_targets
+from .logs import check_log_args
+from ..planner.workload.spec import load_spec
 from ..planner.workload.workloads import build_graph
 from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
 
@@ -64,6 +67,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="change the active tasks mid-training without restarting, e.g. "
                         "'0:vision-text,audio-text;10:vision-text' (iteration:tasks;...): replans and keeps "
                         "parameters and optimizer state")
+    g.add_argument("--spindle-init", action="append", default=[], metavar="MODULE=DIR",
+                   help="start MODULE (a spec module or component, e.g. vision) from the Hugging Face model in "
+                        "DIR (config.json + safetensors; `spindle hf spec DIR` prints matching modules); "
+                        "repeatable; adds to the spec's [model] init. Each rank reads only its own shards")
     g.add_argument("--spindle-nonfinite-skips", type=int, default=0, metavar="N",
                    help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
                         "up to N times in a run; the next one stops training with the task and MetaOp named "
@@ -98,6 +105,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "
+                        "iteration-time, samples-per-second, Spindle's predicted and measured step")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="iterations between event writes")
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases, offline (wandb sync uploads)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None, metavar="DIR",
+                   help="where W&B writes its offline run (default: <tensorboard-dir or .>/wandb)")
     return parser
 
 
@@ -223,6 +238,18 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
     return out
 
 
+def init_of(args) -> dict[str, str]:
+    """Pretrained weights of this run: the spec's ``[model] init`` at ``--spindle-size``, then every
+    ``--spindle-init MODULE=DIR`` (a flag wins over the spec for the same module)."""
+    init = load_spec(args.spindle_model).init_for(args.spindle_size)
+    for item in getattr(args, "spindle_init", None) or []:
+        module, sep, path = item.partition("=")
+        if not sep or not module or not path:
+            raise ValueError(f"--spindle-init {item!r}: want MODULE=DIR, e.g. vision=hf/clip-vit")
+        init[module] = path
+    return init
+
+
 def world_from_env() -> int:
     """The job's world size before ``torch.distributed`` starts: ``WORLD_SIZE`` (torchrun), else 1."""
     try:
@@ -249,7 +276,8 @@ def check_args(args, world: int) -> None:
                          ("--spindle-tasks", args.spindle_tasks, 1),
                          ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
+                         ("--tensorboard-log-interval", getattr(args, "tensorboard_log_interval", 1), 1)):
         need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     need(math.isfinite(args.spindle_timeout) and args.spindle_timeout > 0,
          f"--spindle-timeout {args.spindle_timeout:g} must be a positive number of seconds")
@@ -267,6 +295,12 @@ def check_args(args, world: int) -> None:
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
     parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    check_log_args(args)
+    if getattr(args, "tensorboard_dir", None):
+        check_output(os.path.join(args.tensorboard_dir, "events.out.tfevents"), "--tensorboard-dir")
+    init = init_of(args)
+    if init:
+        init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
     if args.spindle_plan:
         Plan.load(args.spindle_plan)
     if args.load:

@@ -29,6 +29,7 @@ from ..planner.step.validate import check_plan
 from ..planner.workload.workloads import build_graph
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
+from .flags import init_of
 
 log = get_logger(__name__)
 
@@ -106,9 +107,15 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     """
     device = device or run_device()
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    init = init_of(args)
     model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
                          layer_graph=layer_graph, bucket_size=getattr(args, "ddp_bucket_size", None),
-                         grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)))
+                         grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+                         init=init)
+    if init:
+        log.info("pretrained weights: " + ", ".join(f"{m} <- {d}" for m, d in init.items())
+                 + " (each rank read its own shards)"
+                 + (f"; not in the checkpoint, kept initialised: {', '.join(model.kept_init)}" if model.kept_init else ""))
     if args.spindle_check_equivalence:
         full = layer_graph or graph
         if first_batch is None:

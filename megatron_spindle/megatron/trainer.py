@@ -38,6 +38,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
+from .logs import TrainLogs
 from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
 from .preflight import check_save_space, explain_init_error
@@ -142,6 +143,8 @@ class Trainer:
         if args.save:
             check_save_space(args.save, self.model, self.optimizer)
         self.guard = NumericGuard(args.spindle_nonfinite_skips)
+        self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
+                                                       "world_size": self.world, "system": self.plan.system})
         self.phase = self._phase_of(self.start)
         if self.phase and args.load:
             raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
@@ -210,10 +213,12 @@ class Trainer:
                 self._prediction = self._prediction_setup()
             cluster, scale, costs = self._prediction
             since = max(self.start + 1, it + 1 - self.args.spindle_predict_interval)  # the run's first step warms up
-            whole = predict_step(self.plan, cluster, self.model.trace, range(min(since, it), it + 1), self.rank,
-                                 passes=self.accum,
-                                 grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs,
-                                 early_sends=comm.comm_device().type == "cpu").format()  # as the executor
+            pred = predict_step(self.plan, cluster, self.model.trace, range(min(since, it), it + 1), self.rank,
+                                passes=self.accum,
+                                grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs,
+                                early_sends=comm.comm_device().type == "cpu")  # as the executor
+            whole = pred.format()
+            self.logs.prediction(it + 1, pred.predicted_ms, pred.measured_ms)
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
             whole = f"no step prediction ({' '.join(str(e).split())})"
         log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
@@ -253,6 +258,8 @@ class Trainer:
             losses, norm, dt = self.train_step(it)
             self.step_times.append(dt)
             self.last = losses
+            self.logs.step(it + 1, losses=losses, grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"],
+                           batch_size=self.accum * self.micro * len(self.plan.tasks), step_s=dt)
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 self._log_progress(it, losses, norm, dt)
             if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
@@ -283,6 +290,7 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        self.logs.close()
         self.model.destroy()
 
 

@@ -16,6 +16,7 @@ from .. import comm
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.core.activations import quick_gelu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.models.T5 import t5_spec as t5_specs
 from megatron.core.models.gpt import gpt_layer_specs as gpt_specs
@@ -98,21 +99,29 @@ _NO_CUDA_GRAPH_SCOPE = ({"cuda_graph_scope": []}
                         if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)} else {})
 
 
-def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
-    """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation.
+#: MLP activations by the spec's name (``quick_gelu``: CLIP's ``x * sigmoid(1.702 x)``, megatron.core's own)
+ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
 
-    GELU MLP with biases (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP without linear biases but
-    with a QKV bias. ``num_layers=1``: megatron scales the output-projection init by the depth of the
-    block, which a single operator does not know.
+
+def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
+    """One layer's TransformerConfig: no dropout, no fusions, CPU initialisation.
+
+    Defaults: GELU MLP with biases and LayerNorm (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP
+    without linear biases but with a QKV bias. A spec's checkpoint-matching keys (grouped queries,
+    activation, RMSNorm and its epsilon, biases) override them. ``num_layers=1``: megatron scales the
+    output-projection init by the depth of the block, which a single operator does not know.
     """
     c = op.layer
+    bias = (not c.swiglu) if c.add_bias_linear is None else c.add_bias_linear
     return TransformerConfig(
         num_layers=1, hidden_size=c.hidden, num_attention_heads=c.num_heads,
+        num_query_groups=c.num_query_groups or None,
         ffn_hidden_size=c.ffn_hidden or 4 * c.hidden, tensor_model_parallel_size=tp_size,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
-        gated_linear_unit=c.swiglu, activation_func=F.silu if c.swiglu else F.gelu,
-        add_bias_linear=not c.swiglu, add_qkv_bias=c.swiglu, normalization="LayerNorm",
+        gated_linear_unit=c.swiglu, activation_func=ACTIVATIONS[c.activation or ("silu" if c.swiglu else "gelu")],
+        add_bias_linear=bias, add_qkv_bias=(c.swiglu or bias) if c.add_qkv_bias is None else c.add_qkv_bias,
+        normalization=c.normalization or "LayerNorm", layernorm_epsilon=c.norm_epsilon or 1e-5,
         init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **_NO_CUDA_GRAPH_SCOPE)
@@ -135,7 +144,8 @@ def _with_tp_group(spec, tp_group):
 def layer_spec(op: Operator, tp_group, use_te: bool):
     """The layer spec: megatron's GPT layer (transformer_layer) or T5 decoder layer (decoder_layer)."""
     if op.op_type == "transformer_layer":
-        spec = gpt_specs.get_gpt_layer_with_transformer_engine_spec() if use_te else gpt_specs.get_gpt_layer_local_spec()
+        spec = (gpt_specs.get_gpt_layer_with_transformer_engine_spec() if use_te
+                else gpt_specs.get_gpt_layer_local_spec(normalization=op.layer.normalization or "LayerNorm"))
     else:
         spec = (t5_specs.decoder_model_with_transformer_engine_default_spec() if use_te
                 else t5_specs.decoder_model_with_local_spec())
@@ -159,10 +169,25 @@ def _normal_(t: Tensor) -> Tensor:
     return nn.init.normal_(t, mean=0.0, std=INIT_STD)
 
 
+def make_norm(c, hidden: int | None = None) -> nn.Module:
+    """The norm a layer config asks for: ``LayerNorm`` (default) or ``RMSNorm``, epsilon 1e-5 by default."""
+    cls = nn.RMSNorm if c.normalization == "RMSNorm" else nn.LayerNorm
+    return cls(hidden or c.hidden, eps=c.norm_epsilon or 1e-5)
+
+
+def rotary_embedding(seq_len: int, kv_channels: int, base: float, device=None) -> Tensor:
+    """RoPE frequencies ``[s, 1, 1, kv_channels]`` for megatron's ``rotary_pos_emb`` (non-interleaved halves,
+    as Hugging Face's ``rotate_half``): megatron.core's ``RotaryEmbedding.get_emb`` without its move to CUDA
+    and its context-parallel split, which need megatron's global state."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, kv_channels, 2, dtype=torch.float32, device=device) / kv_channels))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
 class PatchEmbedding(nn.Module):
     """Linear projection of pre-cut patches, a class token and learned positions (ViT)."""
 
-    def __init__(self, input_dim: int, hidden: int, positions: int) -> None:
+    def __init__(self, input_dim: int, hidden: int, positions: int, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.proj = nn.Linear(input_dim, hidden)
         self.cls_token = nn.Parameter(torch.empty(hidden))
@@ -171,24 +196,28 @@ class PatchEmbedding(nn.Module):
         nn.init.zeros_(self.proj.bias)
         _normal_(self.cls_token)
         _normal_(self.positions)
+        if norm is not None:  # CLIP's pre_layrnorm, over the embedded tokens
+            self.norm = norm
 
 
 class TokenEmbedding(nn.Module):
     """Vocabulary-parallel token embedding and learned positions (replicated over tp)."""
 
     def __init__(self, vocab: int, hidden: int, positions: int, *, config, tp_group) -> None:
+        """``positions`` 0: no table (RoPE models position in attention)."""
         super().__init__()
         self.word = VocabParallelEmbedding(vocab, hidden, init_method=init_method_normal(INIT_STD),
                                            config=config, tp_group=tp_group)
-        self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden)))
+        if positions:
+            self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden)))
 
 
 class PoolHead(nn.Module):
     """Final norm and bias-free projection to the contrastive space."""
 
-    def __init__(self, hidden: int, proj_dim: int) -> None:
+    def __init__(self, hidden: int, proj_dim: int, norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = norm if norm is not None else nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, proj_dim, bias=False)
         _normal_(self.proj.weight)
 
@@ -230,9 +259,9 @@ class LinearAdapter(nn.Module):
 class LMHead(nn.Module):
     """Final norm (replicated) and a bias-free vocabulary projection split over tp by vocabulary."""
 
-    def __init__(self, hidden: int, vocab: int, *, config, tp_group) -> None:
+    def __init__(self, hidden: int, vocab: int, *, config, tp_group, norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = norm if norm is not None else nn.LayerNorm(hidden)
         self.output = ColumnParallelLinear(hidden, vocab, config=config,
                                            init_method=init_method_normal(INIT_STD), bias=False,
                                            gather_output=False, tp_group=tp_group)

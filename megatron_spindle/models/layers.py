@@ -55,8 +55,9 @@ from ..planner.workload.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
 from .megatron_state import ensure_megatron_globals
 from .custom import build_custom_core, custom_forward, custom_input_shape, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
-                     LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, parallel_config,
-                     pg_collection, self_group, transformer_config, use_te_backend)
+                     LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, make_norm,
+                     parallel_config, pg_collection, rotary_embedding, self_group, transformer_config,
+                     use_te_backend)
 from .data import stream_spec_for
 from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
                           shard_tensor, unshard_tensors)
@@ -144,14 +145,16 @@ class PatchEmbedLayer(OperatorLayer):
         self._check(x, (c.seq_len - 1, c.input_dim), "patches")
         y = self.core.proj(x)
         cls = self.core.cls_token.expand(y.shape[0], 1, -1)
-        return torch.cat([cls, y], dim=1) + self.core.positions[:c.seq_len]
+        y = torch.cat([cls, y], dim=1) + self.core.positions[:c.seq_len]
+        return self.core.norm(y) if c.embed_norm else y
 
 
 class TokenEmbedLayer(OperatorLayer):
     def forward(self, inputs: list[Tensor]) -> Tensor:
         _, (tokens,) = self._split(inputs)
         self._check(tokens, (self.op.layer.seq_len,), "tokens")
-        return self.core.word(tokens) + self.core.positions[:tokens.shape[1]]
+        x = self.core.word(tokens)
+        return x if self.op.layer.position_embedding_type == "none" else x + self.core.positions[:tokens.shape[1]]
 
 
 class TransformerOpLayer(OperatorLayer):
@@ -159,8 +162,11 @@ class TransformerOpLayer(OperatorLayer):
 
     def forward(self, inputs: list[Tensor]) -> Tensor:
         x, _ = self._split(inputs)
-        self._check(x, (self.op.layer.seq_len, self.op.layer.hidden), "input")
-        out, _ = self.core(hidden_states=x.transpose(0, 1), attention_mask=None)
+        c = self.op.layer
+        self._check(x, (c.seq_len, c.hidden), "input")
+        rope = (rotary_embedding(c.seq_len, c.hidden // c.num_heads, c.rotary_base or 10000.0, x.device)
+                if c.position_embedding_type == "rope" else None)
+        out, _ = self.core(hidden_states=x.transpose(0, 1), attention_mask=None, rotary_pos_emb=rope)
         return out.transpose(0, 1)
 
 
@@ -295,7 +301,7 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
                          f"got {got}")
     c = op.layer
     divisible = {"hidden": c.hidden, "num_heads": c.num_heads, "ffn_hidden": c.ffn_hidden,
-                 "vocab_size": c.vocab_size}
+                 "vocab_size": c.vocab_size, "num_query_groups": c.num_query_groups}
     bad = {k: v for k, v in divisible.items() if v % tp_size}
     if bad:
         raise ValueError(f"operator {op.name!r}: {bad} not divisible by tp_size={tp_size}")
@@ -316,15 +322,16 @@ def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, row
                                      tp_group=tp_group)
     pconfig = parallel_config(tp_size, dtype)
     if t == "patch_embed":
-        return PatchEmbedding(c.input_dim, c.hidden, rows)
+        return PatchEmbedding(c.input_dim, c.hidden, rows, make_norm(c) if c.embed_norm else None)
     if t == "token_embed":
-        return TokenEmbedding(c.vocab_size, c.hidden, rows, config=pconfig, tp_group=tp_group)
+        return TokenEmbedding(c.vocab_size, c.hidden, 0 if c.position_embedding_type == "none" else rows,
+                              config=pconfig, tp_group=tp_group)
     if t == "pool_head":
-        return PoolHead(c.hidden, c.proj_dim)
+        return PoolHead(c.hidden, c.proj_dim, make_norm(c))
     if t == "linear_adapter":
         return LinearAdapter(c.input_dim, c.hidden, config=pconfig, tp_group=tp_group)
     if t == "lm_head":
-        return LMHead(c.hidden, c.vocab_size, config=pconfig, tp_group=tp_group)
+        return LMHead(c.hidden, c.vocab_size, config=pconfig, tp_group=tp_group, norm=make_norm(c))
     return nn.Module()  # contrastive_loss: no parameters
 
 

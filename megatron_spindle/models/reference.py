@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
 from .layers import LOSS_OP_TYPES, OperatorLayer, build_layer
+from .pretrained import load_pretrained
 
 _SEP = "/"
 
@@ -49,7 +50,8 @@ class ReferenceModel(nn.Module):
     """
 
     def __init__(self, graph: TaskGraph, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, init: Mapping[str, str] | None = None) -> None:
+        """``init``: module name -> Hugging Face directory to load (as ``SpindleModel``'s)."""
         super().__init__()
         self.graph = graph
         self.seed = seed
@@ -63,6 +65,8 @@ class ReferenceModel(nn.Module):
             if op.param_key and share is None:
                 by_key[op.param_key] = layer
                 self.cores[encode_param_key(op.param_key)] = layer.core
+        if init:
+            load_pretrained(by_key.values(), graph, dict(init))
 
     def layer(self, op_name: str) -> OperatorLayer:
         """The layer of one operator (its ``core`` is shared with the operators of the same key)."""

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..models.layers import build_layer, output_shape
+from ..models.pretrained import load_pretrained
 from ..planner.step.dataflow import boundaries, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.step.plan import Message, Plan, Slice, Transfer
@@ -88,13 +89,15 @@ class SpindleModel(nn.Module):
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False,
+                 init: Mapping[str, str] | None = None) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
         model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
         ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
-        :mod:`.grad_sync`."""
+        :mod:`.grad_sync`. ``init``: module name -> Hugging Face directory whose weights the layers built
+        here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`)."""
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
@@ -136,6 +139,7 @@ class SpindleModel(nn.Module):
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
         shared: dict[tuple[str, tuple[int, ...]], object] = {}
+        fresh = []  # layers whose parameters were built here (not shared, not reused): pretrained weights go there
         for wave in self.my_slices:
             for s in wave:
                 m = self.metaops[s.metaop]
@@ -152,9 +156,14 @@ class SpindleModel(nn.Module):
                                       graph=layer_graph or graph,
                                       dtype=dtype, device=self.device, share_with=share, backend=backend)
                     self.layers[_module_key(m.name, layer)] = mod
+                    if share is None and op.param_key:
+                        fresh.append(mod)
                     if op.param_key and (op.param_key, tp_ranks) not in shared:
                         shared[(op.param_key, tp_ranks)] = mod
                         self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        self.init = dict(init or {})
+        self.kept_init = load_pretrained(fresh, layer_graph or graph, self.init) if self.init else []
+        """Parameters under ``init`` that the checkpoint has no tensor for (they keep their seeded values)."""
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)

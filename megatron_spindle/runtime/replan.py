@@ -62,7 +62,8 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
         available.setdefault(k, v)
 
     new = SpindleModel(plan, graph, seed=seed, timeout_s=model.timeout_s, dtype=model.dtype, device=model.device,
-                       layer_graph=layer_graph, reuse={k: v[0] for k, v in available.items()})
+                       layer_graph=layer_graph, reuse={k: v[0] for k, v in available.items()},
+                       init=model.init)  # a weight nobody holds yet starts from its checkpoint, as at start-up
     reused = {k for k, layer in new.cores_by_group.items() if k in available and layer.core is available[k][0].core}
     need = [k for k in sorted(new.cores_by_group) if k not in reused]
 

@@ -18,19 +18,42 @@ def _mlp_params(h: int, f: int, swiglu: bool) -> int:
     return 3 * h * f if swiglu else 2 * h * f + f + h
 
 
+def _norm_params(c: LayerConfig) -> int:
+    return c.hidden if c.normalization == "RMSNorm" else 2 * c.hidden
+
+
+def _qkv_rows(c: LayerConfig) -> int:
+    """Output rows of the fused QKV projection: h queries plus keys and values of the query groups."""
+    h = c.hidden
+    groups = c.num_query_groups or c.num_heads or 1
+    return h + 2 * (h // (c.num_heads or 1)) * groups
+
+
+def _transformer_params(c: LayerConfig) -> int:
+    """megatron's TransformerLayer: fused QKV (grouped), output projection, MLP, two norms. Defaults: GELU
+    layers have every linear bias; gated (Qwen) layers only the QKV bias."""
+    h, f = c.hidden, c.ffn_hidden
+    bias = (not c.swiglu) if c.add_bias_linear is None else c.add_bias_linear
+    qkv_bias = (c.swiglu or bias) if c.add_qkv_bias is None else c.add_qkv_bias
+    rows, gates = _qkv_rows(c), 2 if c.swiglu else 1
+    attn = rows * h + (rows if qkv_bias else 0) + h * h + (h if bias else 0)
+    mlp = gates * f * h + f * h + ((gates * f + h) if bias else 0)
+    return attn + mlp + 2 * _norm_params(c)
+
+
 def layer_params(op_type: str, c: LayerConfig) -> int:
     """Parameter count of one layer."""
     h = c.hidden
-    if op_type == "transformer_layer":  # a gated (Qwen) layer has a QKV bias only: 3h, else 4h
-        return 4 * h * h + (3 if c.swiglu else 4) * h + _mlp_params(h, c.ffn_hidden, c.swiglu) + 4 * h
+    if op_type == "transformer_layer":
+        return _transformer_params(c)
     if op_type == "decoder_layer":
         return 8 * h * h + 8 * h + _mlp_params(h, c.ffn_hidden, c.swiglu) + 6 * h
     if op_type == "patch_embed":
-        return c.input_dim * h + h + h + c.seq_len * h
+        return c.input_dim * h + h + h + c.seq_len * h + (_norm_params(c) if c.embed_norm else 0)
     if op_type == "token_embed":
-        return c.vocab_size * h + c.seq_len * h
+        return c.vocab_size * h + (0 if c.position_embedding_type == "none" else c.seq_len * h)
     if op_type == "pool_head":
-        return 2 * h + h * c.proj_dim
+        return _norm_params(c) + h * c.proj_dim
     if op_type == "contrastive_loss":
         return 0
     if op_type == "cross_attn_adapter":
@@ -38,15 +61,15 @@ def layer_params(op_type: str, c: LayerConfig) -> int:
     if op_type == "linear_adapter":
         return c.input_dim * h + h
     if op_type == "lm_head":
-        return 2 * h + h * c.vocab_size
+        return _norm_params(c) + h * c.vocab_size
     return custom_cost(op_type, c).params
 
 
 def layer_fwd_flops_per_sample(op_type: str, c: LayerConfig) -> float:
     """Forward FLOPs of one layer for one sample."""
     h, s = c.hidden, c.seq_len
-    if op_type == "transformer_layer":
-        return 2.0 * s * (4 * h * h + _mlp_params(h, c.ffn_hidden, c.swiglu)) + 4.0 * s * s * h
+    if op_type == "transformer_layer":  # grouped queries: fewer key/value rows
+        return 2.0 * s * ((_qkv_rows(c) + h) * h + _mlp_params(h, c.ffn_hidden, c.swiglu)) + 4.0 * s * s * h
     if op_type == "decoder_layer":
         m = c.memory_seq_len
         mats = 4 * h * h + 2 * h * h + _mlp_params(h, c.ffn_hidden, c.swiglu)

@@ -80,6 +80,25 @@ class LayerConfig:
     """Tokens per sample that carry a next-token loss (the text part of a multi-modal sequence)."""
     temperature: float = 0.0
     """InfoNCE temperature of a contrastive loss."""
+    # -- what a pretrained model needs beyond the defaults (docs/model_spec.md, "Matching a checkpoint") --
+    num_query_groups: int = 0
+    """Key/value heads of grouped-query attention (0: as many as ``num_heads``)."""
+    activation: str = ""
+    """MLP activation: ``gelu``, ``quick_gelu``, ``silu`` ("": gelu, silu for ``swiglu``)."""
+    normalization: str = ""
+    """``LayerNorm`` or ``RMSNorm`` ("": LayerNorm)."""
+    norm_epsilon: float = 0.0
+    """The norms' epsilon (0: 1e-5)."""
+    add_bias_linear: bool | None = None
+    """Biases of the linear layers (None: without ``swiglu``)."""
+    add_qkv_bias: bool | None = None
+    """Bias of the fused QKV projection (None: as ``add_bias_linear``, true for ``swiglu``)."""
+    position_embedding_type: str = ""
+    """Embeddings: ``learned_absolute`` ("") or ``none``; transformer layers: ``none`` ("") or ``rope``."""
+    rotary_base: float = 0.0
+    """RoPE base period (0: 10000)."""
+    embed_norm: bool = False
+    """A norm after a patch embedding (CLIP's ``pre_layrnorm``)."""
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

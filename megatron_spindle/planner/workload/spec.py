@@ -44,8 +44,8 @@ SPEC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 SIZE_FULL = "full"
 
 
-_MODEL_KEYS = {"name", "batch", "passes", "task_counts", "layer_plugins"}
-_SIZE_MODEL_KEYS = {"batch", "passes"}
+_MODEL_KEYS = {"name", "batch", "passes", "task_counts", "layer_plugins", "init"}
+_SIZE_MODEL_KEYS = {"batch", "passes", "init"}
 _TASK_KEYS = {"batch", "weight", "tokens", "flow"}
 
 
@@ -62,6 +62,12 @@ class ModelSpec:
     sizes: dict[str, dict] = field(default_factory=dict)
     passes: int = 1
     """Default passes of the plan per optimizer step (gradient accumulation)."""
+    init: dict[str, str] = field(default_factory=dict)
+    """Pretrained weights: module (or component) name -> Hugging Face model directory (``[model] init``)."""
+
+    def init_for(self, size: str = SIZE_FULL) -> dict[str, str]:
+        """``init`` at ``size``: a size's ``[sizes.<size>.model] init`` replaces the model's."""
+        return dict(self.sizes.get(size, {}).get("model", {}).get("init", self.init))
 
     # -- the graph ------------------------------------------------------------------------------------
     def task_names(self) -> tuple[str, ...]:
@@ -206,6 +212,20 @@ def _table(file: str, key: str, v: Any) -> dict:
     return v
 
 
+def _init_table(file: str, key: str, v: Any, modules: dict) -> dict[str, str]:
+    """``init = { vision = "hf/clip" }``: module or component names -> model directories, relative paths taken
+    from the spec's folder. The directories are read when a run starts (planning does not need them)."""
+    out = {}
+    for name, path in _table(file, key, v).items():
+        if not any(m == name or m.startswith(name + ".") for m in modules):
+            raise SpecError(file, f"{key}.{name}", path, f"no module {name!r}; modules: {', '.join(modules)}")
+        if not isinstance(path, str) or not path:
+            raise SpecError(file, f"{key}.{name}", path, "must be the path of a Hugging Face model directory")
+        out[name] = path if os.path.isabs(path) else os.path.normpath(
+            os.path.join(os.path.dirname(os.path.abspath(file)), path))
+    return out
+
+
 def _flatten_modules(file: str, tree: dict, prefix: str = "modules") -> dict[str, dict]:
     """``[modules.vision.layers]`` -> ``{"vision.layers": {...}}``: a table with a ``type`` (or ``share``)
     is a module, any other table groups modules."""
@@ -309,8 +329,10 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         size_model = _table(file, f"sizes.{s}.model", over.get("model", {}))
         for k, v in size_model.items():
             if k not in _SIZE_MODEL_KEYS:
-                raise SpecError(file, f"sizes.{s}.model.{k}", v, "a size overrides model batch, passes")
-            if type(v) is not int or v <= 0:
+                raise SpecError(file, f"sizes.{s}.model.{k}", v, "a size overrides model batch, passes, init")
+            if k == "init":
+                size_model[k] = _init_table(file, f"sizes.{s}.model.init", v, modules)
+            elif type(v) is not int or v <= 0:
                 raise SpecError(file, f"sizes.{s}.model.{k}", v, "must be a positive integer")
         flat = _flatten_overrides(file, f"sizes.{s}.modules", over.get("modules", {}), modules)
         for t, keys in _table(file, f"sizes.{s}.tasks", over.get("tasks", {})).items():
@@ -323,7 +345,8 @@ def parse_spec(text: str, file: str) -> ModelSpec:
             _check_task_values(file, f"sizes.{s}.tasks.{t}", keys)
         sizes[s] = {"modules": flat, "tasks": over.get("tasks", {}), "model": size_model}
     spec = ModelSpec(file=file, name=name, batch=batch, task_counts=tuple(counts), modules=modules,
-                     tasks=tasks, sizes=sizes, passes=passes)
+                     tasks=tasks, sizes=sizes, passes=passes,
+                     init=_init_table(file, "model.init", model.get("init", {}), modules))
     for s in (SIZE_FULL, *sizes):  # shapes must chain at every size, for every task
         mods, tables = spec._sized(s)
         ops = [op for t in tasks for op in spec._task_operators(t, tables[t], 1, mods, s)]

@@ -28,25 +28,31 @@ NO_VALUE = object()
 
 # -- per layer type: allowed keys, required keys ------------------------------------------------------
 _COMMON = {"type", "share", "shared", "tensor_parallel"}
+#: megatron.core's names for what a pretrained checkpoint needs (docs/model_spec.md, "Matching a checkpoint")
+_LAYER_MATCH = {"num_query_groups", "activation", "normalization", "layernorm_epsilon", "add_bias_linear",
+                "add_qkv_bias", "position_embedding_type", "rotary_base"}
 _KEYS: dict[str, tuple[set[str], set[str]]] = {
     # type: (required, optional)
-    "patch_embed": ({"hidden_size", "seq_length", "input_dim"}, set()),
-    "token_embed": ({"hidden_size", "vocab_size"}, {"seq_length"}),
+    "patch_embed": ({"hidden_size", "seq_length", "input_dim"}, {"norm", "normalization", "layernorm_epsilon"}),
+    "token_embed": ({"hidden_size", "vocab_size"}, {"seq_length", "position_embedding_type"}),
     "transformer_layer": ({"hidden_size", "num_attention_heads", "num_layers"},
-                          {"ffn_hidden_size", "swiglu", "causal"}),
+                          {"ffn_hidden_size", "swiglu", "causal"} | _LAYER_MATCH),
     "decoder_layer": ({"hidden_size", "num_attention_heads", "num_layers"},
                       {"ffn_hidden_size", "swiglu", "causal"}),
-    "pool_head": ({"proj_dim", "pooling"}, {"hidden_size"}),
+    "pool_head": ({"proj_dim", "pooling"}, {"hidden_size", "normalization", "layernorm_epsilon"}),
     "contrastive_loss": ({"temperature"}, set()),
     "cross_attn_adapter": ({"hidden_size", "num_attention_heads", "seq_length"}, set()),
     "linear_adapter": ({"hidden_size"}, {"pool_factor"}),
-    "lm_head": ({"vocab_size"}, {"hidden_size"}),
+    "lm_head": ({"vocab_size"}, {"hidden_size", "normalization", "layernorm_epsilon"}),
 }
 _CUSTOM_KEYS = ({"hidden_size"}, {"seq_length", "num_layers", "num_attention_heads", "ffn_hidden_size",
                                   "swiglu", "causal"})
 _INT_KEYS = {"hidden_size", "seq_length", "input_dim", "vocab_size", "num_attention_heads", "num_layers",
-             "ffn_hidden_size", "proj_dim", "pool_factor"}
-_BOOL_KEYS = {"swiglu", "causal", "shared", "tensor_parallel"}
+             "ffn_hidden_size", "proj_dim", "pool_factor", "num_query_groups"}
+_BOOL_KEYS = {"swiglu", "causal", "shared", "tensor_parallel", "norm", "add_bias_linear", "add_qkv_bias"}
+_CHOICES = {"activation": ("gelu", "quick_gelu", "silu"), "normalization": ("LayerNorm", "RMSNorm")}
+#: position_embedding_type per layer type: the first is the default
+_POSITIONS = {"token_embed": ("learned_absolute", "none"), "transformer_layer": ("none", "rope")}
 _POOLING = ("cls", "eos", "mean")
 #: Types whose layers accept tp > 1 (models/layers.py TP_OP_TYPES); the others are tp = 1 only.
 _TP_TYPES = {"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter", "token_embed",
@@ -112,12 +118,12 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
     splittable = t != "contrastive_loss"
     if t == "patch_embed":
         need(1, 0)
-        cfg = LayerConfig(hidden=h, seq_len=mod["seq_length"], input_dim=mod["input_dim"])
+        cfg = LayerConfig(hidden=h, seq_len=mod["seq_length"], input_dim=mod["input_dim"], **match_fields(t, mod))
         out = _Out(mod["seq_length"], h)
     elif t == "token_embed":
         need(1, 0)
         n = stream_len(data[0], mod.get("seq_length", 0))
-        cfg = LayerConfig(hidden=h, seq_len=n, vocab_size=mod["vocab_size"])
+        cfg = LayerConfig(hidden=h, seq_len=n, vocab_size=mod["vocab_size"], **match_fields(t, mod))
         out = _Out(n, h)
     elif t in ("transformer_layer", "decoder_layer"):
         if t == "decoder_layer":
@@ -128,7 +134,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         seqs()
         ffn = mod.get("ffn_hidden_size", 4 * h)
         common = dict(hidden=h, num_heads=mod["num_attention_heads"], ffn_hidden=ffn,
-                      causal=mod.get("causal", False), swiglu=mod.get("swiglu", False))
+                      causal=mod.get("causal", False), swiglu=mod.get("swiglu", False), **match_fields(t, mod))
         if t == "decoder_layer":
             memory = sum(o.tokens for o in acts[1:])
             cfg = LayerConfig(seq_len=acts[0].seq, memory_seq_len=memory, **common)
@@ -141,7 +147,8 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         need(0, 1)
         h = mod.get("hidden_size", acts[0].width)
         seqs()
-        cfg = LayerConfig(hidden=h, seq_len=acts[0].tokens, proj_dim=mod["proj_dim"], pooling=mod["pooling"])
+        cfg = LayerConfig(hidden=h, seq_len=acts[0].tokens, proj_dim=mod["proj_dim"], pooling=mod["pooling"],
+                          **match_fields(t, mod))
         out = _Out(0, mod["proj_dim"])
     elif t == "contrastive_loss":
         need(0, 2)
@@ -178,7 +185,8 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         if n_loss > acts[0].seq:
             raise bad(f"{n_loss} label tokens (tokens.{data[0]}) exceed the {acts[0].seq} tokens of "
                       f"{act_names[0]!r}")
-        cfg = LayerConfig(hidden=h, seq_len=acts[0].seq, vocab_size=mod["vocab_size"], loss_tokens=n_loss)
+        cfg = LayerConfig(hidden=h, seq_len=acts[0].seq, vocab_size=mod["vocab_size"], loss_tokens=n_loss,
+                          **match_fields(t, mod))
         out = _Out(0, 0, loss=True)
     elif custom is not None:
         if data or not acts:
@@ -219,6 +227,26 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
 
 
 
+#: spec key -> LayerConfig field, for the keys that match a pretrained checkpoint
+_MATCH_FIELDS = {"num_query_groups": "num_query_groups", "activation": "activation",
+                 "normalization": "normalization", "layernorm_epsilon": "norm_epsilon",
+                 "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
+                 "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
+                 "norm": "embed_norm"}
+
+
+def match_fields(t: str, mod: dict) -> dict:
+    """LayerConfig fields of a module's checkpoint-matching keys; a default position type is stored as "" so
+    that a spec spelling out the default gives the same graph (and fingerprint) as one that does not."""
+    out = {field: mod[key] for key, field in _MATCH_FIELDS.items() if key in mod}
+    for name in ("norm_epsilon", "rotary_base"):
+        if name in out:
+            out[name] = float(out[name])
+    if out.get("position_embedding_type") == _POSITIONS.get(t, ("",))[0]:
+        del out["position_embedding_type"]
+    return out
+
+
 def _describe(o: _Out) -> str:
     if o.loss:
         return "a loss"
@@ -248,9 +276,12 @@ def check_value(file: str, key: str, name: str, v: Any) -> None:
     elif name in _BOOL_KEYS:
         if type(v) is not bool:
             raise SpecError(file, key, v, "must be true or false")
-    elif name == "temperature":
+    elif name in ("temperature", "layernorm_epsilon", "rotary_base"):
         if type(v) not in (int, float) or v <= 0:
             raise SpecError(file, key, v, "must be a positive number")
+    elif name in _CHOICES:
+        if v not in _CHOICES[name]:
+            raise SpecError(file, key, v, f"must be one of {', '.join(_CHOICES[name])}")
     elif name == "pooling":
         if v not in _POOLING:
             raise SpecError(file, key, v, f"must be one of {', '.join(_POOLING)}")
@@ -280,3 +311,12 @@ def check_module(file: str, key: str, mod: dict) -> None:
     h, heads = mod.get("hidden_size"), mod.get("num_attention_heads")
     if h and heads and h % heads:
         raise SpecError(file, f"{key}.num_attention_heads", heads, f"does not divide hidden_size {h}")
+    groups = mod.get("num_query_groups")
+    if groups and heads and heads % groups:
+        raise SpecError(file, f"{key}.num_query_groups", groups, f"does not divide num_attention_heads {heads}")
+    pos = mod.get("position_embedding_type")
+    if pos is not None and pos not in _POSITIONS.get(t, ()):
+        raise SpecError(file, f"{key}.position_embedding_type", pos,
+                        f"must be one of {', '.join(_POSITIONS.get(t, ()))}")
+    if "rotary_base" in mod and pos != "rope":
+        raise SpecError(file, f"{key}.rotary_base", mod["rotary_base"], "needs position_embedding_type = 'rope'")
