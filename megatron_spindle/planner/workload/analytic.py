@@ -20,7 +20,7 @@ planner's time grid and fitted with :func:`fit_piecewise`, exactly as measured p
 Where the constants come from (docs/results/analytic_curves.md has the numbers, the fits and the errors;
 tests/test_analytic_curves.py re-checks every anchor point):
 
-* **Latency and "no efficiency loss with rows" (A100 measurement).** NVIDIA FasterTransformer,
+* **Latency and "no efficiency loss with rows" (A100 measurement).** github.com/NVIDIA/FasterTransformer
   ``docs/bert_guide.md``, section "BERT performance on A100 and TensorFlow", table "Performance on FP16",
   column "FT Latency": BERT-base (h = 768, 12 layers), forward, one A100, 9 (batch, sequence) points from
   32 to 12 288 tokens. ``t = L + F / (312 TFLOP/s · e)`` fits all 9 within 6.2 % with L = 0.070 ms per layer
@@ -32,16 +32,21 @@ tests/test_analytic_curves.py re-checks every anchor point):
   local backend, profiled on CPU): transformer 55, decoder 112, cross-attention adapter 49, LM head 44,
   pool head 28, contrastive loss 28, linear adapter 13-15, patch embedding 12, token embedding 9. Each
   type's latency is 0.21 ms × its count / 55.
-* **Efficiency against width (GPT- and ViT-class measurements).** ``e(h)`` is fitted to (a) the FlashAttention
-  repository's ``training/README.md``, section "Training speed", table of tokens/s: GPT3-125M/355M/760M/1.3B/
+* **Efficiency against width (GPT- and ViT-class measurements).** ``e(h)`` is fitted to (a) github.com/Dao-AILab/
+  flash-attention ``training/README.md``, section "Training speed", table of tokens/s: GPT3-125M/355M/760M/1.3B/
   2.7B (h = 768/1024/1536/2048/2560, sequence 2048) trained on 8 × A100 80GB, micro-batches from the
   experiment configs ``training/configs/experiment/pile/gpt3{s,m,l,xl}-flash.yaml`` and
   ``gpt3-2.7B-flash-hdim128.yaml`` (predicted step time per token, latency and LM head included; this family
-  sets the level); (b) timm's ``results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv`` (ViT-S/B/L/H
+  sets the level); (b) github.com/huggingface/pytorch-image-models (timm)
+  ``results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv`` (ViT-S/B/L/H
   training at their largest batch) and (c) ``results/benchmark-infer-amp-nchw-pt291-cu128-4090.csv``
   (ViT-S/B/L/H/g/G inference at batch 1024): ViT-class shape only, each family with its own level (other
   GPUs). Least squares over the 15 relative errors: ``max_efficiency`` 0.73, ``half_efficiency_hidden`` 390;
   largest errors 8 % (GPT family), 10 % (ViT training), 8 % (ViT inference).
+* **Not reproduced.** Narayanan et al. (SC21, arXiv 2104.04473) Figure 7 (GPT, h = 4096, 4 layers, one
+  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens
+  that this model (latency only) does not show; whole-iteration overheads of that 4-layer model are the
+  likely cause, but if not, the model is optimistic for wide layers at small batches.
 
 Curves file (``--curves FILE``; JSON)::
 
