@@ -164,11 +164,12 @@ def test_pattern_dives_are_real_schedules_and_the_bound_stays_below_the_optimum(
         assert opt * (1 - 1e-6) <= span < heuristic.span_ms
 
 
-@pytest.mark.parametrize("model, tasks, devices, level", [("ofasys", 7, 8, 3), ("multitask-clip", 4, 8, 1)])
+@pytest.mark.parametrize("model, tasks, devices, level", [("ofasys", 7, 8, 3), ("multitask-clip", 4, 16, 1)])
 def test_pattern_dives_shorten_the_big_levels(model, tasks, devices, level):
     """On these levels (deterministic) the LP's dives find a schedule shorter than the level's heuristics
-    (Algorithm 1 variants, local searches, throughput waves, polish): 3.6% on OFASys-7's third level on 8
-    devices, 0.3% on Multitask-CLIP-4's encoders."""
+    (Algorithm 1 variants, local searches, throughput waves, polish): 0.4% on OFASys-7's third level on 8
+    devices, 0.5% on Multitask-CLIP-4's encoders on 16 (with the analytic curves of
+    docs/results/analytic_curves.md; on the former curves: 3.6%, and 0.3% on Multitask-CLIP-4's on 8)."""
     from megatron_spindle.planner.workload.analytic import build_curves
     from megatron_spindle.planner.step.assemble import make_metaops
     from megatron_spindle.planner.workload.cluster import load_cluster
@@ -239,26 +240,43 @@ def test_near_optimal_bound_is_valid_and_raises_the_lp(monkeypatch):
     assert raised >= 8 and at_opt >= 36
 
 
-def test_near_optimal_bound_raises_clip7_16s_encoder_bound():
-    """Multitask-CLIP-7 / 16 GPUs (the row the near-optimal cover was built for): its encoders' best schedule
-    lies over 3% above the configuration LP, so the plan is not certified within 3% by the LP alone; the
-    near-optimal cover raises that level's bound above the LP and never above its schedule. What a correct
-    planner keeps on any machine is asserted (valid bounds, the cover raising the LP, the row within 5% of
-    its certified bound); the tight figures (1.03 here) are in ``scripts/bench_planner.py`` and README."""
-    from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.assemble import make_metaops, schedule
-    from megatron_spindle.planner.workload.cluster import load_cluster
-    from megatron_spindle.planner.workload.metaops import levels
-    from megatron_spindle.planner.workload.workloads import build_graph
-    metaops = make_metaops(build_graph("multitask-clip", tasks=7), load_cluster(None, num_devices=16))
-    curves = build_curves(metaops, 16)
-    scheds = schedule(metaops, curves, 16)
+def test_near_optimal_bound_raises_clip10_64s_encoder_bound():
+    """Multitask-CLIP-10 / 64 GPUs: its encoders' best schedule lies over 3% above the configuration LP (6%),
+    so the plan is not certified within 3% by the LP alone; the near-optimal cover raises that level's bound
+    above the LP and never above its schedule. (The cover was built for Multitask-CLIP-7 / 16; with the
+    analytic curves of docs/results/analytic_curves.md the LP alone certifies that row within 3% (2.5%), and
+    this is the built-in row that uses the cover.) What a correct planner keeps on any machine is asserted
+    (valid bounds, the cover raising the LP); the tight figures are in ``scripts/bench_planner.py``."""
+    metaops, curves, scheds = _clip10_64_schedules()
     enc = scheds[1]
-    lp = patterns.pattern_bound(levels(metaops)[1], curves, 16, heuristic=enc.waves, max_span=enc.span_ms)
+    lp = patterns.pattern_bound(_levels(metaops)[1], curves, 64, heuristic=enc.waves, max_span=enc.span_ms)
     assert enc.bound_kind == "cover" and lp * (1 + 1e-4) < enc.bound_ms <= enc.span_ms, (lp, enc.bound_ms)
     for ls in scheds:
         assert ls.allocation.c_star_ms * (1 - 1e-9) <= ls.bound_ms <= ls.span_ms * (1 + 1e-9)
+
+
+@pytest.mark.xfail(strict=True, reason="with the analytic curves of docs/results/analytic_curves.md, "
+                   "Multitask-CLIP-10 / 64 is 6.2% above its certified bound (42.67 vs 40.19 ms; target 5%): "
+                   "a planner question, left open for the planner's owner")
+def test_clip10_64_is_within_5_percent_of_its_certified_bound():
+    _, _, scheds = _clip10_64_schedules()
     assert sum(ls.span_ms for ls in scheds) <= 1.05 * sum(ls.bound_ms for ls in scheds)
+
+
+def _levels(metaops):
+    from megatron_spindle.planner.workload.metaops import levels
+    return levels(metaops)
+
+
+@functools.lru_cache(maxsize=1)
+def _clip10_64_schedules():
+    from megatron_spindle.planner.workload.analytic import build_curves
+    from megatron_spindle.planner.step.assemble import make_metaops, schedule
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    metaops = make_metaops(build_graph("multitask-clip", tasks=10), load_cluster(None, num_devices=64))
+    curves = build_curves(metaops, 64)
+    return metaops, curves, schedule(metaops, curves, 64)
 
 
 def test_planner_works_without_the_solver_package():
@@ -356,29 +374,31 @@ def _encoders_after_dives(tasks: int, devices: int):
     return lv, curves, dived or heuristic.waves, ANNEAL_WORK // sum(len(m.valid_counts(devices)) for m in lv)
 
 
-def test_rebuild_shortens_the_annealing_best_on_clip10_32():
-    """On Multitask-CLIP-10 / 32 GPUs' encoders, with the planner's work limits, the ruin-and-recreate runs
-    shorten the heuristics + dives + annealing's best (measured: 83.81 -> 83.44 ms, which certifies the row
-    within 3%; that figure is the benchmark's, not asserted here) and stay above the level's bound."""
+def test_rebuild_shortens_the_annealing_best_on_clip7_16():
+    """On Multitask-CLIP-7 / 16 GPUs' encoders, with the planner's work limits, the ruin-and-recreate runs
+    shorten the heuristics + dives + annealing's best (measured with the analytic curves of
+    docs/results/analytic_curves.md: 129.92 -> 129.31 ms, 0.5%; on the former curves Multitask-CLIP-10 / 32 was
+    the example) and stay above the level's bound."""
     from megatron_spindle.planner.level.anneal import anneal
     from megatron_spindle.planner.step.assemble import REBUILD_WORK
-    lv, curves, start, moves = _encoders_after_dives(10, 32)
-    annealed = anneal(start, lv, curves, 32, moves=moves, level=1) or start
-    waves = anneal(start, lv, curves, 32, moves=moves, level=1, rebuild_work=REBUILD_WORK)
+    lv, curves, start, moves = _encoders_after_dives(7, 16)
+    annealed = anneal(start, lv, curves, 16, moves=moves, level=1) or start
+    waves = anneal(start, lv, curves, 16, moves=moves, level=1, rebuild_work=REBUILD_WORK)
     assert waves, "nothing shorter than the start"
-    assert_schedule(waves, lv, 32)
+    assert_schedule(waves, lv, 16)
     span = sum(w.duration_ms for w in waves)
     assert span < sum(w.duration_ms for w in annealed) * (1 - 1e-4)
-    assert span >= patterns.pattern_bound(lv, curves, 32, heuristic=waves, max_span=span) * (1 - 1e-9)
+    assert span >= patterns.pattern_bound(lv, curves, 16, heuristic=waves, max_span=span) * (1 - 1e-9)
 
 
 def test_anneal_shortens_the_dives_best_schedule():
-    """On Multitask-CLIP-4 / 16 GPUs' encoders the annealing, with the planner's work limit, shortens the best
-    schedule of the heuristics and the pattern LP's dives (measured: 70.64 -> 69.94 ms, 1%; asserted: any
-    gain of more than 0.01%)."""
+    """On Multitask-CLIP-7 / 8 GPUs' encoders the annealing, with the planner's work limit, shortens the best
+    schedule of the heuristics and the pattern LP's dives (measured with the analytic curves of
+    docs/results/analytic_curves.md: 250.73 -> 249.92 ms, 0.3%; on the former curves Multitask-CLIP-4 / 16,
+    70.64 -> 69.94 ms; asserted: any gain of more than 0.01%)."""
     from megatron_spindle.planner.level.anneal import anneal
-    lv, curves, start, moves = _encoders_after_dives(4, 16)
-    waves = anneal(start, lv, curves, 16, moves=moves, level=1)
+    lv, curves, start, moves = _encoders_after_dives(7, 8)
+    waves = anneal(start, lv, curves, 8, moves=moves, level=1)
     assert waves, "the annealing found nothing shorter"
-    assert_schedule(waves, lv, 16)
+    assert_schedule(waves, lv, 8)
     assert sum(w.duration_ms for w in waves) < sum(w.duration_ms for w in start) * (1 - 1e-4)

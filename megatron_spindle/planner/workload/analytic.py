@@ -3,14 +3,50 @@
 The analytic default (used until profiling measures real points) derives one layer's time on ``n``
 devices from its FLOPs::
 
-    w      = 3 · F_layer · (B/n) / B              per-device work (forward + backward = 3× forward), FLOPs
-    eff(w) = max_efficiency · min(1, (w / saturation_flops) ** efficiency_exponent)
-    t(n)   = layer_latency_ms[op_type] + w / (peak_tflops · eff(w)) + t_tp(n)
+    W(n)  = 3 · F_layer · (B/n) / B                      per-device work, FLOPs (backward = 2 × forward)
+    e(h)  = max_efficiency · h / (h + half_efficiency_hidden)     efficiency of the layer's kernels, width h
+    t(n)  = layer_latency_ms[op_type] + W(n) / (peak_tflops · e(h)) + t_tp(n)
 
-so light operators are latency-bound and stop scaling early, heavy ones scale almost linearly: the
-workload heterogeneity the paper measures. ``t_tp`` adds tensor-parallel all-reduces (4 per layer of the
-layer's output, ring algorithm inside an island). Points are generated at the MetaOp's valid device counts
-and fitted with :func:`fit_piecewise`, exactly as measured points would be.
+Two effects make small per-device batches slow, and each has its own term. A fixed latency per layer
+(kernel launches and kernels too small to fill the device) dominates when little work is left per device;
+the achieved share of peak is ``W / (peak · t)``, which falls smoothly towards zero as ``W`` shrinks. A
+narrow layer (small ``h``) stays below peak however large its batch, because its memory-bound element-wise
+work (norms, activations, residuals: ~ tokens · h bytes) grows like its GEMM work (~ tokens · h²) divided by
+``h``. ``t(n)`` is positive and non-increasing in ``n`` (``W`` falls, nothing else grows but ``t_tp``'s
+message, which shrinks too). ``t_tp`` adds tensor-parallel all-reduces (4 per layer of the layer's output,
+ring algorithm inside an island). Points are generated at the MetaOp's valid device counts, put on the
+planner's time grid and fitted with :func:`fit_piecewise`, exactly as measured points would be.
+
+Where the constants come from (docs/results/analytic_curves.md has the numbers, the fits and the errors;
+tests/test_analytic_curves.py re-checks every anchor point):
+
+* **Latency and "no efficiency loss with rows" (A100 measurement).** github.com/NVIDIA/FasterTransformer
+  ``docs/bert_guide.md``, section "BERT performance on A100 and TensorFlow", table "Performance on FP16",
+  column "FT Latency": BERT-base (h = 768, 12 layers), forward, one A100, 9 (batch, sequence) points from
+  32 to 12 288 tokens. ``t = L + F / (312 TFLOP/s · e)`` fits all 9 within 6.2 % with L = 0.070 ms per layer
+  and one constant e (0.55): efficiency need not depend on the GEMM's rows beyond the latency term. A
+  training layer runs its forward and a backward of about twice the kernels and twice the FLOPs, so its
+  latency is 3 × 0.070 = 0.21 ms (an assumption: the same factor 3 as the FLOPs).
+* **Latency of the other layer types (a measurement here).** ``scripts/count_layer_ops.py`` counts the
+  compute operators of one forward + backward of each layer type of this project (``models/layers.py``,
+  local backend, profiled on CPU): transformer 55, decoder 112, cross-attention adapter 49, LM head 44,
+  pool head 28, contrastive loss 28, linear adapter 13-15, patch embedding 12, token embedding 9. Each
+  type's latency is 0.21 ms × its count / 55.
+* **Efficiency against width (GPT- and ViT-class measurements).** ``e(h)`` is fitted to (a) github.com/Dao-AILab/
+  flash-attention ``training/README.md``, section "Training speed", table of tokens/s: GPT3-125M/355M/760M/1.3B/
+  2.7B (h = 768/1024/1536/2048/2560, sequence 2048) trained on 8 × A100 80GB, micro-batches from the
+  experiment configs ``training/configs/experiment/pile/gpt3{s,m,l,xl}-flash.yaml`` and
+  ``gpt3-2.7B-flash-hdim128.yaml`` (predicted step time per token, latency and LM head included; this family
+  sets the level); (b) github.com/huggingface/pytorch-image-models (timm)
+  ``results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv`` (ViT-S/B/L/H
+  training at their largest batch) and (c) ``results/benchmark-infer-amp-nchw-pt291-cu128-4090.csv``
+  (ViT-S/B/L/H/g/G inference at batch 1024): ViT-class shape only, each family with its own level (other
+  GPUs). Least squares over the 15 relative errors: ``max_efficiency`` 0.73, ``half_efficiency_hidden`` 390;
+  largest errors 8 % (GPT family), 10 % (ViT training), 8 % (ViT inference).
+* **Not reproduced.** Narayanan et al. (SC21, arXiv 2104.04473) Figure 7 (GPT, h = 4096, 4 layers, one
+  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens
+  that this model (latency only) does not show; whole-iteration overheads of that 4-layer model are the
+  likely cause, but if not, the model is optimistic for wide layers at small batches.
 
 Curves file (``--curves FILE``; JSON)::
 
@@ -38,24 +74,38 @@ from .recompute import time_factor
 
 CURVES_SCHEMA_VERSION = 1
 
+#: Forward + backward latency of one transformer layer, ms: 3 × 0.0701 ms, the intercept of a least-squares
+#: fit (relative errors) of FasterTransformer's A100 BERT-base forward latencies (module docstring).
+TRANSFORMER_LATENCY_MS = 0.21
+#: Compute operators in one forward + backward of each layer type, counted by ``scripts/count_layer_ops.py``
+#: (``models/layers.py``, local backend; the linear adapter counts 13 or 15 with its input width: 14).
+FWD_BWD_OPS = {"transformer_layer": 55, "decoder_layer": 112, "cross_attn_adapter": 49, "lm_head": 44,
+               "pool_head": 28, "contrastive_loss": 28, "linear_adapter": 14, "patch_embed": 12,
+               "token_embed": 9}
+#: Latency of a layer type that has no count (a custom type): half a transformer layer, the middle of the
+#: counted range (0.16x-2x). A guess; a profile of the type replaces it.
+UNKNOWN_TYPE_LATENCY_MS = 0.5 * TRANSFORMER_LATENCY_MS
+
+
+def _default_latencies() -> dict[str, float]:
+    return {k: round(TRANSFORMER_LATENCY_MS * v / FWD_BWD_OPS["transformer_layer"], 4)
+            for k, v in FWD_BWD_OPS.items()}
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceModel:
-    """Constants of the analytic per-layer time model (defaults: one NVIDIA A800 80 GB, bf16)."""
+    """Constants of the analytic per-layer time model (defaults: one NVIDIA A800 80 GB, bf16; the module
+    docstring names each constant's source)."""
 
     peak_tflops: float = 312.0
     """Dense bf16 tensor-core peak of one device (A800/A100 datasheet: 312 TFLOP/s)."""
-    max_efficiency: float = 0.55
-    """Share of peak a large transformer layer reaches (Megatron-LM reports 50-60% MFU on A100)."""
-    saturation_gflop: float = 400.0
-    """Per-device work (forward + backward, one layer) from which kernels run at ``max_efficiency``;
-    below it efficiency falls as ``(w/saturation)^efficiency_exponent`` (under-filled GEMMs)."""
-    efficiency_exponent: float = 0.6
-    """How fast efficiency falls below saturation."""
-    layer_latency_ms: Mapping[str, float] = field(default_factory=lambda: {
-        "transformer_layer": 0.12, "decoder_layer": 0.18, "cross_attn_adapter": 0.12,
-        "linear_adapter": 0.04, "patch_embed": 0.04, "token_embed": 0.03, "pool_head": 0.04,
-        "contrastive_loss": 0.06, "lm_head": 0.06})
+    max_efficiency: float = 0.73
+    """Share of peak a layer of unbounded width reaches at large batch (fitted: FlashAttention's A100 GPT
+    training speeds with timm's ViT shape; a 4096-wide layer reaches 0.73 · 4096/4486 = 0.67)."""
+    half_efficiency_hidden: float = 390.0
+    """Width at which a layer reaches half of ``max_efficiency`` (fitted with it): a 768-wide layer reaches
+    0.48 of peak at large batch, a 384-wide one 0.36."""
+    layer_latency_ms: Mapping[str, float] = field(default_factory=_default_latencies)
     """Fixed forward + backward time per layer (kernel launches and small kernels), ms."""
     tp_bandwidth_gbps: float = 150.0
     """Achieved all-reduce bus bandwidth inside an island, GB/s (NVLink 400 GB/s nominal, ~150 measured
@@ -84,12 +134,20 @@ class DeviceModel:
                 raise ValueError(f"device constant {k}={v!r} must be a positive number")
         return cls(**d)
 
+    def efficiency(self, hidden: int) -> float:
+        """Share of peak the kernels of a layer of width ``hidden`` reach at large batch."""
+        h = float(max(hidden, 1))
+        return self.max_efficiency * h / (h + self.half_efficiency_hidden)
+
+    def latency_ms(self, op_type: str) -> float:
+        """Fixed forward + backward time of one layer of ``op_type``, ms."""
+        return self.layer_latency_ms.get(op_type, UNKNOWN_TYPE_LATENCY_MS)
+
     def layer_time_ms(self, m: MetaOp, n: int) -> float:
         """Analytic forward+backward time of one layer of ``m`` on ``n`` devices (``n`` valid)."""
         work = 3.0 * m.fwd_flops_per_layer / n
-        eff = self.max_efficiency * min(1.0, (work / (self.saturation_gflop * 1e9)) ** self.efficiency_exponent)
-        compute_ms = work / (self.peak_tflops * 1e12 * max(eff, 1e-6)) * 1e3
-        t = self.layer_latency_ms.get(m.op_type, 0.05) + compute_ms
+        compute_ms = work / (self.peak_tflops * 1e12 * self.efficiency(m.layer.hidden)) * 1e3
+        t = self.latency_ms(m.op_type) + compute_ms
         if m.tp > 1:
             dp = n // m.tp
             msg = 2.0 * m.out_elems_per_sample * m.batch / dp  # bf16 bytes of the local activation

@@ -1,0 +1,183 @@
+"""The analytic device model against the published measurements it is anchored on, and its monotonicity.
+
+Sources (docs/results/analytic_curves.md has the tables, the fits and the errors):
+
+* FT: NVIDIA FasterTransformer ``docs/bert_guide.md``, "BERT performance on A100 and TensorFlow", table
+  "Performance on FP16", column "FT Latency (ms)": BERT-base (h 768, 12 layers) forward on one A100.
+* FA2: Dao-AILab/flash-attention ``training/README.md``, "Training speed" table (tokens/s on 8 x A100 80GB,
+  sequence 2048), micro-batches from ``training/configs/experiment/pile/gpt3*-flash*.yaml`` (80 GB).
+* timm: huggingface/pytorch-image-models ``results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv`` and
+  ``results/benchmark-infer-amp-nchw-pt291-cu128-4090.csv`` (ViT rows; other GPUs, so shape only).
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_spindle.planner.workload.analytic import (DeviceModel, TRANSFORMER_LATENCY_MS, analytic_curve)
+from megatron_spindle.planner.workload.costs import (layer_act_bytes_per_sample, layer_fwd_flops_per_sample,
+                                                     layer_params, out_elems_per_sample)
+from megatron_spindle.planner.workload.graph import LayerConfig
+from megatron_spindle.planner.workload.metaops import MetaOp, contract
+from megatron_spindle.planner.workload.workloads import build_graph
+
+DEV = DeviceModel()
+PEAK = DEV.peak_tflops * 1e12
+
+# --- anchor data, copied from the sources above --------------------------------------------------------------
+#: FT: (batch, sequence) -> latency of 12 layers, ms.
+FT_BERT_BASE_A100 = {(1, 32): 0.90, (1, 128): 1.00, (1, 384): 1.33, (8, 32): 1.04, (8, 128): 1.77,
+                     (8, 384): 4.39, (32, 32): 1.77, (32, 128): 4.81, (32, 384): 14.67}
+#: FA2: (hidden, layers, tokens/s over 8 GPUs, micro-batch sequences per GPU); vocabulary 50257, sequence 2048.
+FA2_GPT3_A100 = [(768, 12, 1310e3, 32), (1024, 24, 503e3, 16), (1536, 24, 245e3, 16), (2048, 24, 169e3, 8),
+                 (2560, 32, 85e3, 4)]
+#: timm ViT training, RTX 3090: hidden -> (layers, tokens, samples/s at the csv's batch): vit_small/base/
+#: large_patch16_224, vit_huge_patch14_224.
+TIMM_TRAIN_3090 = {384: (12, 197, 1052.92), 768: (12, 197, 390.86), 1024: (24, 197, 117.08),
+                   1280: (32, 257, 39.94)}
+#: timm ViT inference, RTX 4090, batch 1024: hidden -> (GMACs per sample, samples/s): vit_small/base/
+#: large_patch16_224, vit_huge/giant_patch14_224, vit_gigantic_patch14_clip_224.
+TIMM_INFER_4090 = {384: (4.61, 8214.74), 768: (17.58, 2992.79), 1024: (61.6, 954.12), 1280: (167.4, 370.78),
+                   1408: (267.18, 241.69), 1664: (483.96, 148.12)}
+
+#: Tolerances: the largest relative error the fitted model may show on each family.
+TOL_FT, TOL_FA2, TOL_TIMM = 0.12, 0.10, 0.11
+
+
+def metaop(op_type: str, layer: LayerConfig, batch: int, tp: int = 1) -> MetaOp:
+    return MetaOp(name="m", op_type=op_type, task="t", module="x", batch=batch, layer=layer, operators=("m.0",),
+                  param_keys=("",), inputs=(), level=0,
+                  fwd_flops_per_layer=batch * layer_fwd_flops_per_sample(op_type, layer),
+                  params_per_layer=layer_params(op_type, layer),
+                  out_elems_per_sample=out_elems_per_sample(op_type, layer),
+                  act_bytes_per_sample=layer_act_bytes_per_sample(op_type, layer), tp=tp)
+
+
+def gpt_layer(h: int, s: int) -> LayerConfig:
+    return LayerConfig(hidden=h, num_heads=max(h // 64, 1), ffn_hidden=4 * h, seq_len=s)
+
+
+def achieved(dev: DeviceModel, m: MetaOp, n: int = 1) -> float:
+    """Share of peak one layer of ``m`` achieves on ``n`` devices (latency included)."""
+    return 3.0 * m.fwd_flops_per_layer / n / (dev.peak_tflops * 1e12 * dev.layer_time_ms(m, n) * 1e-3)
+
+
+# --- fits ----------------------------------------------------------------------------------------------------
+def fit_ft_latency() -> tuple[float, float]:
+    """Least squares (relative errors) of ``t = L + F·c`` on FT's per-layer forward times: (L ms, efficiency)."""
+    pts = [(b * layer_fwd_flops_per_sample("transformer_layer", gpt_layer(768, s)), ms / 12)
+           for (b, s), ms in FT_BERT_BASE_A100.items()]
+    s11 = sum(1 / t ** 2 for _, t in pts)
+    s12 = sum(f / t ** 2 for f, t in pts)
+    s22 = sum((f / t) ** 2 for f, t in pts)
+    b1, b2 = sum(1 / t for _, t in pts), sum(f / t for f, t in pts)
+    det = s11 * s22 - s12 ** 2
+    lat, c = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    return lat, 1.0 / (c * 1e-3 * PEAK)
+
+
+def fa2_errors(dev: DeviceModel) -> list[float]:
+    """Predicted / measured time per token per GPU - 1: every layer and the LM head of one micro-batch."""
+    out = []
+    for h, layers, tps, mb in FA2_GPT3_A100:
+        layer = metaop("transformer_layer", gpt_layer(h, 2048), mb)
+        head = metaop("lm_head", LayerConfig(hidden=h, seq_len=2048, vocab_size=50257, loss_tokens=2048), mb)
+        pred_ms = (layers * dev.layer_time_ms(layer, 1) + dev.layer_time_ms(head, 1)) / (mb * 2048)
+        out.append(pred_ms / (8 / tps * 1e3) - 1)
+    return out
+
+
+def timm_measured() -> tuple[dict, dict]:
+    train = {h: 3 * l * layer_fwd_flops_per_sample("transformer_layer", gpt_layer(h, s)) * sps
+             for h, (l, s, sps) in TIMM_TRAIN_3090.items()}
+    infer = {h: 2 * g * 1e9 * sps for h, (g, sps) in TIMM_INFER_4090.items()}
+    return train, infer  # FLOP/s; the level of each family is free (other GPUs)
+
+
+def shape_errors(measured: dict, half: float) -> list[float]:
+    """Relative errors of ``A · h/(h + half)`` against ``measured`` with ``A`` the least-squares level."""
+    g = {h: h / (h + half) for h in measured}
+    a = sum(g[h] / measured[h] for h in measured) / sum((g[h] / measured[h]) ** 2 for h in measured)
+    return [a * g[h] / measured[h] - 1 for h in measured]
+
+
+# --- the anchors ---------------------------------------------------------------------------------------------
+def test_latency_is_three_forward_latencies_of_the_ft_fit():
+    lat, eff = fit_ft_latency()
+    assert round(3 * lat, 2) == TRANSFORMER_LATENCY_MS == DEV.latency_ms("transformer_layer")
+    assert 0.5 < eff < 0.6
+    # the fit: one latency and one efficiency describe all 9 points from 32 to 12 288 tokens within 6.2 %
+    c = 1.0 / (eff * PEAK) * 1e3
+    for (b, s), ms in FT_BERT_BASE_A100.items():
+        f = b * layer_fwd_flops_per_sample("transformer_layer", gpt_layer(768, s))
+        assert abs((lat + f * c) / (ms / 12) - 1) < 0.063, (b, s)
+
+
+def test_efficiency_against_tokens_follows_ft():
+    """The model's share of peak against tokens per device, relative to 12 288 tokens, as FT measured it."""
+    def fwd(b, s):
+        return b * layer_fwd_flops_per_sample("transformer_layer", gpt_layer(768, s))
+    ref_meas = fwd(32, 384) / FT_BERT_BASE_A100[32, 384]
+    ref_model = achieved(DEV, metaop("transformer_layer", gpt_layer(768, 384), 32))
+    for (b, s), ms in FT_BERT_BASE_A100.items():
+        meas = fwd(b, s) / ms / ref_meas
+        model = achieved(DEV, metaop("transformer_layer", gpt_layer(768, s), b)) / ref_model
+        assert abs(model / meas - 1) < TOL_FT, (b, s, meas, model)
+
+
+def test_gpt_training_speeds_on_a100():
+    errs = fa2_errors(DEV)
+    assert max(abs(e) for e in errs) < TOL_FA2, errs
+
+
+def test_vit_efficiency_against_width():
+    train, infer = timm_measured()
+    for fam in (train, infer):
+        errs = shape_errors(fam, DEV.half_efficiency_hidden)
+        assert max(abs(e) for e in errs) < TOL_TIMM, errs
+
+
+def test_constants_are_the_least_squares_fit_of_the_anchors():
+    """Re-fit (max_efficiency, half_efficiency_hidden) over the 15 relative errors: the defaults are the fit
+    rounded (0.01 and 10)."""
+    train, infer = timm_measured()
+    best = None
+    for half in range(300, 501, 10):
+        shape = sum(e * e for fam in (train, infer) for e in shape_errors(fam, half))
+        for k in range(650, 821):
+            dev = DeviceModel(max_efficiency=k / 1000, half_efficiency_hidden=half)
+            sse = shape + sum(e * e for e in fa2_errors(dev))
+            if best is None or sse < best[0]:
+                best = (sse, k / 1000, half)
+    _, e_max, half = best
+    assert round(e_max, 2) == DEV.max_efficiency and half == DEV.half_efficiency_hidden, best
+
+
+# --- shape properties ----------------------------------------------------------------------------------------
+def test_efficiency_grows_with_width_and_work():
+    hs = [64, 128, 384, 512, 768, 1024, 1280, 1664, 4096, 16384]
+    effs = [DEV.efficiency(h) for h in hs]
+    assert all(0 < e < DEV.max_efficiency for e in effs) and effs == sorted(effs)
+    for h, s in [(384, 197), (1024, 77), (1280, 257), (4096, 2048)]:
+        got = [achieved(DEV, metaop("transformer_layer", gpt_layer(h, s), b)) for b in (1, 2, 4, 16, 64, 256)]
+        assert got == sorted(got) and got[-1] < DEV.efficiency(h)
+
+
+@pytest.mark.parametrize("model,tasks", [("multitask-clip", 10), ("qwen-val", 3), ("ofasys", None)])
+def test_layer_time_is_positive_and_non_increasing(model, tasks):
+    for m in contract(build_graph(model, tasks=tasks)):
+        counts = m.valid_counts(64)
+        ts = [DEV.layer_time_ms(m, n) for n in counts]
+        assert all(t > 0 for t in ts) and all(a >= b for a, b in zip(ts, ts[1:])), m.name
+        curve = analytic_curve(m, DEV, 64)
+        ct = [curve.count_time(n) for n in counts]
+        assert all(t > 0 for t in ct) and all(a >= b for a, b in zip(ct, ct[1:])), m.name
+
+
+def test_device_json_round_trip_and_unknown_fields():
+    assert DeviceModel.from_json(DEV.to_json()) == DEV
+    with pytest.raises(ValueError, match="unknown device constant"):
+        DeviceModel.from_json({"saturation_gflop": 400.0})  # the former model's constant
+    with pytest.raises(ValueError, match="must be a positive number"):
+        DeviceModel.from_json({"half_efficiency_hidden": 0})
+    dev = DeviceModel.from_json({"layer_latency_ms": {"transformer_layer": 1.0}})
+    assert dev.latency_ms("transformer_layer") == 1.0 and dev.latency_ms("lm_head") == DEV.latency_ms("lm_head")
