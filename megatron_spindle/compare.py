@@ -78,8 +78,9 @@ class SystemResult:
             d["schedule"] = self.schedule
         if self.tuned is not None:
             d["tried"] = [t.to_json() for t in self.tuned.tried]
-            if self.tuned.extra:
-                d["details"] = self.tuned.extra
+            details = {k: v for k, v in self.tuned.extra.items() if k in ("grids", "micro_batches")}
+            if details:
+                d["details"] = details
         return d
 
 

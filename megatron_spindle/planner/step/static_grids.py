@@ -17,7 +17,8 @@ pipelines micro-batches from the encoders' grids into the consuming module's gri
    for the gradients). With 1F1B over ``M`` micro-batches and ``S`` stages the pass takes
    ``Σ_s t_s + (M - 1) · max_s t_s`` (fill and drain, then the bottleneck stage's pace).
 3. **Sync.** Each grid all-reduces its module's gradients over its devices in megatron.core DDP buckets
-   (:mod:`.grad_buckets`' sizes), ready evenly over its last micro-batch's backward, scheduled by
+   (:mod:`.grad_buckets`' sizes), ready evenly over its last micro-batch's backward (in the drain the last
+   stage finishes first, stage ``s`` ``s`` stage paces before the pass ends), scheduled by
    :func:`.link_costs.schedule_collectives`; what runs past the pass is exposed.
 4. **Memory.** A device holds its module's states (sharded by the distributed optimizer over the grid when it
    is on) and, in 1F1B, the activations of up to ``S - s`` micro-batches in flight at stage ``s``.
@@ -134,7 +135,7 @@ def simulate_grids(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve]
             continue
         size = bucket_params(len(g.ranks))
         nb = max(1, -(-total // size))
-        end = pass_ms - (S - 1 - g.stage) * pace
+        end = pass_ms - g.stage * pace
         back = (1 - FORWARD_SHARE) * g.time_ms
         for b in range(nb):
             n = min(size, total - b * size)

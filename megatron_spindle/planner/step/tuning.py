@@ -210,7 +210,8 @@ def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: C
             if bound == 0 and not cheap:
                 break
     if out.sim is None:
-        reasons = [t.note for t in out.tried if t.note] or ["no configuration fits the devices' memory"]
+        errors = [p for p in plans.values() if isinstance(p, str)]
+        reasons = [t.note for t in out.tried if t.note] or errors or ["no configuration fits the devices' memory"]
         out.error = reasons[0]
     return out
 
@@ -275,6 +276,7 @@ def tune_static_grids(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile
             if bound == 0 and not cheap:
                 break
     if out.sim is None:
-        reasons = [t.note for t in out.tried if t.note] or ["no configuration fits the devices' memory"]
+        errors = [g for g in sims.values() if isinstance(g, str)]
+        reasons = [t.note for t in out.tried if t.note] or errors or ["no configuration fits the devices' memory"]
         out.error = reasons[0]
     return out
