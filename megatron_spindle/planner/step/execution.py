@@ -61,10 +61,16 @@ class Execution:
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        d = {"passes": self.passes, "distributed_optimizer": self.distributed_optimizer, "tp": self.tp,
-             "recompute": self.recompute if isinstance(self.recompute, str) else dict(self.recompute),
-             "phases": [list(g) for g in self.groups] or None}
-        return d
+        return {"passes": self.passes, "distributed_optimizer": self.distributed_optimizer, "tp": self.tp,
+                "recompute": self.recompute if isinstance(self.recompute, str) else dict(self.recompute),
+                "phases": [list(g) for g in self.groups] or None}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Execution":
+        rc = d.get("recompute", "none")
+        return cls(passes=int(d["passes"]), distributed_optimizer=bool(d.get("distributed_optimizer", False)),
+                   tp=int(d.get("tp", 0)), recompute=rc if isinstance(rc, str) else tuple(sorted(rc.items())),
+                   groups=tuple(tuple(g) for g in d.get("phases") or ()))
 
 
 def configure(metaops: Sequence[MetaOp], ex: Execution, cluster: Cluster) -> tuple[MetaOp, ...]:
