@@ -20,7 +20,8 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
    once from each level's winning allocation tuples), placed like 1 and 2 when its compute makespan is
    shorter than the level-by-level one;
 4. the schedules of the baselines (:mod:`.baselines`): sequential, task-level and intra-task, on the same
-   MetaOps and curves.
+   MetaOps, curves and execution; and 5. every module on a fixed block of devices, level after level
+   (:mod:`.module_blocks`: its gradients are reduced within the blocks).
 
 ``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
 others are not bound by them and may end below ``Σ C*``.
@@ -39,6 +40,7 @@ from . import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
 from .execution import Execution
+from .module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
@@ -72,10 +74,13 @@ def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[
     prepared = (tuple(metaops), dict(curves))
     ex = execution or Execution()
     kw = dict(passes=ex.passes, distributed_optimizer=ex.distributed_optimizer)
-    return [(name, lambda f=f: _as_waves(f(graph, cluster, validate=False, prepared=prepared, **kw), graph,
-                                         cluster, metaops, curves))
-            for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
-                            ("intra-task", baselines.plan_intra_task))]
+    out = [(name, lambda f=f: _as_waves(f(graph, cluster, validate=False, prepared=prepared, **kw), graph,
+                                        cluster, metaops, curves))
+           for name, f in (("sequential", baselines.plan_sequential), ("task-level", baselines.plan_task_level),
+                           ("intra-task", baselines.plan_intra_task))]
+    out.append(("module-blocks", lambda: plan_module_blocks(graph, cluster, prepared=prepared, groups=ex.groups,
+                                                            **kw)))
+    return out
 
 
 def _as_waves(plan: Plan, graph: TaskGraph, cluster: Cluster, metaops, curves) -> Plan:

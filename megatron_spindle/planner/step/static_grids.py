@@ -17,8 +17,10 @@ pipelines micro-batches from the encoders' grids into the consuming module's gri
    for the gradients). With 1F1B over ``M`` micro-batches and ``S`` stages the pass takes
    ``Σ_s t_s + (M - 1) · max_s t_s`` (fill and drain, then the bottleneck stage's pace).
 3. **Sync.** Each grid all-reduces its module's gradients over its devices in megatron.core DDP buckets
-   (:mod:`.grad_buckets`' sizes), ready evenly over its last micro-batch's backward (in the drain the last
-   stage finishes first, stage ``s`` ``s`` stage paces before the pass ends), scheduled by
+   (:mod:`.grad_buckets`' sizes and rule): in the grid's last backward its MetaOps run in reverse order, a
+   weight's gradient is complete after the last backward that uses it (a module shared by several tasks:
+   after the task that ran first), a bucket when its last weight is; in the drain the last stage finishes
+   first, stage ``s`` ``s`` stage paces before the pass ends. Scheduled by
    :func:`.link_costs.schedule_collectives`; what runs past the pass is exposed.
 4. **Memory.** A device holds its module's states (sharded by the distributed optimizer over the grid when it
    is on) and, in 1F1B, the activations of up to ``S - s`` micro-batches in flight at stage ``s``.
@@ -120,26 +122,36 @@ def simulate_grids(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve]
         transfer[s] = 2 * boundary_time_ms(flows, cluster)  # forward, and the gradients back
     pace = max(t + x for t, x in zip(stage_ms, transfer))
     pass_ms = sum(t + x for t, x in zip(stage_ms, transfer)) + (micro_batches - 1) * pace
-    # gradient sync: each grid's buckets ready evenly over its last backward, which ends at the pass's end
-    # for the last stage and (S - 1 - s) stage paces earlier for stage s
+    # gradient sync: in a grid's last backward its MetaOps run in reverse order, each layer's backward in turn;
+    # a weight's gradient is complete after the last of them that uses it (a module shared by several tasks:
+    # after the backward of the task that ran first). In 1F1B's drain the last stage finishes first, stage s
+    # s paces before the pass's end (the first stage's at the end).
     posted = []
     for g in grids:
-        params = {}
-        for m in g.metaops:
-            if m.trainable:
-                for k in m.param_keys:
-                    if k:
-                        params[k] = m.params_per_layer // m.tp
-        total = sum(params.values())
-        if not total or len(g.ranks) < 2:
+        end = pass_ms - g.stage * pace
+        done: dict[str, float] = {}
+        clock = end - (1 - FORWARD_SHARE) * g.time_ms
+        n_of = {m.name: best_count(m, curves[m.name], len(g.ranks), N) for m in g.metaops}
+        for m in reversed(g.metaops):
+            layer_ms = (1 - FORWARD_SHARE) * curves[m.name].time(n_of[m.name])
+            for j in range(m.num_layers - 1, -1, -1):
+                clock += layer_ms
+                k = m.param_keys[j]
+                if k and m.trainable:
+                    done[k] = max(done.get(k, 0.0), clock)
+        if len(g.ranks) < 2 or not done:
             continue
         size = bucket_params(len(g.ranks))
-        nb = max(1, -(-total // size))
-        end = pass_ms - g.stage * pace
-        back = (1 - FORWARD_SHARE) * g.time_ms
-        for b in range(nb):
-            n = min(size, total - b * size)
-            posted.append((end - back + back * (b + 1) / nb, g.ranks, n * grad_bytes))
+        owner = {k: m for m in g.metaops for k in m.param_keys if k}
+        n, ready = 0, 0.0
+        for k, t in sorted(done.items(), key=lambda kv: (kv[1], kv[0])):
+            n += owner[k].params_per_layer // owner[k].tp
+            ready = t
+            if n >= size:
+                posted.append((ready, g.ranks, n * grad_bytes))
+                n = 0
+        if n:
+            posted.append((ready, g.ranks, n * grad_bytes))
     posted.sort(key=lambda x: (x[0], x[1]))
     spans = schedule_collectives(((r, nbytes, t) for t, r, nbytes in posted), cluster)
     sync = max([e for _, e in spans] + [pass_ms]) - pass_ms
