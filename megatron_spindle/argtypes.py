@@ -22,6 +22,11 @@ def non_negative_int(text: str) -> int:
     return _int(text, 0)
 
 
+def passes_arg(text: str) -> int | str:
+    """``auto`` (the planner chooses) or a positive integer."""
+    return "auto" if text == "auto" else _int(text, 1, " or 'auto'")
+
+
 def positive_int_list(text: str) -> list[int]:
     """``8,16,32`` -> ``[8, 16, 32]``."""
     return [_int(part, 1, " (want e.g. 8,16,32)") for part in text.split(",")]
@@ -40,8 +45,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=positive_int, default=None,
                    help="global batch per task per optimizer step, Megatron's --global-batch-size (default: the "
                         "model's, from the published recipe it stands for)")
-    p.add_argument("--passes", type=positive_int, default=None,
-                   help="passes per optimizer step (gradient accumulation): each pass plans --batch / --passes "
+    p.add_argument("--passes", type=passes_arg, default=None,
+                   help="passes per optimizer step (gradient accumulation), or 'auto' (the tuner chooses them, with "
+                        "recompute, phases and the distributed optimizer): each pass plans --batch / --passes "
                         "samples per task (default: the model's when --batch is not given, else 1)")
     p.add_argument("--curves", default=None, metavar="FILE",
                    help="JSON scaling curves / device constants (default: the analytic model)")

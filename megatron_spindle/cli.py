@@ -15,6 +15,8 @@ from .atomic import check_output
 from .log import setup_logging
 from .planner.workload.analytic import CurvesFile
 from .planner.step.build import make_plan
+from .planner.step.tune_spindle import tune_spindle
+from .planner.step.tuning import Workload
 from .planner.workload.cluster import load_cluster
 from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
@@ -44,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(args) -> int:
-    passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+    auto = args.passes == "auto"
+    passes = None if auto else resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes or 1)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
@@ -54,7 +57,16 @@ def cmd_plan(args) -> int:
         if path:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
-    plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
+    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
+        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch), cluster,
+                             curves_file=curves)
+        if tuned.plan is None:
+            raise ValueError(f"no configuration fits: {tuned.error}")
+        plan, passes = tuned.plan, tuned.execution.passes
+        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+        print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
+    else:
+        plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)

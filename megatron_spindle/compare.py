@@ -322,8 +322,9 @@ def cmd_compare(args) -> int:
     workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch)
     graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
     fixed = None
-    if args.fixed_passes or args.passes is not None:
-        passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
+    if args.fixed_passes or args.passes not in (None, "auto"):
+        passes = resolve_passes(args.model, size=args.size, batch=args.batch,
+                                passes=None if args.passes == "auto" else args.passes)
         workload.graph(passes)  # passes that do not divide a task's batch: fail now
         fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None

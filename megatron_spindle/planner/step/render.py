@@ -65,9 +65,12 @@ def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
             line.append(f">{v}<" if any((wi, d) in mark for d in range(a, b + 1)) else v)
         cells.append(line)
     width = [max([len(h)] + [len(line[i]) for line in cells]) for i, h in enumerate(heads)]
-    lead = [f"w{w.index} L{w.level} {w.duration_ms:8.2f}ms" for w in plan.waves]
+    phased = len(plan.phases) > 1
+    lead = [f"w{w.index} L{w.level}{f' P{w.phase}' if phased else ''} {w.duration_ms:8.2f}ms" for w in plan.waves]
     lw = max([len("wave level   time")] + [len(x) for x in lead])
-    out = ["wave level   time".ljust(lw) + " | " + " ".join(h.ljust(width[i]) for i, h in enumerate(heads))]
+    head = "wave level phase   time" if phased else "wave level   time"
+    lw = max(lw, len(head))
+    out = [head.ljust(lw) + " | " + " ".join(h.ljust(width[i]) for i, h in enumerate(heads))]
     out.append("-" * len(out[0]))
     for wi, line in enumerate(cells):
         out.append(lead[wi].ljust(lw) + " | " + " ".join(v.ljust(width[i]) for i, v in enumerate(line)))
@@ -77,11 +80,13 @@ def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
 def metaop_table(plan: Plan) -> str:
     c = codes(plan)
     n_star = {m: n for lv in plan.levels for m, n in lv.n_star}
-    rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "n*", "slices (devices x layers)", "curve", "fit err")]
+    rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "recompute", "n*", "slices (devices x layers)",
+             "curve", "fit err")]
     for m in plan.metaops:
         sl = [s for s in plan.slices() if s.metaop == m.name]
         desc = " ".join(f"{len(s.ranks)}x{s.num_layers}" for s in sl)
-        rows.append((c[m.name], m.name, str(m.level), str(m.num_layers), str(m.batch), str(m.tp),
+        rows.append((c[m.name], m.name + ("" if m.trainable else " (frozen)"), str(m.level), str(m.num_layers),
+                     str(m.batch), str(m.tp), "-" if m.recompute == "none" else m.recompute,
                      f"{n_star.get(m.name, 0):.2f}", desc, plan.curve(m.name).source,
                      f"{plan.curve(m.name).fit_error:.1%}"))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -109,9 +114,13 @@ def summary(plan: Plan, planning_s: float | None = None) -> str:
     bound = certified_bound_ms(plan)
     gap = plan.makespan_ms / bound - 1 if bound else float("nan")
     chosen = plan.levels[0].variant if plan.levels else ""
+    recomputed = sum(m.recompute != "none" for m in plan.metaops)
     lines = [
         f"model {plan.model}: {len(plan.tasks)} tasks, {len(plan.metaops)} MetaOps in {plan.num_levels} levels, "
         f"{plan.world_size} devices ({plan.gpus_per_node} per island), {len(plan.waves)} waves",
+        f"execution   {plan.passes} pass{'es' if plan.passes != 1 else ''} per step, {len(plan.phases)} "
+        f"phase{'s' if len(plan.phases) != 1 else ''}, {recomputed} MetaOp(s) recomputed, "
+        f"{'distributed' if plan.distributed_optimizer else 'replicated'} optimizer state",
         f"makespan      {plan.makespan_ms:10.2f} ms   (predicted compute time of one step)",
         f"sum C*        {plan.lower_bound_ms:10.2f} ms   (relaxed lower bound: sum over levels of C*)",
         f"bound         {bound:10.2f} ms   (certified for level-by-level wave schedules, per level: "
