@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
+                        freeze=args.freeze)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else

@@ -281,7 +281,8 @@ def cmd_compare(args) -> int:
     if args.plot:
         check_output(args.plot, "--plot")
     passes = resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
+                        freeze=args.freeze)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cmps = compare(graph, args.gpus, cluster=args.cluster, curves_file=curves, passes=passes)
     if args.plot:

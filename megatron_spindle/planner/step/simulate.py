@@ -30,7 +30,7 @@ all-reduces, which megatron.core's DDP posts during the backward, overlap comput
    the last backward wave using it on one of its ranks ends: wave ``w* = min`` over its ranks of the first
    wave using it, at the latest end of those of ``w*``'s slices that hold it on a member. Groups with the
    same ranks and the same ``w*`` form one bucket (the runtime's DDP instance per rank set posts its buckets
-   in that order), reduced by one ring all-reduce of :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's
+   in that order; a frozen weight's group is in none: it has no gradient), reduced by one ring all-reduce of :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's
    default for bf16 training) or 2 (bf16, ``grad_bytes=2``) bytes per parameter. A ring over ``n`` devices
    sends and receives ``2(n-1)/n · S`` bytes per member::
 
@@ -78,6 +78,7 @@ from typing import Mapping, Sequence
 from ..workload.cluster import Cluster
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
+from .dataflow import frozen_param_keys
 from .plan import Plan, Slice
 
 #: Share of a layer's forward + backward time spent in the forward pass (backward ≈ 2 × forward FLOPs).
@@ -266,7 +267,10 @@ def gradient_buckets(plan: Plan, *, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> l
                     first_use.setdefault((r, key), w.index)
     sizes: dict[tuple[tuple[int, ...], int | None], float] = defaultdict(float)
     producers: dict[tuple[tuple[int, ...], int | None], set] = defaultdict(set)
+    frozen = frozen_param_keys(plan.metaops)
     for g in plan.param_groups:
+        if g.param_key in frozen:  # a frozen weight has no gradient to reduce
+            continue
         ranks = tuple(sorted(g.ranks))
         waves = [first_use[(r, g.param_key)] for r in ranks if (r, g.param_key) in first_use]
         wave = min(waves) if waves else None
