@@ -32,6 +32,14 @@ def positive_int_list(text: str) -> list[int]:
     return [_int(part, 1, " (want e.g. 8,16,32)") for part in text.split(",")]
 
 
+def name_list(text: str) -> list[str]:
+    """``vision,text.layers`` -> ``['vision', 'text.layers']`` (module names for ``--freeze``)."""
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name (want e.g. vision,text)")
+    return names
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags ``spindle plan`` and ``spindle compare`` share."""
     p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
@@ -51,3 +59,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "samples per task (default: the model's when --batch is not given, else 1)")
     p.add_argument("--curves", default=None, metavar="FILE",
                    help="JSON scaling curves / device constants (default: the analytic model)")
+    p.add_argument("--freeze", type=name_list, default=[], metavar="MODULE[,MODULE]",
+                   help="modules (or components: vision = vision.*) whose weights do not train: forward only "
+                        "(input gradient only after a trained module), no gradient sync, no optimizer state")

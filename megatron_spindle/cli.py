@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_plan(args) -> int:
     auto = args.passes == "auto"
     passes = None if auto else resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes or 1)
+    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes or 1,
+                        freeze=args.freeze)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
@@ -58,12 +59,14 @@ def cmd_plan(args) -> int:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
     if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
-        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch), cluster,
+        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
+                                      freeze=args.freeze), cluster,
                              curves_file=curves)
         if tuned.plan is None:
             raise ValueError(f"no configuration fits: {tuned.error}")
         plan, passes = tuned.plan, tuned.execution.passes
-        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes)
+        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
+                            freeze=args.freeze)
         print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
     else:
         plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)

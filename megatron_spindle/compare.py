@@ -319,7 +319,7 @@ def cmd_compare(args) -> int:
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
     if args.plot:
         check_output(args.plot, "--plot")
-    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch)
+    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
     graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
     fixed = None
     if args.fixed_passes or args.passes not in (None, "auto"):

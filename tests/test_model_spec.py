@@ -22,7 +22,7 @@ LLAVA = os.path.join(ROOT, "examples", "models", "llava.toml")
 
 # -- the reference models as specs ----------------------------------------------------------------------
 def test_shipped_specs_give_the_graphs_of_the_former_python_definitions():
-    assert set(shipped_models()) == {"multitask-clip", "ofasys", "qwen-val"}
+    assert set(shipped_models()) == {"multitask-clip", "ofasys", "qwen-val", "imagebind"}
     assert len(GOLDEN["graphs"]) == 41
     for g in GOLDEN["graphs"]:
         got = build_graph(g["model"], tasks=g["tasks"], size=g["size"], batch=g["batch"])
@@ -208,6 +208,10 @@ BAD = [
     ("batch = 8", "batch = 8\npasses = 0", "model.passes", "0"),
     ("[model]", "[model\n", "(syntax)", "line 2"),
     ("causal = true", "causal = 1", "modules.txt.layers.causal", "1"),
+    ("causal = true", "causal = true\ntrainable = \"no\"", "modules.txt.layers.trainable", "'no'"),
+    ("temperature = 0.07", "temperature = 0.07\ntrainable = false", "modules.loss.trainable", "no weights"),
+    ("[modules.loss]", "[modules.img.head2]\nshare = \"img.head\"\ntrainable = false\n[modules.loss]",
+     "modules.img.head2.trainable", "one weight"),
 ]
 
 

@@ -149,8 +149,8 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-model", "gpt5"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: unknown model 'gpt5'; built-in models: multitask-clip, ofasys, qwen-val (or give the path of a "
-        ".toml model spec)"]
+        "error: unknown model 'gpt5'; built-in models: imagebind, multitask-clip, ofasys, qwen-val (or give the "
+        "path of a .toml model spec)"]
     # a plan for another model, and for another world size
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import load_cluster

@@ -3,7 +3,8 @@
 Every parameter is saved under a plan-independent key, ``model/<param_key>/<name>``, as a
 ``ShardedTensor`` of its full (unsharded) shape: a tensor-parallel shard declares its offset, and the copies
 that data-parallel replicas and other slices hold declare a non-zero ``replica_id`` so exactly one copy is
-written. AdamW's moments are saved the same way (``optim/<param_key>/<name>/exp_avg``...). Loading asks for
+written. AdamW's moments are saved the same way (``optim/<param_key>/<name>/exp_avg``...; a frozen weight has
+none, only ``model/...``). Loading asks for
 the keys of the *current* plan, so a checkpoint written under one plan loads under another (another world
 size, tensor-parallel degree or task mix): megatron.core reshards. Keys the checkpoint lacks (a task that
 joined) keep their fresh initialisation and are reported.
@@ -94,7 +95,7 @@ def sharded_state_dict(model, optimizer=None) -> dict:
             replica = (0, idx) if shard_spec(p) is not None else (shard, idx)  # a replicated tensor of a TP
             base = f"{key}/{name}"                                              # layer: one main copy in all
             out[f"model/{base}"] = _sharded(f"model/{base}", p.data, p, shard, tp, replica)
-            if optimizer is not None:
+            if optimizer is not None and p.requires_grad:  # a frozen weight has no optimizer state
                 st = optimizer.state[p]
                 for k in ADAM_KEYS:
                     out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)

@@ -43,11 +43,11 @@ def check_first_step(model, graph, batch, seed: int) -> float:
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}
         w = max(abs(losses[t] - ref_loss[t]) / max(abs(ref_loss[t]), 1e-12) for t in out)
-        grads = {(k, n): p.grad for k, n, p in ref.keyed_parameters()}
+        grads = {(k, n): torch.zeros_like(p) if p.grad is None else p.grad  # a frozen weight: none
+                 for k, n, p in ref.keyed_parameters()}
         for shards in gathered:
             for (key, shard, name), (g, spec) in shards.items():
                 full = grads[(key, name)]
-                full = torch.zeros_like(full) if full is None else full
                 if spec is not None:
                     dim, stride = spec
                     full = shard_tensor(full, dim=dim, stride=stride, rank=shard, size=tp_of[key])

@@ -17,6 +17,7 @@ import math
 import os
 from typing import Callable
 
+from ..argtypes import name_list
 from ..atomic import check_output
 from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster
@@ -45,6 +46,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="number of tasks (multitask-clip 4/7/10, ofasys 4/7, qwen-val 3); default the most")
     g.add_argument("--spindle-size", default="full",
                    help="model size: full (the spec itself) or one of the spec's [sizes] (tiny: CPU runs, tests)")
+    g.add_argument("--spindle-freeze", type=name_list, default=[], metavar="MODULE[,MODULE]",
+                   help="freeze these modules' weights (a module, e.g. vision.layers, or a component: vision = "
+                        "vision.*), like Megatron-LM's --freeze-ViT: no gradient, sync or optimizer state; "
+                        "forward only when no module before them trains")
     g.add_argument("--spindle-data", default=None, metavar="DIR",
                    help="train on real data: DIR/<task> is one megatron-energon dataset per task (energon "
                         "prepare); each rank reads only the samples of its slices (default: synthetic data)")
@@ -258,6 +263,20 @@ def world_from_env() -> int:
         raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
+def run_graph(args, world: int):
+    """The task graph of a run: ``--spindle-model``, ``-tasks``, ``-size``, ``-freeze`` and one pass of
+    ``--micro-batch-size`` x ``world`` samples per task (the model's default batch without it). An unknown
+    ``--spindle-freeze`` module is a ``ValueError`` naming the flag and listing the modules."""
+    freeze = getattr(args, "spindle_freeze", None) or ()
+    try:
+        return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
+                           batch=args.micro_batch_size * world if args.micro_batch_size else None, freeze=freeze)
+    except ValueError as e:
+        if str(e).startswith("cannot freeze"):
+            raise ValueError(f"--spindle-freeze {','.join(freeze)}: {e}") from None
+        raise
+
+
 def check_args(args, world: int) -> None:
     """Every check of the flags that needs no peer, run by every rank before any collective.
 
@@ -287,8 +306,7 @@ def check_args(args, world: int) -> None:
     need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
          f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
 
-    graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
-                        batch=args.micro_batch_size * world if args.micro_batch_size else None)
+    graph = run_graph(args, world)
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
     per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     load_cluster(None, num_devices=world, gpus_per_node=per_node,

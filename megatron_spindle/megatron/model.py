@@ -26,18 +26,17 @@ from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..planner.step.render import gantt, grid, summary
 from ..planner.step.validate import check_plan
-from ..planner.workload.workloads import build_graph
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
-from .flags import init_of
+from .flags import init_of, run_graph
 
 log = get_logger(__name__)
 
 
 def graph_for(args, world: int):
-    """The task graph of this run (the model's default batch when ``--micro-batch-size`` is not given)."""
-    batch = args.micro_batch_size * world if args.micro_batch_size else None
-    return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size, batch=batch)
+    """The task graph of this run (the model's default batch when ``--micro-batch-size`` is not given;
+    ``--spindle-freeze`` applied): :func:`.flags.run_graph`."""
+    return run_graph(args, world)
 
 
 def make_cluster(args, world: int):

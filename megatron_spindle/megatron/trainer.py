@@ -131,7 +131,7 @@ class Trainer:
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
-        self.optimizer = make_optimizer(self.model.unique_parameters(), args)
+        self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # frozen weights: no state
         self.scheduler = make_scheduler(self.optimizer, args)
         if args.load:
             self.start, _, missing = load_checkpoint(args.load, self.model, self.optimizer)
@@ -244,7 +244,7 @@ class Trainer:
         scale = 1.0
         if self.device.type == "cpu":
             scale = compute_scale(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), os.cpu_count() or 1)
-        params = self.model.unique_parameters()
+        params = self.model.optimizer_parameters()
         costs = StepCosts.from_measured(measured if measured.get("backend") == backend else None,
                                         tensors=len(params), elements=sum(p.numel() for p in params))
         return cluster, scale, costs

@@ -342,7 +342,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
     """The layer of one operator, on this rank's tensor-parallel shard.
 
     Args:
-        op: the operator.
+        op: the operator (``op.trainable`` False: a frozen weight, its parameters ``requires_grad=False``).
         tp_group, tp_rank, tp_size: the operator's tensor-parallel group (None when ``tp_size == 1``:
             a one-rank group is used), this rank's index in it and its size.
         seed: global seed; the core is initialised from :func:`layer_seed` ``(seed, op.param_key)``.
@@ -373,7 +373,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
             torch.manual_seed(layer_seed(seed, op.param_key or op.name))
             core = _build_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype,
                                rows=table_rows(op, graph), use_te=use_te)
-        core = core.to(dtype=dtype, device=device)
+        core = core.to(dtype=dtype, device=device).requires_grad_(op.trainable)  # frozen: no gradient
     return layer_class(op, core, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
                                       task_weight=task_weight, use_te=use_te)
 

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from .. import comm
 from ..models.layers import build_layer, output_shape
 from ..models.pretrained import load_pretrained
-from ..planner.step.dataflow import boundaries, rank_messages, slice_layout
+from ..planner.step.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.step.plan import Message, Plan, Slice, Transfer
 from ..planner.step.validate import check_plan
@@ -109,6 +109,7 @@ class SpindleModel(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype
         self.metaops = {m.name: m for m in plan.metaops}
+        self._grad = {n: needs_output_grad(m) for n, m in self.metaops.items()}  # False: forward only (frozen)
         self.registry = ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
         self.slice_of = {s.name: s for s in plan.slices()}
         # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
@@ -182,6 +183,10 @@ class SpindleModel(nn.Module):
                 seen.add(id(p))
                 out.append(p)
         return out
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The local parameters that train (frozen weights have ``requires_grad=False``)."""
+        return [p for p in self.unique_parameters() if p.requires_grad]
 
     def held_param_keys(self) -> set[tuple[str, int]]:
         """(param_key, TP shard) this rank holds."""
@@ -296,7 +301,8 @@ class SpindleModel(nn.Module):
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
                 t1 = time.perf_counter()
-                self._run_slice(s, batch, pieces, st)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]):
+                    self._run_slice(s, batch, pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
                 if self._early:  # its output exists: send it to every later wave now
                     for v, items in self._fwd_sends_of.get(s.name, ()):
@@ -329,7 +335,7 @@ class SpindleModel(nn.Module):
                     raise RuntimeError(f"rank {self.rank}: {s.name} input {idx} assembled samples "
                                        f"{[(p, p + t.shape[0]) for p, t in got]}, wanted [{a}, {b})")
                 leaf = torch.cat([t for _, t in got], 0) if len(got) > 1 else got[0][1]
-                leaf = leaf.detach().requires_grad_(True)
+                leaf = leaf.detach().requires_grad_(self._grad[m.name if s.layer_start else m.inputs[idx]])
                 st.inputs[(s.name, idx)] = leaf
                 inputs.append(leaf)
             x = self.layers[_module_key(m.name, layer)](inputs)
@@ -360,6 +366,8 @@ class SpindleModel(nn.Module):
         self._xfer = PassTransfers()
         for w in range(len(self.plan.waves) - 1, -1, -1):
             for s in reversed(self.my_slices[w]):
+                if not self._grad[s.metaop]:  # frozen, nothing trainable before it: no backward, no messages
+                    continue
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
                 t1 = time.perf_counter()
                 out = st.outputs[s.name]
@@ -372,7 +380,7 @@ class SpindleModel(nn.Module):
                 if out.requires_grad:
                     torch.autograd.backward(out, grad)
                 for (name, idx), leaf in st.inputs.items():
-                    if name == s.name and leaf.grad is None:
+                    if name == s.name and leaf.grad is None and leaf.requires_grad:
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
                 if self._early:  # its input gradients exist: send them back now
@@ -399,10 +407,10 @@ class SpindleModel(nn.Module):
         return self.grad_sync.no_sync()
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
-        """What the optimizer steps: every local parameter, or with ``distributed_optimizer`` this rank's
-        shards of the gradient buckets (:mod:`.grad_sync`)."""
+        """What the optimizer steps: every local trainable parameter, or with ``distributed_optimizer`` this
+        rank's shards of the gradient buckets (:mod:`.grad_sync`)."""
         return self.grad_sync.optimizer_parameters() if self.grad_sync.distributed_optimizer \
-            else self.unique_parameters()
+            else self.trainable_parameters()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""

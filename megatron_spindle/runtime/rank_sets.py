@@ -3,11 +3,12 @@
 * ``tp/<slice>/<replica>``: the tensor-parallel group of each data-parallel replica of a slice with tp > 1
   (ranks ascending: a device's position is its tensor-parallel rank);
 * ``param/<param_key>/<shard>``: each parameter device group with more than one device; its gradient is
-  all-reduced over exactly these ranks after backward;
+  all-reduced over exactly these ranks after backward (none for a frozen weight: no gradient);
 * ``world``: every rank (loss and gradient-norm reductions).
 """
 from __future__ import annotations
 
+from ..planner.step.dataflow import frozen_param_keys
 from ..planner.step.plan import Plan
 
 
@@ -25,7 +26,8 @@ def plan_rank_sets(plan: Plan) -> dict[str, tuple[int, ...]]:
         if s.tp > 1:
             for i in range(s.dp):
                 out[tp_group_name(s.name, i)] = tuple(s.ranks[i * s.tp:(i + 1) * s.tp])
+    frozen = frozen_param_keys(plan.metaops)
     for g in plan.param_groups:
-        if len(g.ranks) > 1:
+        if len(g.ranks) > 1 and g.param_key not in frozen:
             out[param_group_name(g.param_key, g.tp_rank)] = tuple(g.ranks)
     return out

@@ -121,9 +121,9 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     for want, target, buf, spec in bufs:
         received[want] = (target, buf, spec)
 
-    new_opt = make_optimizer(new.unique_parameters())
+    new_opt = make_optimizer(new.trainable_parameters())
     old_params = {id(p) for layer, _ in available.values() for p in layer.core.parameters()}
-    for p in new.unique_parameters():  # reused parameters: same objects, same state
+    for p in new.trainable_parameters():  # reused parameters: same objects, same state
         if id(p) in old_params:
             for layer, states in available.values():
                 for n, q in layer.core.named_parameters():

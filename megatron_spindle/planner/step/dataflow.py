@@ -20,14 +20,16 @@ exactly those messages. Nothing else derives them. Pure Python.
    over the replica.
 4. **Backward messages**: the mirror image. Every rank of the producer ``S`` needs the gradient of its samples,
    taken from one holder in ``D`` chosen by the same rule (``messages(D, S)``); Megatron's tensor-parallel
-   layers return replicated input gradients, so any holder will do.
+   layers return replicated input gradients, so any holder will do. None when the producer's backward does
+   not run (:func:`needs_output_grad`: frozen, and nothing before it trains).
 5. **Bytes.** A message of ``n`` samples moves ``n · out_elems_per_sample · ACTIVATION_BYTES`` bytes (bf16
    activations, the producer's output size); its gradient moves as many.
 6. **Tags.** The messages of one boundary (all edges into one wave) are numbered ``1, 2, ...`` in edge order,
    forward and backward separately (:func:`rank_messages`); every rank reads the same list, so a send and its
    receive carry the same tag.
 7. **Parameter device groups** (:func:`param_groups`): one per (weight, tensor-parallel shard), the devices
-   holding it; its gradient is all-reduced over exactly them.
+   holding it; its gradient is all-reduced over exactly them, unless the weight is frozen
+   (:func:`frozen_param_keys`: held, never synchronised).
 
 Worked example: a producer on ranks ``(0,)`` and a consumer on ``(0, 1, 2, 3)`` with batch 8 move samples
 ``[0, 2)`` as a local copy on rank 0 and ``[2, 4)``, ``[4, 6)``, ``[6, 8)`` from rank 0 to ranks 1, 2, 3:
@@ -142,6 +144,17 @@ def _edges(by_name: Mapping[str, MetaOp], slices: Sequence[Slice]) -> Iterable[t
                 yield idx, where[key], s
 
 
+def needs_output_grad(m: MetaOp) -> bool:
+    """Whether ``m``'s backward runs, so it needs its output's gradient: it trains, or a MetaOp before it
+    does (``input_grad``). A frozen MetaOp with nothing trainable before it runs forward only."""
+    return m.trainable or m.input_grad
+
+
+def frozen_param_keys(metaops: Iterable[MetaOp]) -> set[str]:
+    """The weights of frozen MetaOps: held where their slices run, never reduced (no gradient)."""
+    return {k for m in metaops if not m.trainable for k in m.param_keys if k}
+
+
 def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node: int) -> list[Transfer]:
     """Every slice-to-slice edge with its forward and backward messages (items 2-5)."""
     by_name = {m.name: m for m in metaops}
@@ -152,7 +165,7 @@ def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node:
         a, b = slice_layout(p, src.ranks), slice_layout(by_name[dst.metaop], dst.ranks)
         per_sample = float(ACTIVATION_BYTES * p.out_elems_per_sample)
         fwd = messages(a, b, island_of=island, bytes_per_sample=per_sample)
-        bwd = messages(b, a, island_of=island, bytes_per_sample=per_sample)
+        bwd = messages(b, a, island_of=island, bytes_per_sample=per_sample) if needs_output_grad(p) else []
         out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=tuple(fwd), backward=tuple(bwd),
                             cross_island_bytes=sum(x.bytes for x in fwd if island(x.src) != island(x.dst))))
     return out

@@ -77,18 +77,30 @@ def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
     return "\n".join(out)
 
 
+def backward_kind(m) -> str:
+    """What a MetaOp's backward computes: ``full``, ``input grad`` (frozen weights, a trainable MetaOp
+    before it) or ``none`` (forward only: frozen, nothing trainable before it)."""
+    if m.trainable:  # a MetaOp without weights is "trainable" exactly when a MetaOp before it is
+        return "full"
+    return "input grad" if m.input_grad else "none"
+
+
 def metaop_table(plan: Plan) -> str:
+    """One row per MetaOp; with frozen MetaOps a ``backward`` column says what their backward computes
+    (``input grad (frozen)``, ``none (frozen)``)."""
     c = codes(plan)
     n_star = {m: n for lv in plan.levels for m, n in lv.n_star}
+    frozen = any(backward_kind(m) != "full" for m in plan.metaops)
     rows = [("code", "MetaOp", "lvl", "layers", "batch", "tp", "recompute", "n*", "slices (devices x layers)",
-             "curve", "fit err")]
+             "curve", "fit err") + (("backward",) if frozen else ())]
     for m in plan.metaops:
         sl = [s for s in plan.slices() if s.metaop == m.name]
         desc = " ".join(f"{len(s.ranks)}x{s.num_layers}" for s in sl)
-        rows.append((c[m.name], m.name + ("" if m.trainable else " (frozen)"), str(m.level), str(m.num_layers),
-                     str(m.batch), str(m.tp), "-" if m.recompute == "none" else m.recompute,
+        kind = backward_kind(m) + ("" if m.trainable or not any(m.param_keys) else " (frozen)")
+        rows.append((c[m.name], m.name, str(m.level), str(m.num_layers), str(m.batch), str(m.tp),
+                     "-" if m.recompute == "none" else m.recompute,
                      f"{n_star.get(m.name, 0):.2f}", desc, plan.curve(m.name).source,
-                     f"{plan.curve(m.name).fit_error:.1%}"))
+                     f"{plan.curve(m.name).fit_error:.1%}") + ((kind,) if frozen else ()))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(width[i]) for i, v in enumerate(r)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -133,6 +145,13 @@ def summary(plan: Plan, planning_s: float | None = None) -> str:
         f"transfers     {sum(t.bytes - t.local_bytes for t in plan.transfers) / 2**20:.1f} MiB moved per "
         f"step forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands",
     ]
+    frozen = [m for m in plan.metaops if not m.trainable and any(m.param_keys)]
+    if frozen:
+        fwd_only = sum(1 for m in frozen if not m.input_grad)
+        params = sum({k: m.params_per_layer for m in frozen for k in m.param_keys if k}.values())
+        lines.append(f"frozen        {len(frozen)} of {len(plan.metaops)} MetaOps ({fwd_only} forward only, "
+                     f"{len(frozen) - fwd_only} input gradient only), {params / 1e6:.1f} M parameters: no "
+                     f"gradient sync, no optimizer state")
     if planning_s is not None:
         lines.append(f"planning time {planning_s:10.3f} s")
     return "\n".join(lines)

@@ -65,6 +65,8 @@ class Workload:
     tasks: int | None = None
     size: str = "full"
     batch: int | Mapping[str, int] | None = None
+    freeze: Sequence[str] = ()
+    """Modules frozen at launch (``--spindle-freeze``), besides the spec's ``trainable = false`` ones."""
     _graphs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def graph(self, passes: int) -> TaskGraph:
@@ -72,7 +74,7 @@ class Workload:
         g = self._graphs.get(passes)
         if g is None:
             g = self._graphs[passes] = build_graph(self.model, tasks=self.tasks, size=self.size, batch=self.batch,
-                                                   passes=passes)
+                                                   passes=passes, freeze=tuple(self.freeze))
         return g
 
     def step_batches(self) -> dict[str, int]:

@@ -141,6 +141,10 @@ class Operator:
     """Whether tensor parallelism applies (attention heads / MLP columns can be sharded)."""
     batch_splittable: bool = True
     """Whether data parallelism applies; a contrastive loss needs the whole batch on one device."""
+    trainable: bool = True
+    """``False``: a frozen weight (spec ``trainable = false``, ``--spindle-freeze``): no gradient, sync or
+    optimizer state. Serialized only when ``False``, so graphs without frozen weights keep their
+    fingerprints."""
 
     def __post_init__(self) -> None:
         if self.op_type not in OP_TYPES:
@@ -149,6 +153,8 @@ class Operator:
                                  f"{', registered: ' + str(registered()) if registered() else ''}")
         if self.batch <= 0:
             raise ValueError(f"operator {self.name!r}: batch must be positive, got {self.batch}")
+        if not self.trainable and not self.param_key:
+            raise ValueError(f"operator {self.name!r} has no weights to freeze (trainable=False)")
 
     @property
     def signature(self) -> tuple:
@@ -159,6 +165,8 @@ class Operator:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["layer"] = self.layer.to_json()
         d["inputs"] = list(self.inputs)
+        if self.trainable:
+            del d["trainable"]
         return d
 
     @classmethod
@@ -221,6 +229,10 @@ class TaskGraph:
             if op.param_key:
                 out[op.param_key] = max(out.get(op.param_key, 0), op.param_count)
         return out
+
+    def frozen_param_keys(self) -> set[str]:
+        """The ``param_key`` of every frozen weight."""
+        return {op.param_key for op in self.operators if not op.trainable}
 
     def total_params(self) -> int:
         return sum(self.param_counts().values())

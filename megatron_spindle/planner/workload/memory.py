@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .metaops import BYTES_PER_PARAM_STATE, MetaOp
+from .metaops import BYTES_PER_PARAM_STATE, FROZEN_BYTES_PER_PARAM, MetaOp
 from .recompute import act_bytes_per_sample
 
 #: Bytes per parameter of a bf16 weight, its fp32 main gradient, and Adam's fp32 master weight + moments.
-WEIGHT_BYTES = 2
+WEIGHT_BYTES = FROZEN_BYTES_PER_PARAM
 GRAD_BYTES = 4
 OPTIMIZER_BYTES = BYTES_PER_PARAM_STATE - WEIGHT_BYTES - GRAD_BYTES
 

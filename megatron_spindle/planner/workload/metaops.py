@@ -5,7 +5,7 @@ Contraction (the paper's rule). Walk the operators in topological order and merg
 1. ``i`` has exactly one consumer and ``j`` exactly one producing operator (``out_deg(i) = in_deg(j) = 1``,
    data streams do not count as producers), and
 2. both are the same workload: equal ``op_type``, global batch and :class:`LayerConfig`
-   (so equal input shape ``[batch, seq, hidden]``).
+   (so equal input shape ``[batch, seq, hidden]``), and both frozen or both trained.
 
 Two tasks that share weights but process their own data stay separate MetaOps (shared parameters,
 separate workloads), because their operators are never joined by an edge.
@@ -18,7 +18,7 @@ Parallel mode (our choice; the paper leaves it to the user). A MetaOp runs data-
 batch, with a fixed tensor-parallel degree ``tp`` inside every data-parallel replica:
 
 * ``tp = 1`` unless its layer type can be sharded and its model states (``BYTES_PER_PARAM_STATE`` bytes per
-  parameter, all of its layers) exceed ``TP_MEMORY_FRACTION`` of a device's memory; then the smallest power
+  parameter, 2 for a frozen weight, all of its layers) exceed ``TP_MEMORY_FRACTION`` of a device's memory; then the smallest power
   of two that brings them under, at most the island size. This is what a Megatron-LM user does: tensor
   parallelism only when the weights do not fit, kept inside one NVLink island.
 * MetaOps that share any ``param_key`` get the largest of their degrees, so a shared layer has one
@@ -40,6 +40,8 @@ from ..limits import divisors
 #: Bytes of model state per parameter for mixed-precision Adam in Megatron-LM without the distributed
 #: optimizer: bf16 weight (2) + fp32 main gradient (4) + fp32 master weight (4) + Adam moments (8).
 BYTES_PER_PARAM_STATE = 18
+#: A frozen weight keeps only its bf16 copy (no gradient, no optimizer state; :mod:`.memory`).
+FROZEN_BYTES_PER_PARAM = 2
 #: Share of a device's memory that one MetaOp's model states may take before tensor parallelism is used.
 TP_MEMORY_FRACTION = 0.25
 #: Activation recompute modes of a MetaOp (:mod:`.recompute`).
@@ -79,9 +81,12 @@ class MetaOp:
     """Activation recompute of every layer (:mod:`.recompute`): ``none``, ``selective`` or ``full``; chosen by
     the planner where memory binds, executed by the runtime."""
     trainable: bool = True
-    """Whether its weights train (``False``: a frozen module; no gradient, sync or optimizer state)."""
+    """Whether its weights train (``False``: a frozen module; no gradient, sync or optimizer state). A MetaOp
+    without weights (a loss) counts as trainable exactly when ``input_grad``: its backward runs only then."""
     input_grad: bool = True
-    """Whether its backward must produce its input's gradient (some MetaOp before it trains)."""
+    """Whether its backward must produce its input's gradient: some MetaOp before it (transitively through
+    its producers) trains. ``trainable`` and ``input_grad`` both false: no backward at all (forward only,
+    nothing stashed, no gradient sent back to it)."""
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -155,11 +160,12 @@ def tp_divides(layer: LayerConfig, tp: int) -> bool:
     return all(v % tp == 0 for v in (layer.num_heads, layer.hidden, layer.ffn_hidden, layer.vocab_size) if v)
 
 
-def choose_tp(params: int, *, memory_bytes: float, max_tp: int, layer: LayerConfig | None = None) -> int:
+def choose_tp(params: int, *, memory_bytes: float, max_tp: int, layer: LayerConfig | None = None,
+              bytes_per_param: int = BYTES_PER_PARAM_STATE) -> int:
     """Smallest power-of-two TP degree ≤ ``max_tp`` bringing ``params``' states under the memory share
     (among the degrees that divide the layer's heads, widths and vocabulary)."""
     tp = 1
-    while params * BYTES_PER_PARAM_STATE / tp > TP_MEMORY_FRACTION * memory_bytes:
+    while params * bytes_per_param / tp > TP_MEMORY_FRACTION * memory_bytes:
         nxt = tp * 2
         if nxt > max_tp or (layer is not None and not tp_divides(layer, nxt)):
             break
@@ -181,7 +187,7 @@ def contract(graph: TaskGraph, *, memory_bytes: float = 80 * 2**30, max_tp: int 
         if len(preds) == 1 and in_deg[op.name] == 1:
             p = graph[preds[0]]
             if (len(succ[p.name]) == 1 and p.op_type == op.op_type and p.batch == op.batch
-                    and p.layer == op.layer and p.task == op.task
+                    and p.layer == op.layer and p.task == op.task and p.trainable == op.trainable
                     and chains[chain_of[p.name]][-1].name == p.name):
                 chain_of[op.name] = chain_of[p.name]
                 chains[chain_of[p.name]].append(op)
@@ -198,11 +204,15 @@ def contract(graph: TaskGraph, *, memory_bytes: float = 80 * 2**30, max_tp: int 
 
     metaops: list[MetaOp] = []
     level: dict[str, int] = {}
+    grad_out: dict[str, bool] = {}  # MetaOp -> its backward runs (it trains, or one before it does)
     for ops, name in zip(chains, names):
         first = ops[0]
         inputs = tuple(i if i.startswith(DATA_PREFIX) else names[chain_of[i]] for i in first.inputs)
         producers = [i for i in inputs if not i.startswith(DATA_PREFIX)]
         level[name] = 1 + max((level[p] for p in producers), default=-1)
+        input_grad = any(grad_out[p] for p in producers)
+        trainable = first.trainable if any(o.param_key for o in ops) else input_grad
+        grad_out[name] = trainable or input_grad
         metaops.append(MetaOp(
             name=name, op_type=first.op_type, task=first.task, module=first.module, batch=first.batch,
             layer=first.layer, operators=tuple(o.name for o in ops),
@@ -210,13 +220,15 @@ def contract(graph: TaskGraph, *, memory_bytes: float = 80 * 2**30, max_tp: int 
             fwd_flops_per_layer=first.fwd_flops, params_per_layer=first.param_count,
             out_elems_per_sample=first.out_elems_per_sample,
             act_bytes_per_sample=first.act_bytes_per_sample,
-            batch_splittable=first.batch_splittable, tp_splittable=first.tp_splittable))
+            batch_splittable=first.batch_splittable, tp_splittable=first.tp_splittable,
+            trainable=trainable, input_grad=input_grad))
     return _assign_tp(metaops, memory_bytes=memory_bytes, max_tp=max_tp)
 
 
 def _assign_tp(metaops: list[MetaOp], *, memory_bytes: float, max_tp: int) -> tuple[MetaOp, ...]:
     want = {m.name: (choose_tp(m.params_per_layer * m.num_layers, memory_bytes=memory_bytes, max_tp=max_tp,
-                               layer=m.layer) if m.tp_splittable else 1) for m in metaops}
+                               layer=m.layer, bytes_per_param=BYTES_PER_PARAM_STATE if m.trainable else
+                               FROZEN_BYTES_PER_PARAM) if m.tp_splittable else 1) for m in metaops}
     # Union-find over shared parameter keys: one sharding per shared layer.
     parent = {m.name: m.name for m in metaops}
 

@@ -11,7 +11,7 @@ Read with the standard library's ``tomllib``; the schema is documented in ``docs
   hyper-parameters (``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``, ``num_layers``,
   ``seq_length``, ``vocab_size``, ``swiglu``, ``causal``, ...). ``share = "<module>"`` makes a module use
   another module's weights; a module used by several tasks shares its weights across them unless
-  ``shared = false``;
+  ``shared = false``; ``trainable = false`` freezes its weights (as ``--spindle-freeze`` does);
 * ``[tasks.<name>]``: optional ``batch`` and ``weight``, ``tokens`` (length of each token stream) and
   ``flow``: lines ``"data:image -> vision.embed -> vision.layers"`` / ``"a.head + b.head -> loss"`` saying
   which modules the task's data flows through, in order (``+`` concatenates inputs in the order written);
@@ -32,11 +32,11 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .graph import DATA_PREFIX, Operator, TaskGraph
 from .layer_types import load_plugin
-from .spec_layers import NO_VALUE, SpecError, check_module, check_value, module_operators
+from .spec_layers import NO_PARAMS, NO_VALUE, SpecError, check_module, check_value, module_operators
 
 __all__ = ["ModelSpec", "SpecError", "load_spec", "parse_spec", "resolve", "shipped_models", "SIZE_FULL"]
 
@@ -87,17 +87,20 @@ class ModelSpec:
         return passes
 
     def build_graph(self, *, tasks: int | None = None, size: str = SIZE_FULL,
-                    batch: int | Mapping[str, int] | None = None, passes: int | None = None) -> TaskGraph:
+                    batch: int | Mapping[str, int] | None = None, passes: int | None = None,
+                    freeze: Sequence[str] = ()) -> TaskGraph:
         """The task graph of one pass of the first ``tasks`` tasks at ``size``: ``batch`` overrides the
         global batch per task per optimizer step (one number for all, or a mapping task -> batch), each
-        task's pass holds ``batch / passes`` samples (:meth:`resolve_passes`)."""
+        task's pass holds ``batch / passes`` samples (:meth:`resolve_passes`); ``freeze`` names modules (or
+        components: ``vision`` is every ``vision.*`` module) whose weights do not train, as if their spec
+        said ``trainable = false`` (:meth:`frozen_modules`)."""
         k = self.task_counts[-1] if tasks is None else tasks
         if k not in self.task_counts:
             raise ValueError(f"model {self.name!r} is defined for {self.task_counts} tasks, not {k}")
         if size != SIZE_FULL and size not in self.sizes:
             raise ValueError(f"unknown size {size!r} for model {self.name!r}; choose one of "
                              f"{(SIZE_FULL, *self.sizes)}")
-        modules, task_tables = self._sized(size)
+        modules, task_tables = self._sized(size, self.frozen_modules(freeze))
         names = list(task_tables)[:k]
         k = self.resolve_passes(size, batch, passes)
         per_task = self._batches(names, task_tables, batch, self.sizes.get(size, {}).get("model", {}))
@@ -111,7 +114,30 @@ class ModelSpec:
         weights = tuple(float(task_tables[t].get("weight", 1.0)) for t in names)
         return TaskGraph(model=self.name, tasks=tuple(names), operators=tuple(ops), task_weights=weights)
 
-    def _sized(self, size: str) -> tuple[dict[str, dict], dict[str, dict]]:
+    def frozen_modules(self, names: Sequence[str]) -> tuple[str, ...]:
+        """The modules that own the weights ``names`` freeze: a module's own name, or a component (the first
+        name part: ``vision`` is ``vision.embed``, ``vision.layers``, ...; modules without weights skipped);
+        a module that uses another's weights (``share``) freezes that module's, shared by both. An unknown
+        name or one without weights is a ``ValueError`` listing the modules."""
+        out: list[str] = []
+        owner = {m: v.get("share", m) for m, v in self.modules.items()}
+        kind = {m: self.modules[owner[m]].get("type") for m in self.modules}
+        for name in names:
+            if name in self.modules:
+                found = [name]
+                if kind[name] in NO_PARAMS:
+                    raise ValueError(f"cannot freeze {name!r} of model {self.name!r}: a {kind[name]} module "
+                                     f"has no weights")
+            else:
+                found = [m for m in self.modules if m.startswith(name + ".") and kind[m] not in NO_PARAMS]
+            if not found:
+                raise ValueError(f"cannot freeze {name!r}: not a module of model {self.name!r}; modules: "
+                                 f"{', '.join(self.modules)} (or a component: "
+                                 f"{', '.join(dict.fromkeys(m.split('.')[0] for m in self.modules if kind[m] not in NO_PARAMS))})")
+            out += [owner[m] for m in found]
+        return tuple(dict.fromkeys(out))
+
+    def _sized(self, size: str, frozen: Sequence[str] = ()) -> tuple[dict[str, dict], dict[str, dict]]:
         modules = {m: dict(v) for m, v in self.modules.items()}
         tasks = {t: dict(v) for t, v in self.tasks.items()}
         over = self.sizes.get(size, {})
@@ -126,10 +152,14 @@ class ModelSpec:
                     tasks[t]["tokens"] = {**tasks[t].get("tokens", {}), **v}
                 else:
                     tasks[t][key] = v
+        for m in frozen:
+            modules[m]["trainable"] = False
         for m, mod in modules.items():  # a sharing module inherits the hyper-parameters it does not set
             if "share" in mod:
-                modules[m] = {**{k: v for k, v in modules[mod["share"]].items() if k not in ("shared",)},
-                              **mod}
+                owner = modules[mod["share"]]
+                modules[m] = {**{k: v for k, v in owner.items() if k not in ("shared",)}, **mod}
+                if not owner.get("trainable", True):  # one weight: frozen for both
+                    modules[m]["trainable"] = False
         where = f"sizes.{size}." if size != SIZE_FULL else ""
         for m, mod in modules.items():
             check_module(self.file, f"{where}modules.{m}", mod)
@@ -292,6 +322,9 @@ def parse_spec(text: str, file: str) -> ModelSpec:
             if "share" in modules[target]:
                 raise SpecError(file, f"modules.{m}.share", target, "shares another module's weights itself: "
                                                                     "name the module that owns them")
+            if mod.get("trainable", modules[target].get("trainable", True)) != modules[target].get("trainable", True):
+                raise SpecError(file, f"modules.{m}.trainable", mod["trainable"], f"differs from the shared "
+                                f"module {target!r}: they use one weight; set trainable there")
             if mod.get("type", modules[target].get("type")) != modules[target].get("type"):
                 raise SpecError(file, f"modules.{m}.type", mod["type"], f"differs from the type "
                                                                          f"{modules[target].get('type')!r} of "

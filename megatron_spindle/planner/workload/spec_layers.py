@@ -27,7 +27,7 @@ class SpecError(ValueError):
 NO_VALUE = object()
 
 # -- per layer type: allowed keys, required keys ------------------------------------------------------
-_COMMON = {"type", "share", "shared", "tensor_parallel"}
+_COMMON = {"type", "share", "shared", "tensor_parallel", "trainable"}
 #: megatron.core's names for what a pretrained checkpoint needs (docs/model_spec.md, "Matching a checkpoint")
 _LAYER_MATCH = {"num_query_groups", "activation", "normalization", "layernorm_epsilon", "add_bias_linear",
                 "add_qkv_bias", "position_embedding_type", "rotary_base"}
@@ -49,7 +49,8 @@ _CUSTOM_KEYS = ({"hidden_size"}, {"seq_length", "num_layers", "num_attention_hea
                                   "swiglu", "causal"})
 _INT_KEYS = {"hidden_size", "seq_length", "input_dim", "vocab_size", "num_attention_heads", "num_layers",
              "ffn_hidden_size", "proj_dim", "pool_factor", "num_query_groups"}
-_BOOL_KEYS = {"swiglu", "causal", "shared", "tensor_parallel", "norm", "add_bias_linear", "add_qkv_bias"}
+_BOOL_KEYS = {"swiglu", "causal", "shared", "tensor_parallel", "norm", "add_bias_linear", "add_qkv_bias",
+              "trainable"}
 _CHOICES = {"activation": ("gelu", "quick_gelu", "silu"), "normalization": ("LayerNorm", "RMSNorm")}
 #: position_embedding_type per layer type: the first is the default
 _POSITIONS = {"token_embed": ("learned_absolute", "none"), "transformer_layer": ("none", "rope")}
@@ -57,7 +58,7 @@ _POOLING = ("cls", "eos", "mean")
 #: Types whose layers accept tp > 1 (models/layers.py TP_OP_TYPES); the others are tp = 1 only.
 _TP_TYPES = {"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter", "token_embed",
              "lm_head"}
-_NO_PARAMS = {"contrastive_loss"}
+NO_PARAMS = {"contrastive_loss"}
 
 @dataclass(frozen=True)
 class _Out:
@@ -208,6 +209,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
     if not mod.get("shared", True):
         base_key = f"{task}.{base_key}"
     layers = mod.get("num_layers", 0)
+    frozen = dict(trainable=False) if mod.get("trainable", True) is False else {}
     inputs = [s if o is not None else data_input(task, s[len(DATA_PREFIX):]) for s, o in srcs]
     inputs = [last_op[s] if s in last_op else s for s in inputs]
     component = name.split(".")[0]
@@ -217,12 +219,12 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         for i in range(layers):
             ops.append(_operator(name=f"{task}.{stem}.{i}", task=task, module=component, op_type=t,
                                  batch=batch, layer=cfg, param_key=f"{base_key}.{i}", inputs=inputs,
-                                 tp_splittable=tp, batch_splittable=splittable))
+                                 tp_splittable=tp, batch_splittable=splittable, **frozen))
             inputs = [ops[-1].name]
     else:
         ops.append(_operator(name=f"{task}.{name}", task=task, module=component, op_type=t, batch=batch,
-                             layer=cfg, param_key="" if t in _NO_PARAMS else base_key, inputs=inputs,
-                             tp_splittable=tp, batch_splittable=splittable))
+                             layer=cfg, param_key="" if t in NO_PARAMS else base_key, inputs=inputs,
+                             tp_splittable=tp, batch_splittable=splittable, **frozen))
     return ops, out
 
 
@@ -254,7 +256,7 @@ def _describe(o: _Out) -> str:
 
 
 def _operator(*, name, task, module, op_type, batch, layer, param_key, inputs, tp_splittable,
-              batch_splittable) -> Operator:
+              batch_splittable, trainable=True) -> Operator:
     if op_type == "contrastive_loss":
         flops = costs.contrastive_loss_flops(batch, layer.proj_dim)
     else:
@@ -264,7 +266,7 @@ def _operator(*, name, task, module, op_type, batch, layer, param_key, inputs, t
                     param_count=costs.layer_params(op_type, layer) if param_key else 0,
                     out_elems_per_sample=costs.out_elems_per_sample(op_type, layer),
                     act_bytes_per_sample=costs.layer_act_bytes_per_sample(op_type, layer),
-                    batch_splittable=batch_splittable, tp_splittable=tp_splittable)
+                    batch_splittable=batch_splittable, tp_splittable=tp_splittable, trainable=trainable)
 
 
 
@@ -306,6 +308,8 @@ def check_module(file: str, key: str, mod: dict) -> None:
             raise SpecError(file, f"{key}.{k}", v, f"not a key of a {t} module; keys: "
                                                    f"{', '.join(sorted(required | optional | _COMMON))}")
         check_value(file, f"{key}.{k}", k, v)
+    if t in NO_PARAMS and "trainable" in mod:
+        raise SpecError(file, f"{key}.trainable", mod["trainable"], f"a {t} module has no weights to freeze")
     for k in sorted(required - set(mod)):
         raise SpecError(file, f"{key}.{k}", NO_VALUE, f"missing: a {t} module needs {', '.join(sorted(required))}")
     h, heads = mod.get("hidden_size"), mod.get("num_attention_heads")

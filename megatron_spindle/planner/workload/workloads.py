@@ -19,7 +19,7 @@ and the demo. ``tests/test_model_spec.py`` proves the graphs equal those the for
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .graph import TaskGraph
 from .spec import SIZE_FULL, load_spec, shipped_models
@@ -51,15 +51,17 @@ def task_counts(model: str) -> tuple[int, ...]:
 
 
 def build_graph(model: str, *, tasks: int | None = None, size: str = SIZE_FULL,
-                batch: int | Mapping[str, int] | None = None, passes: int | None = None) -> TaskGraph:
+                batch: int | Mapping[str, int] | None = None, passes: int | None = None,
+                freeze: Sequence[str] = ()) -> TaskGraph:
     """The task graph of one pass of a model: a shipped model's name (``multitask-clip``) or a spec file's path.
 
     ``tasks`` picks how many tasks (default: the largest allowed; the first K are trained); ``batch`` is the
     global batch per task per optimizer step, one number for all tasks or a mapping task -> batch (default:
     the spec's); a pass holds ``batch / passes`` of it (``passes``: default the spec's when ``batch`` is not
-    given, else 1; see :func:`resolve_passes`).
+    given, else 1; see :func:`resolve_passes`); ``freeze`` names modules or components whose weights do not
+    train (``--spindle-freeze``, :meth:`.spec.ModelSpec.frozen_modules`).
     """
-    return load_spec(model).build_graph(tasks=tasks, size=size, batch=batch, passes=passes)
+    return load_spec(model).build_graph(tasks=tasks, size=size, batch=batch, passes=passes, freeze=freeze)
 
 
 def resolve_passes(model: str, *, size: str = SIZE_FULL, batch=None, passes: int | None = None) -> int:
