@@ -124,7 +124,7 @@ def targets(main, extra) -> list[str]:
               for m, k, cmps in main + extra for c in cmps for b in BASELINES
               if c.results["spindle"].ok and c.speedup("spindle", b) is not None and c.speedup("spindle", b) < 1 - 1e-9]
     c10, q64 = sp("multitask-clip", 10, 32), sp("qwen-val", 3, 64)
-    return [f"1. Spindle at or below every tuned baseline on the paper's grid and at 64, 256, 1024 GPUs: "
+    return ["1. Spindle at or below every tuned baseline on the paper's grid and at 64, 256, 1024 GPUs: "
             + ("**met**." if not slower else "**missed** on " + "; ".join(slower) + "."),
             f"2. Over tuned sequential, Multitask-CLIP-10 on 32 GPUs at least 1.5x (paper 1.71x): {x(c10)}, "
             f"{'**met**' if c10 and c10 >= 1.5 else '**missed**'}.",
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     cl = load_cluster(args.cluster, num_devices=64)
     head = ["workload", "GPUs", "Spindle step ms (configuration)"] + \
         [f"over {b} (its configuration)" for b in BASELINES] + ["paper: best over sequential"]
-    md = [f"# Spindle against tuned baselines on the paper's workloads (simulated)", "",
+    md = ["# Spindle against tuned baselines on the paper's workloads (simulated)", "",
           f"Made by `python scripts/bench_paper.py` in {seconds:.0f} s (pure planner code). Cluster `{args.cluster}`: "
           f"{cl.gpus_per_node} devices per island, {cl.intra_bandwidth_gbps:g} GB/s NVLink per device, "
           f"{cl.inter_bandwidth_gbps:g} GB/s InfiniBand per node, {cl.memory_gib:g} GiB ({cl.usable_memory_fraction:g} "

@@ -39,7 +39,7 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist

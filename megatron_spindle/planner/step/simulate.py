@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
