@@ -160,40 +160,39 @@ def baseline_options() -> list[tuple[str, bool, int]]:
     return out
 
 
-def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | None = None,
-                  device: DeviceModel | None = None, fixed: Execution | None = None) -> Tuned:
-    """``system`` (one of :data:`.baselines.BASELINES`) at its best configuration (module docstring), or at
-    ``fixed`` only."""
-    out = Tuned(system)
-    plans: dict[Execution, Plan | str] = {}
+def _search(out: Tuned, wl: Workload, cluster: Cluster, fixed: Execution | None, extra: int, run) -> Tuned:
+    """The bounded search of the module docstring, shared by the baselines: ``run(ex)`` gives ``(step
+    simulation, peak bytes, payload)`` or an error line; the fastest configuration that fits wins (``fixed``:
+    only that one, kept and flagged when over memory)."""
+    got: dict[Execution, tuple | str] = {}
 
-    def plan_of(ex: Execution) -> Plan | str:
-        got = plans.get(ex)
-        if got is None:
+    def result(ex: Execution):
+        if ex not in got:
             try:
-                got = plan_system(system, wl.graph(ex.passes), cluster, curves_file=curves_file, device=device,
-                                  validate=False, execution=ex)
+                got[ex] = run(ex)
             except (ValueError, KeyError) as e:
-                got = str(e).splitlines()[0] if str(e) else type(e).__name__
-            plans[ex] = got
-        return got
+                got[ex] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return got[ex]
 
     def fits(ex: Execution) -> bool:
-        p = plan_of(ex)
-        return isinstance(p, Plan) and _fits(p, cluster)
+        r = result(ex)
+        return not isinstance(r, str) and r[1] <= cluster.memory_limit_bytes * (1 + 1e-9)
 
     def evaluate(ex: Execution) -> None:
-        p = plan_of(ex)
-        if not isinstance(p, Plan):
-            out.tried.append(Trial(ex, None, None, False, p))
+        r = result(ex)
+        if isinstance(r, str):
+            out.tried.append(Trial(ex, None, None, False, r))
             return
-        ok = _fits(p, cluster)
-        sim = simulate(p, cluster, check_memory=False)
-        out.tried.append(Trial(ex, sim.step_ms, _peak(p) / 2**30, ok))
+        sim, peak, payload = r
+        ok = fits(ex)
+        out.tried.append(Trial(ex, sim.step_ms, peak / 2**30, ok))
         if ok and (out.sim is None or sim.step_ms < out.sim.step_ms * (1 - 1e-9)):
-            out.execution, out.plan, out.sim = ex, p, sim
+            out.execution, out.sim = ex, sim
+            out.plan = payload if isinstance(payload, Plan) else None
+            if isinstance(payload, dict):
+                out.extra.update(payload)
         elif not ok and fixed is not None:
-            note_over_memory(out, ex, sim, _peak(p), cluster)
+            note_over_memory(out, ex, sim, peak, cluster)
 
     if fixed is not None:
         evaluate(fixed)
@@ -206,79 +205,41 @@ def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: C
                            None if cheap else bound)
             if i is None:
                 continue
-            for j in range(i, min(len(opts), i + 1 + EXTRA_PASSES)):
+            for j in range(i, min(len(opts), i + 1 + extra)):
                 evaluate(Execution(passes=opts[j], recompute=rc, distributed_optimizer=z, tp=tp))
             bound = min(bound, i)
             if bound == 0 and not cheap:
                 break
     if out.sim is None:
-        errors = [p for p in plans.values() if isinstance(p, str)]
+        errors = [r for r in got.values() if isinstance(r, str)]
         reasons = [t.note for t in out.tried if t.note] or errors or ["no configuration fits the devices' memory"]
         out.error = reasons[0]
     return out
 
 
+def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | None = None,
+                  device: DeviceModel | None = None, fixed: Execution | None = None) -> Tuned:
+    """``system`` (one of :data:`.baselines.BASELINES`) at its best configuration (module docstring), or at
+    ``fixed`` only."""
+    def run(ex: Execution):
+        p = plan_system(system, wl.graph(ex.passes), cluster, curves_file=curves_file, device=device,
+                        validate=False, execution=ex)
+        return simulate(p, cluster, check_memory=False), _peak(p), p
+
+    return _search(Tuned(system), wl, cluster, fixed, EXTRA_PASSES, run)
 
 
 def tune_static_grids(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | None = None,
                       device: DeviceModel | None = None, fixed: Execution | None = None) -> Tuned:
     """The module-level static grids (:mod:`.static_grids`) at their best configuration: micro-batches per
     step (the passes), recompute, the distributed optimizer and TP as for the other baselines."""
-    out = Tuned("static-grids")
-    sims: dict[Execution, tuple | str] = {}
-
     def run(ex: Execution):
-        got = sims.get(ex)
-        if got is None:
-            try:
-                g = wl.graph(ex.passes)
-                metaops = configure(make_metaops(g, cluster), ex, cluster)
-                curves = build_curves(metaops, cluster.num_devices, curves_file=curves_file, device=device)
-                got = simulate_grids(metaops, curves, cluster, micro_batches=ex.passes,
-                                     distributed_optimizer=ex.distributed_optimizer)
-            except (ValueError, KeyError) as e:
-                got = str(e).splitlines()[0] if str(e) else type(e).__name__
-            sims[ex] = got
-        return got
+        metaops = configure(make_metaops(wl.graph(ex.passes), cluster), ex, cluster)
+        curves = build_curves(metaops, cluster.num_devices, curves_file=curves_file, device=device)
+        sim, grids = simulate_grids(metaops, curves, cluster, micro_batches=ex.passes,
+                                    distributed_optimizer=ex.distributed_optimizer)
+        return sim, max(sim.peak_memory_bytes), {
+            "grids": {g.module: {"ranks": len(g.ranks), "stage": g.stage, "micro_batch_ms": g.time_ms}
+                      for g in grids}, "micro_batches": ex.passes}
 
-    def fits(ex: Execution) -> bool:
-        got = run(ex)
-        return not isinstance(got, str) and max(got[0].peak_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
-
-    def evaluate(ex: Execution) -> None:
-        got = run(ex)
-        if isinstance(got, str):
-            out.tried.append(Trial(ex, None, None, False, got))
-            return
-        sim, grids = got
-        ok = fits(ex)
-        out.tried.append(Trial(ex, sim.step_ms, max(sim.peak_memory_bytes) / 2**30, ok))
-        if not ok and fixed is not None:
-            note_over_memory(out, ex, sim, max(sim.peak_memory_bytes), cluster)
-        if ok and (out.sim is None or sim.step_ms < out.sim.step_ms * (1 - 1e-9)):
-            out.execution, out.sim = ex, sim
-            out.extra = {"grids": {g.module: {"ranks": len(g.ranks), "stage": g.stage,
-                                              "micro_batch_ms": g.time_ms} for g in grids},
-                         "micro_batches": ex.passes}
-
-    if fixed is not None:
-        evaluate(fixed)
-    else:
-        opts = wl.pass_options()
-        bound = len(opts)
-        for rc, z, tp in baseline_options():
-            cheap = rc == "none" and not z and tp == 0
-            i = _first_fit(opts, lambda P: fits(Execution(passes=P, recompute=rc, distributed_optimizer=z, tp=tp)),
-                           None if cheap else bound)
-            if i is None:
-                continue
-            for j in range(i, min(len(opts), i + 1 + EXTRA_MICRO_BATCHES)):
-                evaluate(Execution(passes=opts[j], recompute=rc, distributed_optimizer=z, tp=tp))
-            bound = min(bound, i)
-            if bound == 0 and not cheap:
-                break
-    if out.sim is None:
-        errors = [g for g in sims.values() if isinstance(g, str)]
-        reasons = [t.note for t in out.tried if t.note] or errors or ["no configuration fits the devices' memory"]
-        out.error = reasons[0]
-    return out
+    return _search(Tuned("static-grids"), wl, cluster, fixed, EXTRA_MICRO_BATCHES, run)
