@@ -8,9 +8,8 @@ parts, seen from one rank:
 
 * **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``); measured: its forward and
   backward spans;
-* **transfer + wave wait**: predicted ``K ·`` the boundaries' transfer time plus ``K · Σ_w duration_w`` minus
-  this rank's compute (a rank whose slice ends before the wave's longest one waits in the next boundary's
-  blocking transfer); measured: its transfer spans;
+* **transfer + wave wait**: predicted ``K`` passes of the simulator's timeline (:mod:`..planner.step.timeline`)
+  minus this rank's compute (the rank waits for its inputs and its peers); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
   past its end); measured: the ``gradient sync wait`` span (the time :meth:`GradSync.finish` blocks);
 * **norm + loss all-reduce**: the two all-reduces over every rank at the step's end (the gradient norm for
@@ -140,8 +139,7 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
                    compute_scale=compute_scale, early_sends=early_sends)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
-    waves = passes * sim.makespan_ms
-    transfer = sim.breakdown.transfer_ms + max(0.0, waves - busy)
+    transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size
     step_end = STEP_END_ALLREDUCES * allreduce_time_ms(range(n), 8.0, cluster)
     opt = (optimizer_ms(costs.optimizer_fit, tensors=costs.tensors, elements=costs.elements)

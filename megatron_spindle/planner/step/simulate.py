@@ -2,14 +2,17 @@
 
 Pure Python. The same code times every system, so the comparison is only as biased as the plans.
 
-The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): waves run one after
-another, each boundary's transfers block (under NCCL; on gloo sends leave early, item 2b) and the gradient
-all-reduces, which megatron.core's DDP posts during the backward, overlap compute:
+The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): every rank runs its
+own slices in wave order, each as soon as its devices are free and its inputs have arrived (no barrier at a
+wave's end: :mod:`.timeline`), boundary transfers move the plan's stored messages (in one batch per boundary
+under NCCL; on gloo sends leave early, item 2b), and the gradient all-reduces, which megatron.core's DDP
+posts during the backward, overlap compute:
 
 1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
-   scaling curve: forward + backward of one layer). A wave lasts as long as its longest slice. Of that,
-   :data:`FORWARD_SHARE` is forward (backward costs twice the forward FLOPs); the split places the
-   boundaries on the timeline (so when gradients are complete, item 3), the totals do not depend on it.
+   scaling curve: forward + backward of one layer). Of that, :data:`FORWARD_SHARE` is forward (backward
+   costs twice the forward FLOPs); the split places the slices on the timeline (so when gradients are
+   complete, item 3), the totals do not depend on it. A wave's duration (its longest slice) is reported; the
+   pass is timed per device (item 4).
 2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
    messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
    them again). A message that stays on its device is free. Inside an island a message uses the sender's and
@@ -18,14 +21,15 @@ all-reduces, which megatron.core's DDP posts during the backward, overlap comput
 
        t_boundary = max( max_d max(out_d, in_d) / B_intra + λ_intra,  max_node max(out, in) / B_inter + λ_inter )
 
-   (each latency ``λ`` counted once, only when that kind of link is used). Backward: after wave ``w``'s
-   backward pass the plan's backward messages of the same transfers return the gradients (as many bytes,
-   each piece from one holder), timed the same way.
+   (each latency ``λ`` counted once, only when that kind of link is used); a consumer's input arrives
+   ``t_boundary`` after its producer has run and both ends' devices have reached the boundary. Backward:
+   the plan's backward messages of the same transfers return the gradients (as many bytes, each piece
+   from one holder), timed the same way.
 
    2b. **Early sends** (``early_sends=True``: the runtime on gloo, :mod:`megatron_spindle.runtime.executor`).
    A producer slice's messages leave when its forward ends (its gradient messages when the consumer's
-   backward ends) and only the wait where they are consumed is exposed (:func:`_early_exposure`). Under
-   NCCL the runtime posts a boundary's sends with its receives, as timed above.
+   backward ends) and take the time of that producer's messages alone. Under NCCL the runtime posts a
+   boundary's sends with its receives, as timed above.
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
    bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`.plan.ParamGroup`) gradient
@@ -49,13 +53,14 @@ all-reduces, which megatron.core's DDP posts during the backward, overlap comput
 
    With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
 4. **Step.** A pass runs phase by phase (:attr:`.plan.WavePlan.phase`; one phase unless the plan frees
-   activations early): the forwards of the phase's waves (each after its forward transfer), then their
-   backwards in reverse (each followed by its gradient transfer back), then the next phase; ``t_pass`` is
-   the sum. With gradient accumulation over ``K`` passes (``passes=K``, default the plan's, one sync after
-   the last pass): ``step = K · t_pass + t_sync``. The breakdown (the paper's Figure 10):
-   *compute* ``= K · Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *idle* ``= K · Σ_w duration_w −
-   compute`` (devices waiting for the wave's longest slice, or unused), *transfer* (``K ×`` the boundaries),
-   *sync* (exposed); the four add up to the step.
+   activations early): the forwards of the phase's waves, then their backwards in reverse, then the next
+   phase, every slice placed on its devices' timeline as item 1-2 say (:func:`.timeline.dataflow_pass`);
+   ``t_pass`` ends when the last device does. With gradient accumulation over ``K`` passes (``passes=K``,
+   default the plan's, one sync after the last pass): ``step = K · t_pass + t_sync``. The breakdown (the
+   paper's Figure 10): *compute* ``= K · Σ_w Σ_d busy_{w,d} / N`` (mean device busy time), *transfer*
+   ``= K ·`` (``t_pass`` minus the same pass with free communication: what the transfers expose),
+   *idle* the rest of ``K · t_pass`` (devices waiting for inputs, or unused), *sync* (exposed); the four add
+   up to the step.
 5. **Memory.** The plan's per-device estimate (:func:`.assemble.device_memory`: model states of every layer
    the device holds plus the activations its largest phase stashes), checked against the cluster's usable
    memory.
@@ -82,6 +87,7 @@ from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-export
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
 from .plan import Plan, Slice
+from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
 #: all-reduce to be done in fp32").
@@ -237,54 +243,6 @@ def transfer_flows(plan: Plan, cluster: Cluster, *,
     return out
 
 
-def _early_exposure(plan: Plan, cluster: Cluster, duration: Mapping[int, float],
-                    slice_ms: Mapping[str, float]) -> tuple[dict[int, float], dict[int, float]]:
-    """Exposed transfer time per wave when sends leave as soon as their data exists (item 2b).
-
-    Forward: the messages of one producer slice into one wave are sent together when that slice's forward
-    ends and take :func:`boundary_time_ms` of their flows; wave ``w`` starts when the previous wave's forward
-    has ended and every message into it has arrived; the wait is ``w``'s forward transfer. Backward: a
-    consumer slice's gradient messages to one producer wave leave when its backward ends; the wait before
-    wave ``p``'s backward is charged to the wave just before it in backward order (``p + 1``: "after that
-    wave's backward", as in the blocking model). Messages posted at different times do not share link time.
-    """
-    wave_of = {s.name: w.index for w in plan.waves for s in w.slices}
-    fwd: dict[tuple[int, str], list] = defaultdict(list)
-    bwd: dict[tuple[int, str], list] = defaultdict(list)
-    for t in plan.transfers:
-        fwd[(t.wave, t.src)].extend((m.src, m.dst, m.bytes) for m in t.forward)
-        bwd[(wave_of[t.src], t.dst)].extend((m.src, m.dst, m.bytes) for m in t.backward)
-    into_f: dict[int, list] = defaultdict(list)
-    into_b: dict[int, list] = defaultdict(list)
-    for (w, src), flows in fwd.items():
-        into_f[w].append((src, boundary_time_ms(flows, cluster)))
-    for (p, dst), flows in bwd.items():
-        into_b[p].append((dst, boundary_time_ms(flows, cluster)))
-    order = [w.index for w in plan.waves]
-    exposed_f, exposed_b, start = {}, {w: 0.0 for w in order}, {}
-    clock = 0.0
-    for phase in plan.phases:  # each phase: its forward waves, then their backward in reverse
-        for w in phase:
-            need = max((start[wave_of[src]] + FORWARD_SHARE * slice_ms[src] + t for src, t in into_f[w]),
-                       default=0.0)
-            exposed_f[w] = max(0.0, need - clock)
-            clock += exposed_f[w]
-            start[w] = clock
-            clock += FORWARD_SHARE * duration[w]
-        prev = None
-        for w in reversed(phase):
-            need = max((start[wave_of[dst]] + (1 - FORWARD_SHARE) * slice_ms[dst] + t for dst, t in into_b[w]),
-                       default=0.0)
-            wait = max(0.0, need - clock)
-            if prev is not None:
-                exposed_b[prev] = wait
-            clock += wait
-            start[w] = clock
-            clock += (1 - FORWARD_SHARE) * duration[w]
-            prev = w
-    return exposed_f, exposed_b
-
-
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
              grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
              compute_scale: float = 1.0, early_sends: bool = False,
@@ -325,22 +283,8 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f
                                                        if cluster.island(a) != cluster.island(b))))
-    if early_sends:
-        exposed_f, exposed_b = _early_exposure(plan, cluster, {w.index: w.duration_ms for w in waves}, slice_ms)
-        waves = [dataclasses.replace(w, transfer_fwd_ms=exposed_f[w.index], transfer_bwd_ms=exposed_b[w.index])
-                 for w in waves]
-    # one pass, phase by phase: forward transfer + forward of the phase's waves, then their backward in
-    # reverse, each followed by its gradients' transfer back
-    clock = 0.0
-    bwd_start: dict[int, float] = {}
-    for phase in plan.phases:
-        clock += sum(waves[w].transfer_fwd_ms + FORWARD_SHARE * waves[w].duration_ms for w in phase)
-        for w in reversed(phase):
-            bwd_start[w] = clock
-            clock += (1 - FORWARD_SHARE) * waves[w].duration_ms + waves[w].transfer_bwd_ms
-    pass_ms = clock
-    done = {s.name: bwd_start[w.index] + (1 - FORWARD_SHARE) * slice_ms[s.name]
-            for w in plan.waves for s in w.slices}
+    pass_ms, done = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends)
+    free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends, transfers=False)
     buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size)
     posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
     posted.sort(key=lambda rb: (rb[0], rb[1].ranks))
@@ -352,9 +296,9 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     standalone = sync_time_ms(((c.ranks, c.bytes) for c in colls), cluster)
     makespan = sum(w.duration_ms for w in waves)
     compute = sum(w.busy_ms for w in waves)
-    transfer = sum(w.transfer_fwd_ms + w.transfer_bwd_ms for w in waves)
+    transfer = max(0.0, pass_ms - free_comm_ms)
     bd = Breakdown(compute_ms=passes * compute, transfer_ms=passes * transfer, sync_ms=sync,
-                   idle_ms=passes * (makespan - compute))
+                   idle_ms=passes * max(0.0, pass_ms - transfer - compute))
     return StepSimulation(system=plan.system, cluster=cluster.name, world_size=N, step_ms=passes * pass_ms + sync,
                           breakdown=bd, waves=tuple(waves), collectives=colls,
                           peak_memory_bytes=tuple(plan.device_memory_bytes), makespan_ms=makespan,

@@ -1,0 +1,96 @@
+"""One pass of a plan as the wave executor runs it: per device, in dependency order, no global barrier.
+
+The executor (``runtime/executor.py``) runs on every rank its own slices, wave after wave, each as soon as the
+rank is free and the slice's inputs have arrived; nothing waits for the other slices of a wave. So the pass is
+a dataflow timeline, not a sum of wave durations: two lanes on disjoint devices (two encoders, two tasks, two
+modules) each run at their own pace, and a wave's shorter slices do not wait for its longest.
+
+1. **Forward**, phase by phase (each phase's forward waves in order, then their backward in reverse): a slice
+   starts when all its devices are free (its layers' collectives bind them) and its inputs have arrived;
+   it takes :data:`..workload.recompute.FORWARD_SHARE` of its time.
+2. **Inputs.** Under NCCL (the default) a rank posts a boundary's messages in one batch when it reaches the
+   boundary, so a consumer's input arrives once its producer has run, the producer's and the consumer's
+   devices have reached the boundary, and the boundary's whole batch has moved
+   (:func:`.link_costs.boundary_time_ms` of every message into that wave: the links it shares). With
+   ``early_sends`` (the gloo runtime), a producer's messages leave when its forward ends and take the time of
+   that producer's messages into that wave alone.
+3. **Backward**, in reverse: a slice's backward starts when its devices are free and the gradients of every
+   consumer have come back (the same two rules, on the stored backward messages).
+
+The pass ends when the last device finishes. Returned with every slice's backward end, which is when its
+weights' gradients are complete (:mod:`.grad_buckets`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Mapping
+
+from ..workload.cluster import Cluster
+from ..workload.recompute import FORWARD_SHARE
+from .link_costs import boundary_time_ms
+from .plan import Plan, SliceRef
+
+
+def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *, early_sends: bool = False,
+                  transfers: bool = True) -> tuple[float, dict[str, float]]:
+    """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
+    with free communication (the difference is the pass's exposed transfer)."""
+    N = plan.world_size
+    free = [0.0] * N
+    fwd_end: dict[str, float] = {}
+    bwd_end: dict[str, float] = {}
+    ranks = {s.name: s.ranks for s in plan.slices()}
+    into: dict[str, list] = defaultdict(list)  # consumer slice -> its input edges
+    back_to: dict[str, list] = defaultdict(list)  # producer slice -> edges returning its gradients
+    for t in plan.transfers:
+        into[t.dst].append(t)
+        back_to[t.src].append(t)
+    cost_f: dict[tuple, float] = {}
+    cost_b: dict[tuple, float] = {}
+    if transfers:
+        flows_f: dict[tuple, list] = defaultdict(list)
+        flows_b: dict[tuple, list] = defaultdict(list)
+        for t in plan.transfers:
+            # early sends: one producer's messages into one wave leave together; else the boundary's batch
+            kf = (t.src, t.wave) if early_sends else ("wave", t.wave)
+            kb = (t.dst, SliceRef.from_str(t.src).wave) if early_sends else ("wave", t.wave)
+            flows_f[kf].extend((m.src, m.dst, m.bytes) for m in t.forward)
+            flows_b[kb].extend((m.src, m.dst, m.bytes) for m in t.backward)
+        cost_f = {k: boundary_time_ms(v, cluster) for k, v in flows_f.items()}
+        cost_b = {k: boundary_time_ms(v, cluster) for k, v in flows_b.items()}
+    waves = {w.index: w for w in plan.waves}
+    for phase in plan.phases:
+        for wi in phase:
+            at_boundary = list(free)
+            for s in waves[wi].slices:
+                ready = 0.0
+                for t in into[s.name]:
+                    if not transfers:
+                        ready = max(ready, fwd_end[t.src])
+                    elif early_sends:
+                        ready = max(ready, fwd_end[t.src] + cost_f[(t.src, wi)])
+                    else:
+                        both = max(at_boundary[r] for r in (*ranks[t.src], *s.ranks))
+                        ready = max(ready, max(fwd_end[t.src], both) + cost_f[("wave", wi)])
+                start = max(ready, max(free[r] for r in s.ranks))
+                end = fwd_end[s.name] = start + FORWARD_SHARE * slice_ms[s.name]
+                for r in s.ranks:
+                    free[r] = end
+        for wi in reversed(phase):
+            at_boundary = list(free)
+            for s in waves[wi].slices:
+                ready = 0.0
+                for t in back_to[s.name]:
+                    dst_wave = SliceRef.from_str(t.dst).wave
+                    if not transfers:
+                        ready = max(ready, bwd_end[t.dst])
+                    elif early_sends:
+                        ready = max(ready, bwd_end[t.dst] + cost_b[(t.dst, wi)])
+                    else:
+                        both = max(at_boundary[r] for r in (*ranks[t.dst], *s.ranks))
+                        ready = max(ready, max(bwd_end[t.dst], both) + cost_b[("wave", dst_wave)])
+                start = max(ready, max(free[r] for r in s.ranks))
+                end = bwd_end[s.name] = start + (1 - FORWARD_SHARE) * slice_ms[s.name]
+                for r in s.ranks:
+                    free[r] = end
+    return max(free, default=0.0), bwd_end
