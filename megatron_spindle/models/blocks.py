@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal
 
 from ..planner.workload.graph import Operator
+from .recompute import config_kwargs as recompute_fields
 
 INIT_STD = 0.02
 _BACKENDS = ("auto", "local", "te")
@@ -98,8 +99,9 @@ _NO_CUDA_GRAPH_SCOPE = ({"cuda_graph_scope": []}
                         if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)} else {})
 
 
-def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
-    """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation.
+def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recompute: str = "none") -> TransformerConfig:
+    """One layer's TransformerConfig: no dropout, no fusions, LayerNorm, CPU initialisation; megatron's selective
+    recompute fields for ``recompute="selective"`` (:mod:`.recompute`).
 
     GELU MLP with biases (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP without linear biases but
     with a QKV bias. ``num_layers=1``: megatron scales the output-projection init by the depth of the
@@ -115,7 +117,7 @@ def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> Transf
         add_bias_linear=not c.swiglu, add_qkv_bias=c.swiglu, normalization="LayerNorm",
         init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **_NO_CUDA_GRAPH_SCOPE)
+        gradient_accumulation_fusion=False, **recompute_fields(recompute), **_NO_CUDA_GRAPH_SCOPE)
 
 
 def parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
