@@ -7,6 +7,8 @@ against the validation rules. :func:`plan_system` gives the plan of any system (
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
 from .assemble import assemble_plan, device_memory, make_metaops, schedule  # noqa: F401 - the planner's API
 from .baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
@@ -22,7 +24,7 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
               device: DeviceModel | None = None, search: bool = True, placement: str = "spindle",
               validate: bool = True, passes: int = 1) -> Plan:
     """Plan one training step of ``graph`` (one pass) on ``cluster``; candidates are compared on a step of
-    ``passes`` passes and one gradient sync.
+    ``passes`` passes and one gradient sync, and the plan says ``passes`` (``plan.passes``: the runtime runs it).
 
     ``search=False`` runs only the paper's pipeline per level; ``placement="sequential"`` is the naive
     placement ablation (consecutive devices in slice order).
@@ -49,9 +51,15 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
                               system="spindle")
         plan = choose_whole_step([("spindle", plan), ("spindle, naive placement", naive)], graph, cluster,
                                  metaops, curves, baselines=search, level_schedules=sched, passes=passes)
+    plan = _with_passes(plan, passes)
     if validate:
         check_plan(plan)
     return plan
+
+
+def _with_passes(plan: Plan, passes: int) -> Plan:
+    """The plan made for ``passes`` passes per step says so (the candidates are assembled per pass)."""
+    return plan if plan.passes == passes else dataclasses.replace(plan, passes=passes)
 
 
 def plan_system(system: str, graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
@@ -68,9 +76,9 @@ def plan_system(system: str, graph: TaskGraph, cluster: Cluster, *, curves_file:
     if system == "spindle-naive-placement":
         return make_plan(graph, cluster, placement="sequential", passes=passes, **kw)
     if system == "sequential":
-        return plan_sequential(graph, cluster, report=report, **kw)
+        return _with_passes(plan_sequential(graph, cluster, report=report, **kw), passes)
     if system == "task-level":
-        return plan_task_level(graph, cluster, report=report, **kw)
+        return _with_passes(plan_task_level(graph, cluster, report=report, **kw), passes)
     if system == "intra-task":
-        return plan_intra_task(graph, cluster, report=report, **kw)
+        return _with_passes(plan_intra_task(graph, cluster, report=report, **kw), passes)
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
