@@ -82,10 +82,11 @@ def step_passes(plan: Plan, global_batch: int | None, per_pass: int) -> int:
     step; Megatron's ``num_microbatches`` is it over ``per_pass = --micro-batch-size x ranks``), when given, must
     say the same: one line naming the values otherwise."""
     if global_batch is not None and global_batch != plan.passes * per_pass:
+        want = plan.passes * per_pass
         raise ValueError(f"--global-batch-size {global_batch} is not the plan's {plan.passes} pass"
-                         f"{'es' if plan.passes > 1 else ''} per step x {per_pass} samples per pass (--micro-batch-size "
-                         f"x ranks) = {plan.passes * per_pass}: give --global-batch-size {plan.passes * per_pass} or a "
-                         f"plan made for {global_batch / per_pass:g} passes")
+                         f"{'es' if plan.passes > 1 else ''} per step x {per_pass} samples per pass "
+                         f"(--micro-batch-size x ranks) = {want}: give --global-batch-size {want} or a plan made "
+                         f"for {global_batch / per_pass:g} passes")
     return plan.passes
 
 

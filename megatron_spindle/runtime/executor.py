@@ -21,9 +21,10 @@ Every slice's layers recompute their activations as its MetaOp says (``MetaOp.re
    exist, one holder per sample; then post the receives of the boundary before the wave;
 
 Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`,
-sends are waited at the end of the phase's forward (or backward) (their tensors are never reused inside it). Under gloo an ``isend``
-is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags number the
-messages of a whole pass (forward, then backward), so no two outstanding messages of a pair share one.
+sends are waited at the end of the phase's forward (or backward), their tensors never reused before. Under gloo
+an ``isend`` is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags
+number the messages of a whole pass (forward boundaries, then backward ones, whatever the phases), so no two
+outstanding messages of a pair share one.
 Under NCCL the point-to-point calls of a rank run in order on one communication stream and a separate send
 group could wait on a peer's send group (both blocked until received); there the sends of a boundary are
 posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and

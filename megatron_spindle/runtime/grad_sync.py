@@ -55,9 +55,9 @@ the parameter buffer) for a torch optimizer; element-wise optimizers (SGD, Adam,
 they do on whole parameters, with 1/n of the state per rank. Before the next forward (or
 :meth:`gather_params`) the updated blocks are all-gathered. megatron.core's own ``DistributedOptimizer`` is not
 used: it is built for one data-parallel group over all model chunks (here: one group per rank set), keeps
-fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. The built-in trainer
-does not turn it on yet: its checkpoints and task-mix changes keep optimizer state per parameter, not per
-bucket block.
+fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. It is on when the plan
+says so (``plan.distributed_optimizer``); the built-in trainer then refuses checkpoints and task-mix changes
+(they keep optimizer state per parameter, not per bucket block), Megatron-LM's loop refuses the plan.
 
 Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
 (a callback on the work; the wait in :meth:`finish` when the backend offers no future), and

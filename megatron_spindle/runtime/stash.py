@@ -9,9 +9,10 @@ the distinct storages those tensors still hold. So:
 * parameters (and views of them: a linear layer saves its weight) are model state, not stash: left out;
 * megatron's selective recompute frees the layer norms' outputs after use (``CheckpointWithoutOutput``
   resizes their storage to 0): they count 0, as they hold no memory until the backward recomputes them;
-* a layer's input counts where it is saved (the next layer's first operator, or the checkpoint of a fully
-  recomputed layer), as in the planner's accounting (:func:`~megatron_spindle.planner.workload.memory.slice_activation_bytes`:
-  one layer's input is part of its stash).
+* a layer's input counts where it is saved (the layer's first operator, or the checkpoint of a fully
+  recomputed layer), as in the planner's accounting
+  (:func:`~megatron_spindle.planner.workload.memory.slice_activation_bytes`: a layer's input is part of its
+  stash).
 
 Not counted: the transient memory of the recomputation in backward (one layer's stash at a time), the messages
 in flight and the gradients. The planner's estimate is of the same stash, in bf16 (2 bytes an element).
