@@ -25,13 +25,25 @@ One run, ``--nproc`` gloo processes (default: one per core), the same tiny multi
    A step is timed from a common barrier to the last rank's end of gradient sync (forward, backward, sync:
    what the simulator predicts); the optimizer update (SGD, same for both) is timed apart and reported. Medians
    over the timed steps. Both start from the same weights and see the same batches, so their losses must agree
-   (reported: largest relative difference over all steps and tasks).
+   (reported: largest relative difference over all steps and tasks);
+4. the **sequential baseline at its best micro-batch**: it also trains, interleaved with the others, at every
+   valid pass count ``P`` (``--sequential-passes``; default every ``P`` whose micro-batch ``batch / P`` splits
+   over the processes): ``P`` microbatches per task per step through ``forward_backward_no_pipelining``,
+   gradients accumulated, one sync. Each is measured; the fastest is reported and Spindle against it;
+5. the **activation memory** of the best sequential run and of the Spindle plan, each as built and with every
+   transformer layer recomputing ``selective`` and ``full``: one step measured with
+   :class:`~megatron_spindle.runtime.stash.StashMeter` (bytes saved for backward still held when a task's,
+   resp. a phase's, forward ends; largest rank), beside the planner's estimate of the same
+   (:func:`~megatron_spindle.planner.workload.memory.slice_activation_bytes`, bf16, shown x2 for fp32): for
+   the sequential run a task at a time (its forward and backward before the next task's), for the plan its
+   largest phase.
 
 Output: a table of measured and predicted step times, the Spindle / sequential ratio measured and predicted,
 the prediction error of the Spindle plan, and the measured vs predicted breakdown of the Spindle step. With
 ``--json`` the last line is one JSON object (``measured_ratio``, ``predicted_ratio``, ``measured_step_s``,
 ``predicted_step_s``, ``prediction_error`` and more; ratios are Spindle / sequential step time, the error is
-``predicted / measured - 1`` of the Spindle step).
+``predicted / measured - 1`` of the Spindle step; ``sequential_sweep_step_s``, ``sequential_best_passes``,
+``measured_ratio_vs_best_sequential``, ``activation_memory`` for items 4 and 5).
 
 Megatron on CPU: ``DistributedDataParallel``, ``forward_backward_no_pipelining`` and ``finalize_model_grads``
 run unchanged on gloo, given (a) :func:`~megatron_spindle.compat.cpu.apply_cpu_patches`
@@ -44,6 +56,8 @@ Run: ``TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 python scripts/bench_cpu.py [--js
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -78,6 +92,9 @@ def _cuda_to_cpu_mode():
 
     return CudaToCpu()
 
+
+#: fp32 bytes (the benchmark's models) over the planner's bf16 bytes of an activation element.
+FP32_OVER_BF16 = 2.0
 
 #: The executor's per-boundary transfer span (the exposed part).
 EXPOSED_TRANSFER = re.compile(r"^w\d+ (fwd|bwd) transfer$")
@@ -119,7 +136,7 @@ class MegatronSequential:
     computed on the all-gathered batch on every rank (see the module docstring).
     """
 
-    def __init__(self, graph: TaskGraph, *, seed: int = 0) -> None:
+    def __init__(self, graph: TaskGraph, *, seed: int = 0, recompute: str = "none") -> None:
         import torch
         import torch.distributed as dist
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -165,7 +182,7 @@ class MegatronSequential:
 
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                    use_cpu_initialization=True)
-        ref = ReferenceModel(graph, seed=seed)
+        ref = ReferenceModel(graph, seed=seed, recompute=recompute)
 
         class MultiTaskModel(MegatronModule):
             """The whole multi-task model; ``forward(task, batch)`` is one task's loss on local samples."""
@@ -205,25 +222,38 @@ class MegatronSequential:
     def parameters(self):
         return self.params
 
-    def step(self, batch) -> dict[str, float]:
-        """Forward, backward and gradient sync of every task; ``param.grad`` holds the synced gradient."""
+    def step(self, batch, meter=None) -> dict[str, float]:
+        """Forward, backward and gradient sync of every task; ``param.grad`` holds the synced gradient.
+
+        ``batch``: one batch, or a list of ``P`` (one per pass: Megatron's microbatches, ``P`` per task, the
+        gradient accumulated over them, each pass's loss divided by ``P`` by Megatron's schedule). ``meter``
+        (a :class:`~megatron_spindle.runtime.stash.StashMeter`): what each task's forward keeps for backward
+        (taken when the loss exists, before its backward frees it; a "phase" per task).
+        """
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+        passes = batch if isinstance(batch, list) else [batch]
         losses = {}
         self.model.zero_grad_buffer()
-        for task in self.graph.tasks:
-            data = batch[task]
-            rows = next(iter(data.values())).shape[0] // self.world
-            local = {k: v[self.rank * rows:(self.rank + 1) * rows] for k, v in data.items()}
+        for ti, task in enumerate(self.graph.tasks):
+            rows = next(iter(passes[0][task].values())).shape[0] // self.world
+            local = [{k: v[self.rank * rows:(self.rank + 1) * rows] for k, v in b[task].items()} for b in passes]
 
-            def forward_step(it, model, task=task):
-                return model(task, next(it)), lambda out: (out, {"loss": out.detach()})
+            def forward_step(it, model, task=task, ti=ti):
+                with meter.slice(task) if meter is not None else contextlib.nullcontext():
+                    out = model(task, next(it))
+
+                def loss_func(out):
+                    if meter is not None:
+                        meter.phase_done(ti)
+                    return out, {"loss": out.detach()}
+                return out, loss_func
 
             store = forward_backward_no_pipelining(
-                forward_step_func=forward_step, data_iterator=iter([local]), model=self.model,
-                num_microbatches=1, seq_length=0, micro_batch_size=rows, pg_collection=self.pgc)
-            losses[task] = store[0]["loss"]
+                forward_step_func=forward_step, data_iterator=iter(local), model=self.model,
+                num_microbatches=len(local), seq_length=0, micro_batch_size=rows, pg_collection=self.pgc)
+            losses[task] = sum(r["loss"] for r in store) / len(store)
         finalize_model_grads([self.model], pg_collection=self.pgc)
         for p in self.params:
             p.grad = p.main_grad
@@ -243,7 +273,9 @@ class SpindleRunner:
     def parameters(self):
         return self.model.unique_parameters()
 
-    def step(self, batch):
+    def step(self, batch, meter=None):
+        if meter is not None:
+            self.model.stash = meter
         st = self.model(batch)
         self.model.backward(st)
         self.model.finalize_grads()
@@ -280,12 +312,18 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     comm.broadcast_object_list(box, src=0)
     pred = box[0]
 
-    data = SyntheticData(graph, seed=opts["seed"])
     n_steps = opts["warmup"] + opts["steps"]
-    batches = [data.batch(s) for s in range(n_steps)]
-    systems = {"sequential": MegatronSequential(graph, seed=opts["seed"]),
-               "spindle": SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"],
-                                        overlap=opts.get("overlap", True))}
+    # the sequential baseline at every valid pass count P (P microbatches of batch / P per task, one sync)
+    graphs = {p: build_graph(opts["model"], tasks=opts["tasks"], size="tiny", batch=opts["batch"] // p)
+              for p in opts["sequential_passes"]}
+    batches = {}
+    for p, g in graphs.items():
+        data = SyntheticData(g, seed=opts["seed"])
+        batches[seq_name(p)] = [[data.batch(i * p + j) for j in range(p)] for i in range(n_steps)]
+    batches["spindle"] = [b[0] for b in batches[seq_name(1)]] if 1 in graphs else \
+        [SyntheticData(graph, seed=opts["seed"]).batch(i) for i in range(n_steps)]
+    systems = {seq_name(p): MegatronSequential(g, seed=opts["seed"]) for p, g in graphs.items()}
+    systems["spindle"] = SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"], overlap=opts.get("overlap", True))
     opt = {k: torch.optim.SGD(list(s.parameters()), lr=opts["lr"]) for k, s in systems.items()}
     times = {k: {"step": [], "optimizer": []} for k in systems}
     losses = {k: [] for k in systems}
@@ -298,7 +336,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
                 sysm.model.trace.step = i
             comm.barrier()
             a = time.perf_counter()
-            out = sysm.step(batches[i])
+            out = sysm.step(batches[name][i])
             b = time.perf_counter()
             opt[name].step()
             opt[name].zero_grad(set_to_none=True)
@@ -314,11 +352,79 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
         waves.append(tr.wave_times(i))
     gathered = comm.all_gather_object({"times": times, "spans": spans, "waves": waves})
     systems["spindle"].model.destroy()
+    # the activation memory of the best sequential pass count and of the Spindle plan, with each recompute mode
+    best = best_passes(gathered, opts["sequential_passes"])
+    memory = {}
+    for mode in ("none", "selective", "full"):
+        seq = MegatronSequential(graphs[best], seed=opts["seed"], recompute=mode)
+        memory[("sequential", mode)] = (stash_of(seq, batches[seq_name(best)][0]),
+                                        planned_task_by_task(graphs[best], world, mode))
+        plan = recomputed(pred["spindle_plan"], mode)
+        sp = SpindleRunner(plan, graph, seed=opts["seed"])
+        memory[("spindle", mode)] = (stash_of(sp, batches["spindle"][0]), planned_peak(plan, rank))
+        sp.model.destroy()
+    memory = comm.all_gather_object(memory)
     if rank != 0:
         return None
     return {"pred": {k: v for k, v in pred.items() if k != "spindle_plan"}, "ranks": gathered,
-            "losses": losses, "profile_s": profile_s, "curves_doc": doc,
+            "losses": losses, "profile_s": profile_s, "curves_doc": doc, "memory": memory,
             "plan_summary": pred["plan_summary"], "threads": torch.get_num_threads()}
+
+
+def seq_name(passes: int) -> str:
+    """The sequential baseline at ``passes`` passes per step (``sequential`` for one, as before)."""
+    return "sequential" if passes == 1 else f"sequential/{passes}"
+
+
+def valid_passes(batch: int, world: int) -> list[int]:
+    """Pass counts of a step whose per-pass batch still splits over ``world`` ranks."""
+    return [p for p in range(1, batch + 1) if batch % p == 0 and (batch // p) % world == 0]
+
+
+def best_passes(ranks: list[dict], passes: list[int]) -> int:
+    """The sequential pass count with the shortest median step (slowest rank per step)."""
+    return min(passes, key=lambda p: statistics.median(_step_series(ranks, seq_name(p), "step")))
+
+
+def stash_of(system, batch) -> int:
+    """Bytes ``system`` keeps for backward at its peak over one step (:class:`~megatron_spindle.runtime.stash.StashMeter`:
+    saved for backward and still held when a task's (sequential) or a phase's (Spindle) forward ends)."""
+    from megatron_spindle.runtime.stash import StashMeter
+    meter = StashMeter(system.parameters())
+    system.step(batch, meter=meter)
+    return meter.peak_bytes
+
+
+def recomputed(plan, mode: str):
+    """``plan`` with every transformer and decoder MetaOp recomputing ``mode``."""
+    from megatron_spindle.planner.workload.recompute import RECOMPUTABLE
+    return dataclasses.replace(plan, metaops=tuple(
+        dataclasses.replace(m, recompute=mode if m.op_type in RECOMPUTABLE else "none") for m in plan.metaops))
+
+
+def planned_peak(plan, rank: int) -> float:
+    """The planner's activation estimate of ``rank`` (bf16 bytes): its largest phase's slices."""
+    from megatron_spindle.planner.workload.memory import slice_activation_bytes
+    by_phase: dict[int, float] = {}
+    for s in plan.rank_slices(rank):
+        phase = plan.waves[s.wave].phase
+        by_phase[phase] = by_phase.get(phase, 0.0) + slice_activation_bytes(plan.metaop(s.metaop), s.num_layers,
+                                                                              len(s.ranks))
+    return max(by_phase.values(), default=0.0)
+
+
+def planned_task_by_task(graph: TaskGraph, world: int, mode: str) -> float:
+    """The planner's estimate (bf16 bytes) for the sequential baseline as it runs: one task's forward and
+    backward at a time, every MetaOp over all ranks, the contrastive loss on every rank (all-gathered)."""
+    from megatron_spindle.planner.workload.memory import slice_activation_bytes
+    from megatron_spindle.planner.workload.metaops import contract
+    from megatron_spindle.planner.workload.recompute import RECOMPUTABLE
+    per_task: dict[str, float] = {}
+    for m in contract(graph):
+        m = dataclasses.replace(m, recompute=mode if m.op_type in RECOMPUTABLE else "none")
+        n = world if m.batch_splittable else 1
+        per_task[m.task] = per_task.get(m.task, 0.0) + slice_activation_bytes(m, m.num_layers, n)
+    return max(per_task.values(), default=0.0)
 
 
 def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
@@ -387,6 +493,15 @@ def summarize(res: dict, opts: dict) -> dict:
     m_ratio = meas["spindle"] / meas["sequential"]
     p_ratio = pred["spindle"] / pred["sequential"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    sweep = {p: statistics.median(_step_series(ranks, seq_name(p), "step")) for p in opts["sequential_passes"]}
+    best = min(sweep, key=sweep.get)
+    memory = {}
+    for system, mode in res["memory"][0]:
+        got = max(r[(system, mode)][0] for r in res["memory"])  # the most loaded rank
+        planned = max(r[(system, mode)][1] for r in res["memory"])
+        memory.setdefault(system, {})[mode] = {"measured_bytes": got, "planned_bytes": planned,
+                                               "measured_over_planned": got / (planned * FP32_OVER_BF16)}
+    memory["sequential"]["passes"] = best
     return {
         "model": opts["model"], "tasks": opts["tasks"], "batch": opts["batch"], "nproc": opts["nproc"],
         "threads_per_process": res["threads"], "steps": opts["steps"], "warmup": opts["warmup"],
@@ -405,6 +520,10 @@ def summarize(res: dict, opts: dict) -> dict:
         "link": {k: res["pred"]["cluster"][k] for k in ("intra_latency_us", "intra_bandwidth_gbps")},
         "load_average_1min": load,
         "waves_detail": wave_table(res),
+        "sequential_sweep_step_s": sweep, "sequential_best_passes": best,
+        "sequential_best_micro_batch": opts["batch"] // best, "sequential_best_measured_step_s": sweep[best],
+        "measured_ratio_vs_best_sequential": meas["spindle"] / sweep[best],
+        "activation_memory": memory,
     }
 
 
@@ -463,6 +582,23 @@ def format_report(s: dict) -> str:
                  "   (measured incl. waiting for the peer's backward)")
     lines.append(f"losses of the two systems agree within {s['max_loss_rel_diff']:.1e} (relative, every step and task); "
                  f"1-min load average at the end {s['load_average_1min']:.2f}")
+    sweep = ", ".join(f"{p} pass{'es' if p > 1 else ''} {t * 1e3:.2f} ms" for p, t in s["sequential_sweep_step_s"].items())
+    lines += [
+        "",
+        f"sequential at each pass count (batch / passes per task per pass, measured): {sweep}",
+        f"Spindle / best sequential ({s['sequential_best_passes']} pass{'es' if s['sequential_best_passes'] > 1 else ''}, "
+        f"micro-batch {s['sequential_best_micro_batch']} per task): measured {s['measured_ratio_vs_best_sequential']:.3f}",
+        "",
+        "activation memory, largest rank: bytes kept for backward at the peak of a step (measured, fp32) / the "
+        "planner's estimate (bf16, x2 for fp32)",
+    ]
+    kib = lambda b: f"{b / 1024:8.1f} KiB"  # noqa: E731
+    for system, label in (("sequential", f"sequential ({s['activation_memory']['sequential']['passes']} pass(es))"),
+                          ("spindle", "Spindle plan")):
+        for mode in ("none", "selective", "full"):
+            m = s["activation_memory"][system][mode]
+            lines.append(f"  {label:<26}{mode:<10}{kib(m['measured_bytes'])} / {kib(m['planned_bytes'] * FP32_OVER_BF16)}"
+                         f"   ({m['measured_over_planned']:.2f})")
     return "\n".join(lines)
 
 
@@ -487,9 +623,28 @@ def parse_args(argv=None):
     p.add_argument("--plan", action="store_true", help="print the Spindle plan (MetaOps and wave grid)")
     p.add_argument("--waves", action="store_true", help="print predicted and measured times of every Spindle wave")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    p.add_argument("--sequential-passes", default=None, metavar="P,P,...",
+                   help="pass counts to run the sequential baseline at (default: every count whose micro-batch "
+                        "splits over the processes; 1 is always run)")
     p.add_argument("--no-overlap", action="store_true",
                    help="reduce gradient buckets only after the whole backward (megatron DDP overlap_grad_reduce off)")
     return p.parse_args(argv)
+
+
+def sequential_passes(args) -> list[int]:
+    """The pass counts of the sequential sweep: ``--sequential-passes`` (checked) or every valid one."""
+    valid = valid_passes(args.batch, args.nproc)
+    if args.sequential_passes is None:
+        return valid
+    try:
+        chosen = sorted({int(x) for x in args.sequential_passes.split(",") if x.strip()} | {1})
+    except ValueError:
+        raise SystemExit(f"bench_cpu: --sequential-passes {args.sequential_passes!r} is not a list of integers")
+    bad = [p for p in chosen if p not in valid]
+    if bad:
+        raise SystemExit(f"bench_cpu: --sequential-passes {bad} do not split batch {args.batch} over {args.nproc} "
+                         f"processes; valid: {valid}")
+    return chosen
 
 
 def main(argv=None) -> int:
@@ -502,7 +657,8 @@ def main(argv=None) -> int:
     opts = {"model": args.model, "tasks": args.tasks, "batch": args.batch, "nproc": args.nproc,
             "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "seed": args.seed,
             "curves_out": args.curves_out, "cache": args.cache or default_cache_path(), "fresh": args.fresh,
-            "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True, "overlap": not args.no_overlap}
+            "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True, "overlap": not args.no_overlap,
+            "sequential_passes": sequential_passes(args)}
     if args.curves:
         with open(args.curves) as fh:
             opts["curves_doc"] = json.load(fh)

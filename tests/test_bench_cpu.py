@@ -2,7 +2,10 @@
 
 The Megatron-style baseline (megatron.core ``DistributedDataParallel`` + ``forward_backward_no_pipelining`` +
 ``finalize_model_grads`` on gloo) must train exactly the model the Spindle runtime trains: same losses at
-every step (after SGD updates, so its gradients are checked too). Timing is reported, never asserted.
+every step (after SGD updates, so its gradients are checked too). Timing is reported, never asserted: the
+sequential sweep over pass counts must name every valid count and pick the fastest measured one. The
+activation memory (measured and planned, each recompute mode) must shrink with recompute and stay within a
+factor 3 of the planner's estimate.
 """
 import json
 import os
@@ -31,4 +34,19 @@ def test_bench_cpu_json_last_line_and_both_systems_train_the_same_model(tmp_path
     out = r.stdout
     assert "sequential (Megatron DDP, task by task)" in out and "Spindle / sequential step time: measured" in out
     assert "w0 " in out  # the per-wave table
+    # the sequential baseline at every pass count whose micro-batch splits over 2 processes (batch 8: 1, 2, 4)
+    sweep = {int(p): t for p, t in s["sequential_sweep_step_s"].items()}
+    assert sorted(sweep) == [1, 2, 4] and all(t > 0 for t in sweep.values())
+    assert s["sequential_best_passes"] == min(sweep, key=sweep.get)
+    assert s["sequential_best_measured_step_s"] == sweep[s["sequential_best_passes"]]
+    assert s["measured_ratio_vs_best_sequential"] == s["measured_step_s"] / s["sequential_best_measured_step_s"]
+    assert "Spindle / best sequential" in out
+    mem = s["activation_memory"]
+    assert mem["sequential"]["passes"] == s["sequential_best_passes"]
+    for system in ("sequential", "spindle"):
+        m = {mode: mem[system][mode] for mode in ("none", "selective", "full")}
+        assert m["full"]["measured_bytes"] < m["selective"]["measured_bytes"] < m["none"]["measured_bytes"]
+        assert m["full"]["planned_bytes"] < m["selective"]["planned_bytes"] < m["none"]["planned_bytes"]
+        assert all(1 / 3 < v["measured_over_planned"] < 3 for v in m.values()), (system, m)
+    assert "activation memory, largest rank" in out
     assert json.load(open(tmp_path / "curves.json"))["cluster"]["intra_latency_us"] > 0

@@ -11,6 +11,12 @@ K = 1 with overlap on is ``test_runtime_exec.py``'s equivalence test.
 Plan ``g-local-copies`` gives rank 0 two copies of one text-encoder shard (tensor-parallel groups (0, 1)
 and (0, 2)): the copies' gradients must be summed into one bucket before it fires.
 
+The passes and the distributed optimizer are the plan's (``plan.passes``, ``plan.distributed_optimizer``): each
+case's plan says them. Two phased plans of ``test_runtime_exec.py`` run too (a phase per task; two phases with
+mixed recompute): a weight used in several phases is complete only after its last phase's backward, and a
+bucket whose weights are done is posted while later phases still run (the order of completion follows the
+phases).
+
 A bf16 model keeps and reduces its gradients in bf16 (fp32 when asked, as Megatron-LM's ``--bf16`` does).
 
 The overlap test reads span times of the executor's trace: a bucket's reduce is posted before the last
@@ -21,7 +27,7 @@ import numpy as np
 import pytest
 
 from mp_harness import run_ranks
-from test_runtime_exec import LR, MOMENTUM, TOL, WORLD, _sequential, graph, plans
+from test_runtime_exec import LR, MOMENTUM, TOL, WORLD, _sequential, graph, lean_plans, plans
 
 STEPS = 2
 BUCKET = 20_000  # parameters per bucket: the tiny model's rank sets split into several buckets
@@ -32,21 +38,26 @@ def all_plans():
     t, at = "vision-text.text.layers", "audio-text.text.layers"
     out = dict(plans())
     out["g-local-copies"] = _sequential(g, WORLD, {at: [[(at, 0, 4, (0, 2, 1, 3))]]}, tp={t: 2, at: 2})
+    lean = lean_plans()
+    out.update({k: lean[k] for k in ("h-phase-per-task", "i-two-phases+mixed")})
     return out
 
 
 #: (plan, passes K, distributed optimizer)
 CASES = ([(name, 2, False) for name in all_plans()] + [(name, 2, True) for name in all_plans()]
-         + [(name, 4, False) for name in ("d-tensor-parallel", "f-planner", "g-local-copies")])
+         + [(name, 4, False) for name in ("d-tensor-parallel", "f-planner", "g-local-copies", "h-phase-per-task")])
 
 
 def _run(plan, g, k, zero):
+    import dataclasses
+
     import torch
     from megatron_spindle.megatron.schedule import forward_step, reduce_reports, spindle_forward_backward
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 
-    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, distributed_optimizer=zero)
+    plan = dataclasses.replace(plan, passes=k, distributed_optimizer=zero)  # the plan decides both
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET)
     opt = torch.optim.SGD(model.optimizer_parameters(), lr=LR, momentum=MOMENTUM)
     data = SyntheticData(g, seed=0)
     losses, buckets, norms = [], [], []
@@ -191,7 +202,7 @@ def test_local_copies_are_exercised(results):
     assert all(out[r][("a-sequential", 2, False)]["copies"] == 0 for r in range(WORLD))
 
 
-@pytest.mark.parametrize("name", ["a-sequential", "f-planner"])
+@pytest.mark.parametrize("name", ["a-sequential", "f-planner", "h-phase-per-task"])
 def test_early_bucket_reduce_starts_before_backward_ends(results, name):
     """From the second step on (megatron learns each bucket's uses in the first), some bucket's reduce is
     posted while backward waves are still to run on that rank."""
@@ -203,3 +214,14 @@ def test_early_bucket_reduce_starts_before_backward_ends(results, name):
         posts = sorted(start for cat, label, start, _, _ in spans if cat == "sync" and label.startswith("reduce "))
         assert posts, (name, r, "no bucket reduce spans")
         assert posts[0] < bwd_last_start < bwd_end, (name, r, posts[0], bwd_last_start)
+
+
+def test_a_phased_plan_posts_buckets_before_its_later_phases_run(results):
+    """A phase per task: the weights only the first tasks use are complete after their phase's backward, so
+    (from the second step on) some bucket's reduce is posted before this rank's last forward of the pass."""
+    _, out, _ = results
+    for r in range(WORLD):
+        spans = [s for s in out[r][("h-phase-per-task", 2, False)]["spans"] if s[4] == 1]
+        last_fwd = max(start for cat, _, start, _, _ in spans if cat == "forward")
+        posts = sorted(start for cat, label, start, _, _ in spans if cat == "sync" and label.startswith("reduce "))
+        assert posts and posts[0] < last_fwd, (r, posts[:1], last_fwd)

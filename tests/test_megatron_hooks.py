@@ -131,6 +131,21 @@ def test_megatron_settings_spindle_cannot_honour_are_named():
         assert flag in text
 
 
+def test_passes_per_step_are_the_plans():
+    """The plan's passes decide; --global-batch-size must agree (one line naming the values), and a training
+    call of Megatron's schedule for another number of microbatches is refused the same way."""
+    from megatron_spindle.megatron.model import step_passes
+    plan = argparse.Namespace(passes=2)
+    assert step_passes(plan, None, 8) == 2 and step_passes(plan, 16, 8) == 2
+    with pytest.raises(ValueError) as e:
+        step_passes(plan, 8, 8)
+    assert str(e.value) == ("--global-batch-size 8 is not the plan's 2 passes per step x 8 samples per pass "
+                            "(--micro-batch-size x ranks) = 16: give --global-batch-size 16 or a plan made for 1 passes")
+    model = argparse.Namespace(plan=plan)
+    with pytest.raises(ValueError, match=r"^num_microbatches 3 per step, but the plan runs 2 passes per step"):
+        spindle_forward_backward(forward_step_func=None, data_iterator=None, model=[model], num_microbatches=3)
+
+
 # --------------------------------------------------------------------------------------------------
 # The forward-backward signature (pure)
 # --------------------------------------------------------------------------------------------------
@@ -266,7 +281,8 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
     parallel_state.initialize_model_parallel(1, 1)  # what initialize_megatron does; the optimizer reads it
     parser = add_spindle_args(megatron_like_parser())
     args = parser.parse_args(["--spindle", "--spindle-plan", plan_path, "--spindle-tasks", "4", "--spindle-size",
-                              "tiny", "--micro-batch-size", str(MICRO), "--seed", str(SEED), "--clip-grad", "1e9"])
+                              "tiny", "--micro-batch-size", str(MICRO), "--global-batch-size", str(2 * MICRO * WORLD),
+                              "--seed", str(SEED), "--clip-grad", "1e9"])
     args.data_parallel_size = world
     config = argparse.Namespace(name="TransformerConfig stand-in")
     chunk = ad.build_chunk(args, config=config, pg_collection=None)
@@ -385,7 +401,7 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
 
 
 def _tp_plan(path: str) -> None:
-    """Every MetaOp on both ranks in level order, the text encoder with tensor parallelism 2."""
+    """Every MetaOp on both ranks in level order, the text encoder with tensor parallelism 2; 2 passes per step."""
     from megatron_spindle.planner.step.manual import plan_from_waves
     from megatron_spindle.planner.workload.metaops import contract
     from megatron_spindle.planner.workload.workloads import build_graph
@@ -394,7 +410,7 @@ def _tp_plan(path: str) -> None:
     waves = [[(m.name, 0, m.num_layers, tuple(range(WORLD if m.batch_splittable else 1)))]
              for m in sorted(contract(graph), key=lambda m: m.level)]
     text = {"vision-text.text.layers": 2, "audio-text.text.layers": 2}
-    plan_from_waves(graph, WORLD, waves, tp=text).save(path)
+    plan_from_waves(graph, WORLD, waves, tp=text, passes=2).save(path)
 
 
 @pytest.fixture(scope="module")

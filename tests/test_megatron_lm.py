@@ -18,7 +18,10 @@ What is checked, per model (Multitask-CLIP tiny, Qwen-VAL tiny), in one set of p
   task's name at every iteration (read back with tensorboard's ``EventAccumulator``);
 * (CLIP) resuming from the iteration-2 checkpoint reproduces the uninterrupted run's later losses exactly,
   and a checkpoint of 4 tasks resumes with 7 (a task-mix change): the 4 tasks' weights are loaded, the 3 new
-  tasks start from their seeds, training continues.
+  tasks start from their seeds, training continues;
+* (lean plan) a loaded plan that runs a phase per task, recomputes activations (full and selective, a shared
+  weight both ways) and takes 2 passes per step trains under Megatron's loop with the losses of the built-in
+  loop on the same plan (1e-6) and of the same waves in one phase without recompute (fp32 rounding, 1e-5).
 """
 from __future__ import annotations
 
@@ -203,3 +206,35 @@ def test_megatron_pretrain_qwen_val(tmp_path):
         got = [(e.step, e.value) for e in events.Scalars(task)]
         assert [s for s, _ in got] == [1, 2, 3], got
         assert all(abs(v - run["losses"][i][task]) <= 1e-6 * abs(v) for i, (_, v) in enumerate(got)), (task, got)
+
+
+def _lean_plans(d: str, world: int, micro: int) -> dict[str, str]:
+    """Task by task on ``world`` ranks, 2 passes per step: in one phase without recompute, and a phase per task
+    with mixed recompute (the waves of ``test_runtime_exec._by_task``)."""
+    from test_runtime_exec import MIXED, _by_task
+
+    from megatron_spindle.planner.workload.workloads import build_graph
+    g = build_graph("multitask-clip", tasks=4, size="tiny", batch=micro * world)
+    out = {"plain": os.path.join(d, "plain.json"), "lean": os.path.join(d, "lean.json")}
+    import dataclasses
+    dataclasses.replace(_by_task(g, world), passes=2).save(out["plain"])
+    dataclasses.replace(_by_task(g, world, [0, 1, 2, 3], recompute=MIXED), passes=2).save(out["lean"])
+    return out
+
+
+def _lean_rank(rank: int, world: int, plans: dict) -> dict:
+    flags = dict(model="multitask-clip", tasks=4, micro=2, glob=8)
+    extra = ("--eval-iters", "0", "--eval-interval", "1000")
+    return {"megatron": _megatron_run(_flags(**flags, iters=3, extra=("--spindle-plan", plans["lean"], *extra))),
+            "loop": _loop_run(_flags(**flags, iters=3, extra=("--spindle-plan", plans["lean"]))),
+            "plain": _loop_run(_flags(**flags, iters=3, extra=("--spindle-plan", plans["plain"])))}
+
+
+def test_megatron_pretrain_lean_plan(tmp_path):
+    plans = _lean_plans(str(tmp_path), 2, 2)
+    r0 = run_ranks(_lean_rank, 2, plans, timeout_s=900)[0]
+    run = r0["megatron"]
+    _check_hooks_ran(run, steps=3)
+    for step, (mega, loop, plain) in enumerate(zip(run["losses"], r0["loop"], r0["plain"])):
+        assert _close(mega, loop, 1e-6), f"step {step + 1}: Megatron {mega} vs built-in loop {loop}"
+        assert _close(mega, plain, 1e-5), f"step {step + 1}: phased + recompute {mega} vs one phase {plain}"

@@ -1,8 +1,13 @@
-"""The training loop: checkpoint resume (same plan, another plan), atomic checkpoints, bad input.
+"""The training loop: checkpoint resume (same plan, another plan), atomic checkpoints, bad input, the plan's
+passes and distributed optimizer.
 
 Resume must continue with exactly the losses of an uninterrupted run (same data positions, same optimizer
 state, same learning-rate schedule), also when the checkpoint loads under another plan (4 ranks -> 2 ranks,
 and the sequential plan -> the Spindle plan).
+
+A loaded plan's passes per step and distributed optimizer are what the loop runs: a plan of 2 passes with
+ZeRO-1 trains like the same plan without it given ``--global-batch-size`` for 2 passes; a contradicting
+``--global-batch-size``, or ``--save`` with a sharded optimizer state, is refused in one line.
 """
 import hashlib
 import os
@@ -44,7 +49,8 @@ def _run(rank, world, ckpt, script):
             logger.removeHandler(handler)
         lines = [l for l in buf.getvalue().splitlines() if l.startswith("iteration ")]
         resumed = [l for l in buf.getvalue().splitlines() if l.startswith("resumed ")]
-        out.append({"result": res, "lines": lines, "resumed": resumed})
+        plan_lines = [l for l in buf.getvalue().splitlines() if l.startswith("spindle: ")]
+        out.append({"result": res, "lines": lines, "resumed": resumed, "plan_lines": plan_lines})
     return out
 
 
@@ -106,9 +112,37 @@ def runs(tmp_path_factory):
         "FAIL_SAVE",
         ["--spindle", "--spindle-tasks", "7", "--train-iters", "4", "--load", "CKPT"],     # another task mix
     ], timeout_s=400)
-    two = run_ranks(_run, 2, d, [["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"]],
+    plans = _plans_for_two(tmp_path_factory.mktemp("plans"))
+    two = run_ranks(_run, 2, d, [["--spindle", "--train-iters", "6", "--log-interval", "1", "--load", "CKPT"],
+                                 ["--spindle", "--spindle-plan", plans["zero"], "--train-iters", "3", "--log-interval",
+                                  "1"],
+                                 ["--spindle", "--spindle-plan", plans["plain"], "--train-iters", "3", "--log-interval",
+                                  "1", "--global-batch-size", "16"]],
                     timeout_s=300)
     return d, four, two
+
+
+def _plans_for_two(d) -> dict[str, str]:
+    """The Spindle plan for 2 ranks made for 2 passes, as is and with the distributed optimizer."""
+    import dataclasses
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=8),
+                     load_cluster(None, num_devices=2, gpus_per_node=2), passes=2)
+    out = {"plain": str(d / "plain.json"), "zero": str(d / "zero.json")}
+    plan.save(out["plain"])
+    dataclasses.replace(plan, distributed_optimizer=True).save(out["zero"])
+    return out
+
+
+def test_the_plans_passes_and_distributed_optimizer_are_what_trains(runs):
+    """2 passes per step and ZeRO-1 from the plan alone: the losses of the same plan without ZeRO-1 (its 2
+    passes given by --global-batch-size), to the 4 digits logged."""
+    _, _, two = runs
+    zero, plain = _iters(two[0][1]["lines"]), _iters(two[0][2]["lines"])
+    assert sorted(zero) == [1, 2, 3] and zero == plain
+    assert two[0][1]["result"]["samples_per_s"] and "x 2 passes" in " ".join(two[0][1]["plan_lines"])
 
 
 def test_resume_continues_with_the_uninterrupted_losses(runs):
@@ -164,6 +198,20 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
               load_cluster(None, num_devices=4)).save(str(wrong_world))
     r = _cli(["--spindle", "--spindle-plan", str(wrong_world), "--train-iters", "1"])
     assert r.returncode == 2 and "plan is for 4 devices but the job has 1" in r.stderr, r.stderr[-2000:]
+    # the plan's passes against --global-batch-size, and a sharded optimizer state with --save
+    import dataclasses
+    two_passes = tmp_path / "two_passes.json"
+    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=8), load_cluster(None, num_devices=1),
+                     passes=2)
+    plan.save(str(two_passes))
+    r = _cli(["--spindle", "--spindle-plan", str(two_passes), "--train-iters", "1", "--global-batch-size", "24"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --global-batch-size 24 is not the plan's 2 passes per step x 8 samples per pass (--micro-batch-size "
+        "x ranks) = 16: give --global-batch-size 16 or a plan made for 3 passes"], r.stderr[-2000:]
+    zero = tmp_path / "zero.json"
+    dataclasses.replace(plan, distributed_optimizer=True).save(str(zero))
+    r = _cli(["--spindle", "--spindle-plan", str(zero), "--train-iters", "1", "--save", str(tmp_path / "z")])
+    assert r.returncode == 2 and "shards the optimizer state (distributed_optimizer)" in r.stderr, r.stderr[-2000:]
     # a corrupt checkpoint: one clear error, nothing on disk changes
     corrupt = tmp_path / "corrupt"
     import shutil

@@ -4,7 +4,8 @@
 * :mod:`.megatron_lm`: Megatron-LM's CUDA-only start-up (``megatron.training``) on CPU ranks
   (:func:`~.megatron_lm.apply_cpu_standins`);
 * :mod:`.mcore`: the differences between the supported megatron-core lines (0.16.1 on Python 3.11, 0.19.x on
-  Python 3.12), detected by feature, not by version number.
+  Python 3.12), detected by feature, not by version number, and a defect of both that selective activation
+  recompute reaches without TransformerEngine.
 
 Each stand-in names what it replaces and is applied only where it is needed (no CUDA).
 """

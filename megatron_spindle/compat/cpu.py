@@ -8,11 +8,10 @@ megatron.core 0.16.1 assumes a GPU in a few places that our layers reach even wi
 once per process, and does nothing when ``torch.cuda.is_available()``. Each patch below says what it fixes
 and which of our code paths reaches it; each was checked to be needed (megatron-core 0.16.1, torch 2.13 CPU):
 without it a forward and backward of the tiny reference models fails ("Torch not compiled with CUDA
-enabled" for the first three, "group should not be None" / "global memory buffer is not initialized" for
-the two in ``ensure_megatron_globals``).
+enabled" for the first three, and for the sixth once a layer recomputes its activations, "group should not be
+None" / "global memory buffer is not initialized" for the two in ``ensure_megatron_globals``).
 
-Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: activation
-recompute (``CheckpointFunction`` reads the CUDA RNG state; we never enable recompute), megatron optimizers
+Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: megatron optimizers
 (the runtime uses torch optimizers), sequence parallelism. megatron.core's ``DistributedDataParallel``
 (:mod:`megatron_spindle.runtime.grad_sync`) needs only patch 3: its gradient and parameter buffers are
 allocated on ``torch.cuda.current_device()``.
@@ -148,6 +147,15 @@ def _cpu_current_stream(device=None) -> _CpuStream:
     return _CPU_STREAM
 
 
+def _cpu_get_cuda_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """megatron's ``_get_cuda_rng_state`` without CUDA: no CUDA generator, an empty state."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _cpu_set_cuda_rng_state(new_state=None, device: int = -1, graph_safe: bool = False) -> None:
+    """megatron's ``_set_cuda_rng_state`` without CUDA: nothing to restore."""
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron.core for a CPU-only process; idempotent. Returns whether patches are in place.
 
@@ -183,6 +191,14 @@ def apply_cpu_patches() -> bool:
     #    torch.cuda.current_stream() to wait for CUDA-graph replay events before reducing (0.16.1 does not);
     #    our DDP instances (runtime/grad_sync.py) reach it on every step.
     torch.cuda.current_stream = _cpu_current_stream
+
+    # 6. Activation recompute: megatron's CheckpointFunction (tensor_parallel.checkpoint: full recompute, the
+    #    MLP of selective recompute) and CheckpointWithoutOutput (the layer norms of selective recompute) save
+    #    and restore every RNG state around the recomputed forward: the CPU generator's (torch.get_rng_state),
+    #    the tracker's named states (our CPU tracker above) and the CUDA generator's, which is what fails here.
+    #    Without CUDA there is no CUDA generator to save: an empty state, restored as nothing.
+    mrandom._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_cuda_rng_state
 
     _PATCHED = True
     return True

@@ -16,6 +16,13 @@ Differences handled:
 2. ``megatron.training.initialize._initialize_distributed``: 0.19 adds ``skip_model_parallel_init``; the
    CPU stand-in (:mod:`.megatron_lm`) passes through whatever it is given.
 
+3. Not a difference between the lines but a defect of both (0.16.1 and 0.19.2) that selective recompute
+   reaches without TransformerEngine: ``tensor_parallel.CheckpointWithoutOutput(fp8=False)`` sets
+   ``self.fp8 = fp8 is not None`` (always true), so its forward calls TransformerEngine's
+   ``FP8GlobalStateManager`` and fails with ``NameError`` where TE is not installed (the local specs, CPU).
+   :func:`fix_checkpoint_without_te` makes ``fp8`` false there (without TE there is no fp8); with TE it does
+   nothing.
+
 Everything else our code touches (``TransformerConfig``, the layer specs, ``ProcessGroupCollection``,
 ``dist_checkpointing``, ``get_forward_backward_func``, ``get_megatron_optimizer_config`` returning
 ``(config, overrides)``, ``train_step`` keywords) is the same in both lines.
@@ -26,6 +33,8 @@ import inspect
 import warnings
 from importlib import metadata
 from typing import Callable
+
+from megatron.core.tensor_parallel import random as mrandom
 
 #: Oldest and newest megatron-core lines that run the test suite.
 SUPPORTED = ("0.16.1", "0.19.2")
@@ -67,3 +76,23 @@ def run_pretrain(datasets_provider, model_provider, model_type, forward_step, *,
         warnings.simplefilter("ignore")
         container = pretrain_cfg_container_from_args(args)
     return training.pretrain(container, datasets_provider, model_type, forward_step, model_provider=model_provider)
+
+
+_NO_TE_FIXED = False
+
+
+def fix_checkpoint_without_te() -> None:
+    """Difference 3 above: ``CheckpointWithoutOutput`` usable without TransformerEngine (idempotent; a no-op
+    where megatron.core found TE)."""
+    global _NO_TE_FIXED
+    if _NO_TE_FIXED or getattr(mrandom, "HAVE_TE", True):
+        return
+    cls = mrandom.CheckpointWithoutOutput
+    original = cls.__init__
+
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = False  # megatron sets ``fp8 is not None``; without TE no fp8 can be on
+
+    cls.__init__ = __init__
+    _NO_TE_FIXED = True

@@ -57,7 +57,7 @@ from . import trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators
 from .flags import chain_args, check_megatron_args, fallback_args
-from .model import build_model, graph_for, log_plan, plan_for
+from .model import build_model, graph_for, log_plan, plan_for, step_passes
 from .schedule import forward_step
 
 __all__ = ["install", "uninstall", "pretrain_spindle", "spindle_model_provider", "forward_step",
@@ -189,7 +189,9 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
 
     Plans as the built-in trainer does (:func:`.model.plan_for`: rank 0 plans and broadcasts, or
     ``--spindle-plan`` is loaded and checked), logs the plan on rank 0, builds the slices of this rank on
-    ``device`` (default: :func:`.model.run_device`) in bf16 under ``--bf16``.
+    ``device`` (default: :func:`.model.run_device`) in bf16 under ``--bf16``. The plan's passes must be Megatron's
+    number of microbatches (``--global-batch-size`` over ``--micro-batch-size`` x ranks) and its optimizer state
+    unsharded (Megatron's optimizer steps whole parameters): one line naming the values otherwise.
     """
     problems = check_megatron_args(args)
     if problems:
@@ -197,8 +199,13 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
     world = dist.get_world_size()
     graph = graph_for(args, world)
     per_pass = (args.micro_batch_size or 1) * world
-    passes = max(1, (getattr(args, "global_batch_size", None) or per_pass) // per_pass)  # Megatron's microbatches
-    plan = plan_for(args, graph, world, passes=passes)
+    glob = getattr(args, "global_batch_size", None)
+    plan = plan_for(args, graph, world, passes=max(1, (glob or per_pass) // per_pass))  # Megatron's microbatches
+    passes = step_passes(plan, glob, per_pass)  # Megatron's num_microbatches must be the plan's passes
+    if plan.distributed_optimizer:
+        raise ValueError("the plan shards the optimizer state (distributed_optimizer), but under Megatron-LM's "
+                         "loop Megatron's optimizer steps whole parameters: use a plan without the distributed "
+                         "optimizer, or the built-in trainer (SPINDLE_BACKEND=loop)")
     log_plan(args, plan, graph, world, passes=passes)
     model = build_model(args, plan, graph, device=device)
     return MegatronModelChunk(model, config=config, pg_collection=pg_collection,

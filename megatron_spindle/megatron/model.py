@@ -6,6 +6,8 @@ builds the same graph and plan either way:
 * :func:`graph_for`: the one graph builder. ``--micro-batch-size`` is per rank, as in Megatron: one pass of the
   plan carries ``micro_batch_size x world`` samples of every task (the graph's batch);
 * :func:`plan_for`: a loaded plan (checked against the model and world) or one made on rank 0 and broadcast;
+* :func:`step_passes`: the passes per optimizer step, the plan's (``plan.passes``), checked against
+  ``--global-batch-size``;
 * :func:`build_model`: logs the plan, builds this rank's slices in the run's dtype on its device, and runs
   ``--spindle-check-equivalence``.
 """
@@ -75,6 +77,19 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     return Plan.from_json(box[0])
 
 
+def step_passes(plan: Plan, global_batch: int | None, per_pass: int) -> int:
+    """Passes of the plan per optimizer step: ``plan.passes``. ``--global-batch-size`` (samples of every task per
+    step; Megatron's ``num_microbatches`` is it over ``per_pass = --micro-batch-size x ranks``), when given, must
+    say the same: one line naming the values otherwise."""
+    if global_batch is not None and global_batch != plan.passes * per_pass:
+        want = plan.passes * per_pass
+        raise ValueError(f"--global-batch-size {global_batch} is not the plan's {plan.passes} pass"
+                         f"{'es' if plan.passes > 1 else ''} per step x {per_pass} samples per pass "
+                         f"(--micro-batch-size x ranks) = {want}: give --global-batch-size {want} or a plan made "
+                         f"for {global_batch / per_pass:g} passes")
+    return plan.passes
+
+
 def run_device() -> torch.device:
     """Where this rank computes and communicates (:func:`megatron_spindle.comm.comm_device`: its CUDA device
     under NCCL, the CPU under gloo); on the CPU with megatron.core's CPU stand-ins applied."""
@@ -105,6 +120,9 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     (:func:`.equivalence.check_first_step`) on ``first_batch`` (default: the first synthetic batch).
     """
     device = device or run_device()
+    if plan.distributed_optimizer and args.spindle_check_equivalence:
+        raise ValueError("--spindle-check-equivalence compares whole gradients, but the plan shards them "
+                         "(distributed_optimizer): drop the flag or use a plan without the distributed optimizer")
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
     init = init_of(args)
     model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,

@@ -8,12 +8,17 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
 :func:`spindle_forward_backward` has that contract:
 
 * ``forward_step_func(data_iterator, model) -> (state, loss_func)``: :func:`forward_step` below is the one
-  our models use: it takes the next multi-task batch and runs every wave forward (``model(batch)``);
-* ``loss_func(state) -> (loss, report)``: each task's loss contribution of this rank with count
-  ``1/world``, so Megatron's sum over ranks gives ``[task loss, 1]`` and the logged mean is the task loss;
-* every pass but the last runs under the model's ``no_sync`` (gradients accumulate, no reduce); after
-  the last microbatch it waits for the group-wise gradient sync (what ``finalize_model_grads`` does for
-  Megatron's own DDP), unless ``forward_only``.
+  our models use: it takes the next multi-task batch (once per pass) and starts the pass (``model(batch)``:
+  the plan's first phase forward; every phase's under ``forward_only``);
+* the model's ``backward(state)`` runs the rest of the pass phase by phase (each phase's backward, then the
+  next phase's forward and backward; :mod:`..runtime.executor`);
+* ``loss_func(state) -> (loss, report)``, called once the pass has run every phase: each task's loss
+  contribution of this rank with count ``1/world``, so Megatron's sum over ranks gives ``[task loss, 1]`` and
+  the logged mean is the task loss;
+* the passes per step are the plan's (``plan.passes``): a training call for another number of microbatches is
+  refused (one line naming both); every pass but the last runs under the model's ``no_sync`` (gradients
+  accumulate, no reduce); after the last one it waits for the group-wise gradient sync (what
+  ``finalize_model_grads`` does for Megatron's own DDP), unless ``forward_only``.
 """
 from __future__ import annotations
 
@@ -65,6 +70,11 @@ def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_mic
         model = model[0]
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    passes = model.plan.passes
+    if not forward_only and num_microbatches != passes:
+        raise ValueError(f"num_microbatches {num_microbatches} per step, but the plan runs {passes} passes per step "
+                         f"(plan.passes): set --global-batch-size to {passes} x --micro-batch-size x ranks, or "
+                         f"re-plan for {num_microbatches} passes")
     reports = []
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for i in range(num_microbatches):
@@ -76,9 +86,8 @@ def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_mic
                     state, fn = forward_step_func(data_iterator, model)
             else:
                 state, fn = forward_step_func(data_iterator, model)
-            _, report = fn(state)
-            if not forward_only:
-                model.backward(state, loss_scale=1.0 / num_microbatches)
+                model.backward(state, loss_scale=1.0 / num_microbatches)  # the pass's later phases too
+            _, report = fn(state)  # every phase has run: every task's loss is in
         reports.append(report)
     if not forward_only:
         model.finalize_grads()

@@ -39,7 +39,7 @@ from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .guard import NumericGuard
 from .logs import TrainLogs
-from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device
+from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
 from .preflight import check_save_space, explain_init_error
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
@@ -120,18 +120,22 @@ class Trainer:
                              "optimizer checkpoints the fp32 master weights); the built-in trainer does not")
         sub = self.graph.subset(self.schedule[0][1]) if len(self.schedule) > 1 else self.graph
         self.micro = self.graph.operators[0].batch
-        glob = args.global_batch_size or self.micro
-        if glob % self.micro:
+        glob = args.global_batch_size
+        if glob is not None and glob % self.micro:
             raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
                              f"(--micro-batch-size x {self.world} ranks)")
-        self.accum = glob // self.micro
-        self.plan = plan_for(args, sub, self.world, passes=self.accum)
+        self.plan = plan_for(args, sub, self.world, passes=glob // self.micro if glob else 1)
+        self.accum = step_passes(self.plan, glob, self.micro)  # the plan's passes (a loaded plan decides)
+        if self.plan.distributed_optimizer and (args.save or args.load or len(self.schedule) > 1):
+            raise ValueError("the plan shards the optimizer state (distributed_optimizer), but the built-in "
+                             "trainer's checkpoints and task-mix changes keep it per parameter: drop "
+                             "--save/--load/--spindle-task-schedule or use a plan without the distributed optimizer")
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
-        self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # frozen weights: no state
+        self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
         self.scheduler = make_scheduler(self.optimizer, args)
         if args.load:
             self.start, _, missing = load_checkpoint(args.load, self.model, self.optimizer)

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import init_method_normal
 
 from ..planner.workload.graph import Operator
+from .recompute import config_kwargs as recompute_fields
 
 INIT_STD = 0.02
 _BACKENDS = ("auto", "local", "te")
@@ -103,8 +104,9 @@ _NO_CUDA_GRAPH_SCOPE = ({"cuda_graph_scope": []}
 ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
 
 
-def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
-    """One layer's TransformerConfig: no dropout, no fusions, CPU initialisation.
+def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recompute: str = "none") -> TransformerConfig:
+    """One layer's TransformerConfig: no dropout, no fusions, CPU initialisation; megatron's selective recompute
+    fields for ``recompute="selective"`` (:mod:`.recompute`).
 
     Defaults: GELU MLP with biases and LayerNorm (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP
     without linear biases but with a QKV bias. A spec's checkpoint-matching keys (grouped queries,
@@ -124,7 +126,7 @@ def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype) -> Transf
         normalization=c.normalization or "LayerNorm", layernorm_epsilon=c.norm_epsilon or 1e-5,
         init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **_NO_CUDA_GRAPH_SCOPE)
+        gradient_accumulation_fusion=False, **recompute_fields(recompute), **_NO_CUDA_GRAPH_SCOPE)
 
 
 def parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:

@@ -52,21 +52,20 @@ from torch import Tensor, nn
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..planner.workload.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
+from . import recompute
 from .megatron_state import ensure_megatron_globals
-from .custom import build_custom_core, custom_forward, custom_input_shape, custom_supports_tp
+from .custom import build_custom_core, custom_forward, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
                      LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, make_norm,
                      parallel_config, pg_collection, rotary_embedding, self_group, transformer_config,
                      use_te_backend)
-from .data import stream_spec_for
 from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
                           shard_tensor, unshard_tensors)
+from .shapes import LOSS_OP_TYPES, example_inputs, input_shapes, output_shape
 
 #: Operator types whose layers accept tp > 1.
 TP_OP_TYPES = frozenset({"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter",
                          "token_embed", "lm_head"})
-#: Operator types that produce a loss scalar.
-LOSS_OP_TYPES = frozenset({"contrastive_loss", "lm_head"})
 
 
 def layer_seed(seed: int, param_key: str) -> int:
@@ -82,9 +81,11 @@ class OperatorLayer(nn.Module):
     """One operator applied to its inputs: shared parameters in ``self.core`` plus per-operator logic."""
 
     def __init__(self, op: Operator, core: nn.Module, *, tp_group, tp_rank: int, tp_size: int,
-                 task_weight: float, use_te: bool) -> None:
+                 task_weight: float, use_te: bool, recompute: str = "none") -> None:
         super().__init__()
         self.op = op
+        self.recompute = recompute
+        """Activation recompute of this operator (:mod:`.recompute`): ``none``, ``selective`` or ``full``."""
         self.core = core
         self.tp_group = tp_group
         self.tp_rank = tp_rank
@@ -106,7 +107,7 @@ class OperatorLayer(nn.Module):
         return self.op.param_key
 
     def extra_repr(self) -> str:
-        return f"op={self.op.name!r}, type={self.op.op_type}, tp={self.tp_size}"
+        return f"op={self.op.name!r}, type={self.op.op_type}, tp={self.tp_size}, recompute={self.recompute}"
 
     def _split(self, inputs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """(operator inputs concatenated along dim 1, data streams in order)."""
@@ -166,7 +167,9 @@ class TransformerOpLayer(OperatorLayer):
         self._check(x, (c.seq_len, c.hidden), "input")
         rope = (rotary_embedding(c.seq_len, c.hidden // c.num_heads, c.rotary_base or 10000.0, x.device)
                 if c.position_embedding_type == "rope" else None)
-        out, _ = self.core(hidden_states=x.transpose(0, 1), attention_mask=None, rotary_pos_emb=rope)
+        out = recompute.run(self.recompute,
+                            lambda h: self.core(hidden_states=h, attention_mask=None, rotary_pos_emb=rope)[0],
+                            x.transpose(0, 1))
         return out.transpose(0, 1)
 
 
@@ -178,8 +181,9 @@ class DecoderOpLayer(OperatorLayer):
         c = self.op.layer
         self._check(x, (c.seq_len + c.memory_seq_len, c.hidden), "input [target, memory]")
         target, memory = x[:, :c.seq_len], x[:, c.seq_len:]
-        out, _ = self.core(hidden_states=target.transpose(0, 1), attention_mask=None,
-                           context=memory.transpose(0, 1), context_mask=None)
+        out = recompute.run(self.recompute, lambda t, m: self.core(hidden_states=t, attention_mask=None, context=m,
+                                                                   context_mask=None)[0],
+                            target.transpose(0, 1), memory.transpose(0, 1))
         return torch.cat([out.transpose(0, 1), memory], dim=1)
 
 
@@ -308,15 +312,15 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
 
 
 def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, rows: int,
-                use_te: bool) -> nn.Module:
+                use_te: bool, recompute_mode: str = "none") -> nn.Module:
     c, t = op.layer, op.op_type
     if t not in OP_TYPES:
         return build_custom_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype)
     if t in ("transformer_layer", "decoder_layer"):
-        config = transformer_config(op, tp_size, dtype)
+        config = transformer_config(op, tp_size, dtype, recompute=recompute_mode)
         spec = layer_spec(op, tp_group, use_te)
-        return TransformerLayer(config, spec.submodules, layer_number=1,
-                                pg_collection=pg_collection(tp_group))
+        return recompute.prepare_core(TransformerLayer(config, spec.submodules, layer_number=1,
+                                                       pg_collection=pg_collection(tp_group)))
     if t == "cross_attn_adapter":
         return CrossAttentionAdapter(op, rows, config=transformer_config(op, tp_size, dtype),
                                      tp_group=tp_group)
@@ -338,7 +342,8 @@ def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, row
 def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1, seed: int,
                 graph: TaskGraph | None = None, task_weight: float | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                share_with: OperatorLayer | None = None, backend: str = "auto") -> OperatorLayer:
+                share_with: OperatorLayer | None = None, backend: str = "auto",
+                recompute_mode: str = "none") -> OperatorLayer:
     """The layer of one operator, on this rank's tensor-parallel shard.
 
     Args:
@@ -352,9 +357,11 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         dtype: parameter dtype (float32 on CPU; bfloat16 on GPU). device: where parameters live (CPU).
         share_with: an existing layer with the same ``param_key`` and tp layout whose core to reuse.
         backend: ``auto`` (TransformerEngine specs when TE imports and CUDA is available), ``local``, ``te``.
+        recompute_mode: the operator's activation recompute (the plan's ``MetaOp.recompute``, :mod:`.recompute`).
     """
     layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)
     _check_tp(op, tp_group, tp_rank, tp_size)
+    recompute.check_mode(op.name, op.op_type, recompute_mode)
     use_te = use_te_backend(backend)
     ensure_megatron_globals(seed=seed, tp_rank=tp_rank)
     if tp_size == 1 and tp_group is None:
@@ -368,74 +375,16 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
                              f"share parameters with {share_with.op.name!r} (key {share_with.op.param_key!r}, "
                              f"{share_with.op.op_type}, tp={share_with.tp_size})")
         core = share_with.core
-    else:
+    if share_with is None or recompute.selective(core) != (recompute_mode == "selective"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, op.param_key or op.name))
             core = _build_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype,
-                               rows=table_rows(op, graph), use_te=use_te)
+                               rows=table_rows(op, graph), use_te=use_te, recompute_mode=recompute_mode)
         core = core.to(dtype=dtype, device=device).requires_grad_(op.trainable)  # frozen: no gradient
+        if share_with is not None:  # megatron's config decides selective recompute: one layer per mode, one weight
+            core = recompute.tie_parameters(core, share_with.core)
     return layer_class(op, core, tp_group=tp_group, tp_rank=tp_rank, tp_size=tp_size,
-                                      task_weight=task_weight, use_te=use_te)
-
-
-# --------------------------------------------------------------------------------------------------
-# Shapes and example inputs (tests, the profiler, transfer sizes)
-# --------------------------------------------------------------------------------------------------
-def output_shape(op: Operator) -> tuple[int, ...]:
-    """Per-sample shape of the operator's output (``()`` for a loss)."""
-    c = op.layer
-    if op.op_type in LOSS_OP_TYPES:
-        return ()
-    if op.op_type == "pool_head":
-        return (c.proj_dim,)
-    if op.op_type == "decoder_layer":
-        return (c.seq_len + c.memory_seq_len, c.hidden)
-    return (c.seq_len, c.hidden)
-
-
-def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per-sample ``(shape, dtype)`` of each input of ``op``, in order.
-
-    Operator inputs take their producer's :func:`output_shape` (``graph`` needed when there are several);
-    a lone operator input is the shape the layer expects; data streams follow ``models.data``.
-    """
-    c = op.layer
-    acts = [n for n in op.inputs if not n.startswith(DATA_PREFIX)]
-    own = {"transformer_layer": (c.seq_len, c.hidden),
-           "decoder_layer": (c.seq_len + c.memory_seq_len, c.hidden),
-           "pool_head": (c.seq_len, c.hidden), "lm_head": (c.seq_len, c.hidden),
-           "contrastive_loss": (c.proj_dim,),
-           "cross_attn_adapter": (c.input_seq_len, c.input_dim),
-           "linear_adapter": (c.input_seq_len or c.seq_len, c.input_dim)}.get(op.op_type) \
-        or custom_input_shape(op)
-    out = []
-    for i, name in enumerate(op.inputs):
-        if name.startswith(DATA_PREFIX):
-            spec = stream_spec_for(op, i)
-            out.append((spec.shape, spec.dtype))
-        elif graph is not None:
-            out.append((output_shape(graph[name]), torch.float32))
-        elif len(acts) == 1 or op.op_type == "contrastive_loss":
-            out.append((own, torch.float32))
-        else:
-            raise ValueError(f"operator {op.name!r} has {len(acts)} operator inputs: pass the graph to "
-                             f"know how its sequence splits between them")
-    return out
-
-
-def example_inputs(op: Operator, batch: int, *, graph: TaskGraph | None = None,
-                   generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
-                   device=None, requires_grad: bool = False) -> list[Tensor]:
-    """Random inputs of ``op`` for ``batch`` samples: normal activations, token ids below the vocabulary."""
-    out = []
-    for shape, dt in input_shapes(op, graph):
-        if dt.is_floating_point:
-            x = torch.randn((batch, *shape), generator=generator).to(dtype=dtype, device=device)
-            out.append(x.requires_grad_(requires_grad))
-        else:
-            out.append(torch.randint(0, op.layer.vocab_size, (batch, *shape), generator=generator,
-                                     device="cpu").to(device))
-    return out
+                       task_weight=task_weight, use_te=use_te, recompute=recompute_mode)
 
 
 __all__ = ["OperatorLayer", "build_layer", "full_state_dict", "load_full_state_dict", "layer_seed",

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
+from ..planner.workload.recompute import RECOMPUTABLE
 from .layers import LOSS_OP_TYPES, OperatorLayer, build_layer
 from .pretrained import load_pretrained
 
@@ -50,8 +51,11 @@ class ReferenceModel(nn.Module):
     """
 
     def __init__(self, graph: TaskGraph, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, init: Mapping[str, str] | None = None) -> None:
-        """``init``: module name -> Hugging Face directory to load (as ``SpindleModel``'s)."""
+                 device: torch.device | str | None = None, init: Mapping[str, str] | None = None,
+                 recompute: str = "none") -> None:
+        """``init``: module name -> Hugging Face directory to load (as ``SpindleModel``'s); ``recompute``: the
+        activation recompute of every transformer and decoder layer (:mod:`.recompute`; the other layers never
+        recompute)."""
         super().__init__()
         self.graph = graph
         self.seed = seed
@@ -60,7 +64,9 @@ class ReferenceModel(nn.Module):
         by_key: dict[str, OperatorLayer] = {}
         for op in graph.operators:
             share = by_key.get(op.param_key) if op.param_key else None
-            layer = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device, share_with=share)
+            mode = recompute if op.op_type in RECOMPUTABLE else "none"
+            layer = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device, share_with=share,
+                                recompute_mode=mode)
             self._layers[op.name] = layer
             if op.param_key and share is None:
                 by_key[op.param_key] = layer

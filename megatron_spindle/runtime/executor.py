@@ -1,6 +1,14 @@
-"""The wave executor: this rank's slices of a plan, run forward wave by wave and backward in reverse.
+"""The wave executor: this rank's slices of a plan, run phase by phase, each phase's waves forward in order and
+backward in reverse.
 
-A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :meth:`finalize_grads`):
+A pass runs the plan's **phases** (``plan.phases``, consecutive waves; no transfer crosses one) one after the
+other: the forward of the phase's waves, then their backward, then the next phase, so a phase's stashed
+activations are freed before the next phase's exist. :meth:`SpindleModel.forward` takes the pass's batch and
+runs the first phase's forward (every phase's forward when no gradient is recorded: evaluation);
+:meth:`SpindleModel.backward` runs that phase's backward, then each later phase's forward and backward
+(Megatron's forward-step / backward contract, one batch per pass; a plan with one phase runs as before).
+Every slice's layers recompute their activations as its MetaOp says (``MetaOp.recompute``,
+:mod:`..models.recompute`). Within a phase:
 
 1. **forward**, for each wave ``w`` in order: post this rank's receives of the plan's transfers into ``w``
    (``plan.transfers``, computed by :mod:`..planner.step.dataflow`; the executor derives none of its own; local
@@ -13,9 +21,10 @@ A step (:meth:`SpindleModel.forward` then :meth:`SpindleModel.backward`, then :m
    exist, one holder per sample; then post the receives of the boundary before the wave;
 
 Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`,
-sends are waited at the end of the pass (their tensors are never reused inside it). Under gloo an ``isend``
-is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags number the
-messages of a whole pass (forward, then backward), so no two outstanding messages of a pair share one.
+sends are waited at the end of the phase's forward (or backward), their tensors never reused before. Under gloo
+an ``isend`` is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags
+number the messages of a whole pass (forward boundaries, then backward ones, whatever the phases), so no two
+outstanding messages of a pair share one.
 Under NCCL the point-to-point calls of a rank run in order on one communication stream and a separate send
 group could wait on a peer's send group (both blocked until received); there the sends of a boundary are
 posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and
@@ -25,7 +34,8 @@ time the host spent posting (early sends count at the boundary they are for) and
 (``w3 fwd transfer``: the exposed part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
-   bucket posted as soon as the backward waves that use it are done; :meth:`finalize_grads` waits. Losses
+   bucket posted as soon as the backward of the last wave that uses it (in execution order: phase by phase)
+   is done; :meth:`finalize_grads` waits. Losses
    are already normalised by the global batch, so summing is exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
@@ -35,27 +45,29 @@ the slice and the peer.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import comm
-from ..models.layers import build_layer, output_shape
+from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
 from ..planner.step.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.step.plan import Message, Plan, Slice, Transfer
 from ..planner.step.validate import check_plan
 from .grad_sync import GradSync
-from .p2p import PassTransfers, Posted, SpindleTimeout, post_p2p  # noqa: F401 - SpindleTimeout re-exported
+from .p2p import PassTransfers, SpindleTimeout, TransferPlumbing, post_p2p  # noqa: F401 - re-exported
 from .groups import ProcessGroupRegistry
 from .rank_sets import plan_rank_sets, tp_group_name
+from .stash import StashMeter
 from .trace import StepTrace
 
 
@@ -65,15 +77,20 @@ def _module_key(metaop: str, layer: int) -> str:
 
 @dataclass
 class StepState:
-    """What one forward pass leaves for the backward pass and for reporting."""
+    """What one pass's forward leaves for its backward and for reporting. ``losses`` holds every task's loss
+    once the pass has run every phase (after :meth:`SpindleModel.backward`, or after a forward without
+    gradients)."""
 
+    batch: Mapping | None = None                                   # the pass's batch, until its last phase ran
+    phase: int = 0                                                 # the phase whose backward is next
     outputs: dict[str, Tensor] = field(default_factory=dict)       # slice name -> local output
     inputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # (slice, input index) -> leaf
     grads: dict[str, Tensor] = field(default_factory=dict)         # slice name -> grad of its output
     losses: dict[str, Tensor] = field(default_factory=dict)        # task -> local loss (counted once per TP)
+    pieces: dict = field(default_factory=dict)                     # (slice, input) -> received [(start, part)]
 
 
-class SpindleModel(nn.Module):
+class SpindleModel(TransferPlumbing, nn.Module):
     """This rank's part of a multi-task model under a Spindle plan.
 
     Args:
@@ -89,21 +106,28 @@ class SpindleModel(nn.Module):
                  backend: str = "auto", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False,
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool | None = None,
                  init: Mapping[str, str] | None = None) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
         model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
-        ``bucket_size``, ``grad_reduce_in_fp32``, ``distributed_optimizer``: megatron.core DDP's, see
-        :mod:`.grad_sync`. ``init``: module name -> Hugging Face directory whose weights the layers built
+        ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, see :mod:`.grad_sync`. The distributed
+        optimizer (ZeRO-1) is the plan's ``distributed_optimizer``; a ``distributed_optimizer`` given here
+        must say the same. ``init``: module name -> Hugging Face directory whose weights the layers built
         here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`)."""
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
         self.rank, world = dist.get_rank(), dist.get_world_size()
         check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        if distributed_optimizer is not None and bool(distributed_optimizer) != plan.distributed_optimizer:
+            raise ValueError(f"distributed_optimizer={distributed_optimizer} contradicts the plan's "
+                             f"distributed_optimizer={plan.distributed_optimizer}: the plan decides (its memory "
+                             f"estimate assumes it); re-plan to change it")
         self.plan, self.graph = plan, graph
+        self.phases = plan.phases
+        """Wave indices of each phase, in execution order (``plan.phases``)."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -155,7 +179,8 @@ class SpindleModel(nn.Module):
                         share = reuse.get((op.param_key, tp_ranks))
                     mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
                                       graph=layer_graph or graph,
-                                      dtype=dtype, device=self.device, share_with=share, backend=backend)
+                                      dtype=dtype, device=self.device, share_with=share, backend=backend,
+                                      recompute_mode=m.recompute)
                     self.layers[_module_key(m.name, layer)] = mod
                     if share is None and op.param_key:
                         fresh.append(mod)
@@ -168,10 +193,12 @@ class SpindleModel(nn.Module):
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank)
+        self.stash: StashMeter | None = None
+        """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
         self._ranges: dict[str, tuple[int, int]] = {}
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
                                   grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                  distributed_optimizer=distributed_optimizer)
+                                  distributed_optimizer=plan.distributed_optimizer)
         # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
         self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
 
@@ -198,79 +225,11 @@ class SpindleModel(nn.Module):
             for mod in mods:
                 yield key, shard, mod
 
-    # -- communication helpers --------------------------------------------------------------------------
-    def _wait(self, works, what: list[str]) -> None:
-        """:func:`comm.wait_all`, its failure raised as :class:`SpindleTimeout` naming this rank."""
-        try:
-            comm.wait_all(works, what, self.timeout)
-        except TimeoutError as e:
-            raise SpindleTimeout(f"rank {self.rank}: {e}") from e.__cause__
-
-    def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
-        """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
-        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later. The time it
-        takes counts as that boundary's exposed transfer."""
-        t_start = time.perf_counter()
-        self._post_batch(wave, backward, items, send_of, recv_into)
-        self._xfer.blocked[wave] = self._xfer.blocked.get(wave, 0.0) + time.perf_counter() - t_start
-
-    def _post_batch(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
-        phase = "bwd" if backward else "fwd"
-        ops, recs = [], []
-        for tag, e, msg in items:
-            wire = self._tag_base[wave][backward] + tag
-            if msg.local:
-                recv_into(e, msg, send_of(e, msg))
-            elif msg.src == self.rank:
-                ops.append(("send", send_of(e, msg), msg.dst, wire))
-                recs.append((None, f"wave {wave} {'backward' if backward else 'forward'}: send of {e.src} -> "
-                             f"{e.dst} samples [{msg.start}, {msg.stop}) to rank {msg.dst}",
-                             f"w{wave} {phase} send {e.src} -> {e.dst} to rank {msg.dst}", e, msg, None))
-            else:
-                buf = comm.empty(self._msg_shape(e, msg), dtype=self.dtype)
-                ops.append(("recv", buf, msg.src, wire))
-                recs.append(((e.src if backward else e.dst), f"wave {wave} {'backward' if backward else 'forward'}: "
-                             f"receive for {e.dst} from {e.src} samples [{msg.start}, {msg.stop}) from rank "
-                             f"{msg.src}", f"w{wave} {phase} recv {e.src} -> {e.dst} from rank {msg.src}",
-                             e, msg, buf))
-        if not ops:
-            return
-        t0 = time.perf_counter()
-        works = post_p2p(ops)
-        for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
-            item = Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
-            (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
-
-    def _complete(self, items: list[Posted], recv_into=None) -> None:
-        """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
-        blocked time per boundary, and hand received buffers to ``recv_into``."""
-        for it in items:
-            t0 = time.perf_counter()
-            self._wait([it.work], [it.desc])
-            t1 = time.perf_counter()
-            self.trace.span("transfer", it.span, it.t0, t1)
-            self._xfer.blocked[it.wave] = self._xfer.blocked.get(it.wave, 0.0) + (t1 - t0)
-            if recv_into is not None:
-                recv_into(it.e, it.msg, it.buf.to(self.device))
-
-    def _pass_end(self, backward: bool) -> None:
-        """Wait for this pass's sends; record each boundary's exposed (posting + blocked) time."""
-        self._complete(self._xfer.sends)
-        left = [it.desc for items in self._xfer.recvs.values() for it in items]
-        if left:
-            raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {left[:3]}")
-        phase = "bwd" if backward else "fwd"
-        now = time.perf_counter()
-        for w in range(len(self.plan.waves)):
-            self.trace.span("transfer", f"w{w} {phase} transfer", now - self._xfer.blocked.get(w, 0.0), now)
-        self._xfer = PassTransfers()
-
-    def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
-        src = self.slice_of[e.src]
-        return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
-
-    def _msg_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
-        return (msg.stop - msg.start, *self._sample_shape(e))
+    def measure_stash(self, on: bool = True) -> StashMeter | None:
+        """Measure, from the next pass on, the activation bytes each slice keeps for backward (:mod:`.stash`);
+        ``on=False`` stops. Returns the meter."""
+        self.stash = StashMeter(self.unique_parameters()) if on else None
+        return self.stash
 
     def _local_range(self, s: Slice) -> tuple[int, int]:
         """This rank's samples of a slice (computed once per slice, not per message and step)."""
@@ -279,21 +238,34 @@ class SpindleModel(nn.Module):
             got = self._ranges[s.name] = slice_layout(self.metaops[s.metaop], s.ranks).rank_samples(self.rank)
         return got
 
-    # -- forward ----------------------------------------------------------------------------------------
+    # -- a pass, phase by phase -------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Mapping[str, Tensor]]) -> StepState:
-        """Run every wave forward on this rank; returns the state the backward pass needs."""
-        st = StepState()
-        pieces: dict[tuple[str, int], list[tuple[int, Tensor]]] = {}
+        """Start a pass on ``batch``: the first phase's forward, or every phase's forward when no gradient is
+        recorded (evaluation; each phase's activations dropped after it). Returns what :meth:`backward` needs."""
+        st = StepState(batch=batch)
+        if torch.is_grad_enabled():
+            self._forward_phase(st, 0)
+            return st
+        for i, waves in enumerate(self.phases):
+            self._forward_phase(st, i)
+            self._drop(st, waves)
+        st.phase, st.batch = len(self.phases), None
+        return st
 
-        def send_of(e: Transfer, msg: Message) -> Tensor:
-            a, _ = self._local_range(self.slice_of[e.src])
-            return st.outputs[e.src][msg.start - a:msg.stop - a].detach()
+    def _send_fwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
+        a, _ = self._local_range(self.slice_of[e.src])
+        return st.outputs[e.src][msg.start - a:msg.stop - a].detach()
 
-        def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
-            pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
+    def _recv_fwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
+        st.pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
 
+    def _forward_phase(self, st: StepState, phase: int) -> None:
+        """Run this rank's slices of phase ``phase``'s waves forward, posting the phase's messages."""
+        waves = self.phases[phase]
+        send_of = lambda e, msg: self._send_fwd(st, e, msg)  # noqa: E731
+        recv_into = lambda e, msg, t: self._recv_fwd(st, e, msg, t)  # noqa: E731
         self._xfer = PassTransfers()
-        for w in range(len(self.plan.waves)):
+        for w in waves:
             fwd = self.messages[w][0]
             # the boundary's receives and local copies; its sends too where they were not posted early
             self._post(w, False, [m for m in fwd if not (self._early and m[2].src == self.rank != m[2].dst)],
@@ -301,14 +273,16 @@ class SpindleModel(nn.Module):
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
                 t1 = time.perf_counter()
-                with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]):
-                    self._run_slice(s, batch, pieces, st)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
+                        (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
+                    self._run_slice(s, st.batch, st.pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
                 if self._early:  # its output exists: send it to every later wave now
                     for v, items in self._fwd_sends_of.get(s.name, ()):
                         self._post(v, False, items, send_of, recv_into)
-        self._pass_end(False)
-        return st
+        self._pass_end(False, waves)
+        if self.stash is not None:
+            self.stash.phase_done(phase)
 
     def _run_slice(self, s: Slice, batch, pieces, st: StepState) -> None:
         m = self.metaops[s.metaop]
@@ -344,27 +318,41 @@ class SpindleModel(nn.Module):
             if s.ranks.index(self.rank) % m.tp == 0:
                 st.losses[m.task] = st.losses.get(m.task, 0.0) + x.detach()
 
-    # -- backward ---------------------------------------------------------------------------------------
     def backward(self, st: StepState, *, loss_scale: float = 1.0) -> None:
-        """Backpropagate wave by wave in reverse; parameter gradients accumulate in ``.grad``.
+        """Backpropagate the pass: the started phase's waves in reverse, then each later phase forward and
+        backward; parameter gradients accumulate in ``.grad`` (megatron DDP's ``main_grad``).
 
         ``loss_scale`` multiplies every loss (``1/num_microbatches`` when passes are accumulated, so the
         gradient is that of the mean over the accumulated passes, as in Megatron).
         """
+        phases = self.phases
+        if st.phase >= len(phases):
+            raise RuntimeError(f"rank {self.rank}: backward of a pass that has run every phase already (a second "
+                               f"backward, or a forward without gradients)")
+        for i in range(st.phase, len(phases)):
+            if i > st.phase:
+                self._forward_phase(st, i)
+            self._backward_phase(st, phases[i], loss_scale)
+            self._drop(st, phases[i])
+        st.phase, st.batch = len(phases), None
+        st.grads.clear()
 
-        def send_of(e: Transfer, msg: Message) -> Tensor:
-            a, _ = self._local_range(self.slice_of[e.dst])
-            g = st.inputs[(e.dst, e.input_index)].grad
-            return g[msg.start - a:msg.stop - a]
+    def _send_bwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
+        a, _ = self._local_range(self.slice_of[e.dst])
+        return st.inputs[(e.dst, e.input_index)].grad[msg.start - a:msg.stop - a]
 
-        def recv_into(e: Transfer, msg: Message, t: Tensor) -> None:
-            a, b = self._local_range(self.slice_of[e.src])
-            if e.src not in st.grads:
-                st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            st.grads[e.src][msg.start - a:msg.stop - a] += t
+    def _recv_bwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
+        a, b = self._local_range(self.slice_of[e.src])
+        if e.src not in st.grads:
+            st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        st.grads[e.src][msg.start - a:msg.stop - a] += t
 
+    def _backward_phase(self, st: StepState, waves: Sequence[int], loss_scale: float) -> None:
+        """Backpropagate this rank's slices of ``waves`` (one phase) in reverse, posting input gradients."""
+        send_of = lambda e, msg: self._send_bwd(st, e, msg)  # noqa: E731
+        recv_into = lambda e, msg, t: self._recv_bwd(st, e, msg, t)  # noqa: E731
         self._xfer = PassTransfers()
-        for w in range(len(self.plan.waves) - 1, -1, -1):
+        for w in reversed(waves):
             for s in reversed(self.my_slices[w]):
                 if not self._grad[s.metaop]:  # frozen, nothing trainable before it: no backward, no messages
                     continue
@@ -388,9 +376,15 @@ class SpindleModel(nn.Module):
             bwd = self.messages[w][1]
             self._post(w, True, [m for m in bwd if not (self._early and m[2].src == self.rank != m[2].dst)],
                        send_of, recv_into)
-        self._pass_end(True)
-        st.outputs.clear()
-        st.inputs.clear()
+        self._pass_end(True, waves)
+
+    def _drop(self, st: StepState, waves: Sequence[int]) -> None:
+        """Forget the outputs and input leaves of this rank's slices of a finished phase (its stash goes)."""
+        for w in waves:
+            for s in self.my_slices[w]:
+                st.outputs.pop(s.name, None)
+                for key in [k for k in st.inputs if k[0] == s.name]:
+                    del st.inputs[key]
 
     # -- gradient sync, norm, losses ----------------------------------------------------------------------
     def finalize_grads(self) -> None:

@@ -12,7 +12,7 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
   contiguous ``main_grad`` buffer by a hook when autograd produces it, and a bucket's all-reduce is posted
   asynchronously as soon as every gradient of the bucket is complete, i.e. after the last backward wave on
   this rank that uses it, while later waves still run backward. :meth:`GradSync.finish` waits for all of them
-  (before clipping). Parameters are listed in order of the plan wave where they are used first, so megatron's
+  (before clipping). Parameters are listed latest-completed first (:func:`grad_done_positions`), so megatron's
   buckets (filled from the end of the list) follow the backward order;
 * **sum, not mean**: the losses are already normalised by the global batch, so the DDP config sets
   ``calculate_per_token_loss`` (no ``1/dp`` pre-scaling) and ``average_in_collective=False``;
@@ -27,8 +27,11 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
 **Order of reductions.** gloo (and NCCL) need the collectives of one group posted in the same order on
 every member. megatron assumes data-parallel replicas run the same model, so their buckets become ready in
 the same order; here the members of a rank set run different slices, and a bucket can be ready early on one
-rank and late on another. So each instance posts its buckets in one order fixed by the plan: by the last
-plan wave (in backward order) at which any member uses a gradient of the bucket, then by bucket index. A bucket
+rank and late on another. So each instance posts its buckets in one order fixed by the plan: by when the
+bucket's gradients are complete on every member, then by bucket index. A gradient is complete after the backward
+of its weight's last use in execution order: a pass runs phase by phase, each phase's waves backward in reverse
+(:mod:`.executor`), so that is the first use within the last phase that uses it (with one phase: the first
+wave that uses it). A bucket
 ready early waits for the buckets before it in that order; it loses nothing, because its reduce cannot finish
 before its slowest member is ready anyway, and every bucket before it is ready on all members by then.
 
@@ -52,9 +55,9 @@ the parameter buffer) for a torch optimizer; element-wise optimizers (SGD, Adam,
 they do on whole parameters, with 1/n of the state per rank. Before the next forward (or
 :meth:`gather_params`) the updated blocks are all-gathered. megatron.core's own ``DistributedOptimizer`` is not
 used: it is built for one data-parallel group over all model chunks (here: one group per rank set), keeps
-fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. The built-in trainer
-does not turn it on yet: its checkpoints and task-mix changes keep optimizer state per parameter, not per
-bucket block.
+fp32 master copies through megatron's optimizer wrappers, and reads CUDA tensor types. It is on when the plan
+says so (``plan.distributed_optimizer``); the built-in trainer then refuses checkpoints and task-mix changes
+(they keep optimizer state per parameter, not per bucket block), Megatron-LM's loop refuses the plan.
 
 Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
 (a callback on the work; the wait in :meth:`finish` when the backend offers no future), and
@@ -104,17 +107,25 @@ class _Instance:
     times: dict = field(default_factory=dict)         # label -> [post time, completion time or None]
 
 
-def first_use_waves(plan, rank: int) -> dict[str, int]:
-    """``{param_key: first plan wave in which `rank` runs a slice using it}`` (pure: any rank computes it
-    for any other)."""
+def backward_positions(plan) -> dict[int, int]:
+    """``{wave: position of its backward in a pass}``: phase by phase, each phase's waves in reverse."""
+    order = [w for waves in plan.phases for w in reversed(waves)]
+    return {w: i for i, w in enumerate(order)}
+
+
+def grad_done_positions(plan, rank: int) -> dict[str, int]:
+    """``{param_key: backward position (:func:`backward_positions`) after which `rank` adds nothing more to
+    its gradient}``: the latest backward among the waves where ``rank`` runs a slice using it (pure: any rank
+    computes it for any other)."""
     metaops = {m.name: m for m in plan.metaops}
+    pos = backward_positions(plan)
     out: dict[str, int] = {}
     for w, wave in enumerate(plan.waves):
         for s in wave.slices:
             if rank in s.ranks:
                 for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
-                    if key and key not in out:
-                        out[key] = w
+                    if key:
+                        out[key] = max(out.get(key, -1), pos[w])
     return out
 
 
@@ -152,7 +163,7 @@ class GradSync:
         self.overlap = overlap
         self.distributed_optimizer = distributed_optimizer
         plan = model.plan
-        waves_of = {r: first_use_waves(plan, r) for r in range(plan.world_size)}
+        done_of = {r: grad_done_positions(plan, r) for r in range(plan.world_size)}
         by_ranks: dict[tuple[int, ...], list] = {}
         for g in plan.param_groups:
             if self.rank not in g.ranks:
@@ -161,11 +172,11 @@ class GradSync:
             if not mods:
                 raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
                                    f"but holds no copy of it")
-            # the last plan wave (in backward order) at which a member still produces this gradient
-            ready = min(waves_of[r].get(g.param_key, len(plan.waves)) for r in g.ranks)
+            # the gradient is complete once the last member has run the backward of its last use
+            done = max(done_of[r].get(g.param_key, -1) for r in g.ranks)
             for name, p in sorted(mods[0].core.named_parameters()):
-                if p.requires_grad:
-                    by_ranks.setdefault(tuple(g.ranks), []).append((ready, g.param_key, g.tp_rank, name, p))
+                if p.requires_grad:  # listed latest-completed first: megatron fills buckets from the end
+                    by_ranks.setdefault(tuple(g.ranks), []).append((-done, g.param_key, g.tp_rank, name, p))
         self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
         self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
@@ -181,12 +192,11 @@ class GradSync:
                                                                   grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                                   distributed_optimizer=distributed_optimizer),
                                           _Params(params), pg_collection=pgc)
-            ready_of = {id(r[4]): r[0] for r in rows}
+            done_at = {id(r[4]): -r[0] for r in rows}
             inst = _Instance(ranks=ranks, ddp=ddp)
             keyed = []
             for i, bg in enumerate(ddp.bucket_groups):
-                wave = min(ready_of[id(p)] for p in bg.params)
-                keyed.append((-wave, i, bg))
+                keyed.append((max(done_at[id(p)] for p in bg.params), i, bg))
                 inst.labels[bg] = f"reduce {list(ranks)} bucket {i}"
                 inst.start[bg] = bg.start_grad_sync
                 bg.start_grad_sync = self._poster(inst, bg)

@@ -1,17 +1,20 @@
 """The executor's point-to-point plumbing: one batched post, the record of each posted message, a pass's
-outstanding messages, and the error a silent peer raises.
+outstanding messages, the error a silent peer raises, and :class:`TransferPlumbing`, the executor's methods that
+post, wait for and account the plan's messages.
 
 Every point-to-point call of the wave executor (:mod:`.executor`) goes through :func:`post_p2p`, which goes
 through :mod:`megatron_spindle.comm` (the one module that calls ``torch.distributed``).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from torch import Tensor
 
 from .. import comm
+from ..models.shapes import output_shape
 from ..planner.step.plan import Message, Transfer
 
 
@@ -58,3 +61,88 @@ class PassTransfers:
     sends: list[Posted] = field(default_factory=list)
     recvs: dict[str, list[Posted]] = field(default_factory=dict)
     blocked: dict[int, float] = field(default_factory=dict)
+
+
+class TransferPlumbing:
+    """The wave executor's message handling (a mixin of :class:`~.executor.SpindleModel`, which provides
+    ``rank``, ``timeout``, ``trace``, ``dtype``, ``device``, ``graph``, ``metaops``, ``slice_of``, the wire tags
+    ``_tag_base`` and the outstanding messages ``_xfer``).
+
+    ``_post`` posts a boundary's ``(tag, edge, message)`` items (local copies at once), ``_complete`` waits for
+    posted items in order and hands received buffers on, ``_pass_end`` closes a phase's forward or backward.
+    """
+
+    def _wait(self, works, what: list[str]) -> None:
+        """:func:`comm.wait_all`, its failure raised as :class:`SpindleTimeout` naming this rank."""
+        try:
+            comm.wait_all(works, what, self.timeout)
+        except TimeoutError as e:
+            raise SpindleTimeout(f"rank {self.rank}: {e}") from e.__cause__
+
+    def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
+        """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
+        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later. The time it
+        takes counts as that boundary's exposed transfer."""
+        t_start = time.perf_counter()
+        self._post_batch(wave, backward, items, send_of, recv_into)
+        self._xfer.blocked[wave] = self._xfer.blocked.get(wave, 0.0) + time.perf_counter() - t_start
+
+    def _post_batch(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
+        phase = "bwd" if backward else "fwd"
+        ops, recs = [], []
+        for tag, e, msg in items:
+            wire = self._tag_base[wave][backward] + tag
+            if msg.local:
+                recv_into(e, msg, send_of(e, msg))
+            elif msg.src == self.rank:
+                ops.append(("send", send_of(e, msg), msg.dst, wire))
+                recs.append((None, f"wave {wave} {'backward' if backward else 'forward'}: send of {e.src} -> "
+                             f"{e.dst} samples [{msg.start}, {msg.stop}) to rank {msg.dst}",
+                             f"w{wave} {phase} send {e.src} -> {e.dst} to rank {msg.dst}", e, msg, None))
+            else:
+                buf = comm.empty(self._msg_shape(e, msg), dtype=self.dtype)
+                ops.append(("recv", buf, msg.src, wire))
+                recs.append(((e.src if backward else e.dst), f"wave {wave} {'backward' if backward else 'forward'}: "
+                             f"receive for {e.dst} from {e.src} samples [{msg.start}, {msg.stop}) from rank "
+                             f"{msg.src}", f"w{wave} {phase} recv {e.src} -> {e.dst} from rank {msg.src}",
+                             e, msg, buf))
+        if not ops:
+            return
+        t0 = time.perf_counter()
+        works = post_p2p(ops)
+        for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
+            item = Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
+            (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
+
+    def _complete(self, items: list[Posted], recv_into=None) -> None:
+        """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
+        blocked time per boundary, and hand received buffers to ``recv_into``."""
+        for it in items:
+            t0 = time.perf_counter()
+            self._wait([it.work], [it.desc])
+            t1 = time.perf_counter()
+            self.trace.span("transfer", it.span, it.t0, t1)
+            self._xfer.blocked[it.wave] = self._xfer.blocked.get(it.wave, 0.0) + (t1 - t0)
+            if recv_into is not None:
+                recv_into(it.e, it.msg, it.buf.to(self.device))
+
+    def _pass_end(self, backward: bool, waves: Sequence[int]) -> None:
+        """Wait for the sends of this phase's forward (or backward) ``waves`` (no message crosses a phase, so
+        every one of them was posted and consumed inside it); record each boundary's exposed (posting +
+        blocked) time."""
+        self._complete(self._xfer.sends)
+        left = [it.desc for items in self._xfer.recvs.values() for it in items]
+        if left:
+            raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {left[:3]}")
+        phase = "bwd" if backward else "fwd"
+        now = time.perf_counter()
+        for w in waves:
+            self.trace.span("transfer", f"w{w} {phase} transfer", now - self._xfer.blocked.get(w, 0.0), now)
+        self._xfer = PassTransfers()
+
+    def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
+        src = self.slice_of[e.src]
+        return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
+
+    def _msg_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
+        return (msg.stop - msg.start, *self._sample_shape(e))
