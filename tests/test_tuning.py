@@ -131,3 +131,20 @@ def test_spindle_is_at_or_below_every_tuned_baseline_it_can_run():
     check_plan(sp.plan)
     for b, t in tuned.items():
         assert sp.step_ms <= t.step_ms * (1 + 1e-9), b
+
+
+def test_at_the_runs_own_passes_the_tuner_makes_a_plan_fit_where_the_plain_one_does_not():
+    """What a training run does when Spindle's plain plan does not fit (megatron/model.py plan_for): at its own
+    passes, recompute, phases or ZeRO-1 where memory binds."""
+    from megatron_spindle.planner.step.placement import PlacementError
+    from megatron_spindle.planner.step.tuning import FixedPasses
+    g = Workload(model="multitask-clip", tasks=4).graph(16)
+    cl = small_memory(8, 8)
+    with pytest.raises(PlacementError):
+        make_plan(g, cl, search=False)
+    t = tune_spindle(FixedPasses(g, 16), cl, hints=[Execution(passes=16)])
+    assert t.plan is not None and t.plan.passes == 16
+    assert max(t.plan.device_memory_bytes) <= cl.memory_limit_bytes
+    ex = t.execution  # 8 GiB: phases, ZeRO-1 and recompute of a few MetaOps (planned 2026-12-02)
+    assert ex.recomputed and ex.groups and ex.distributed_optimizer
+    assert {m.name for m in t.plan.metaops if m.recompute != "none"} == set(ex.recomputed)

@@ -24,9 +24,13 @@ from ..log import get_logger
 from ..models.data import SyntheticData
 from ..planner.workload.analytic import CurvesFile
 from ..planner.step.build import plan_system
+from ..planner.step.execution import Execution
+from ..planner.step.placement import PlacementError
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..planner.step.render import gantt, grid, summary
+from ..planner.step.tune_spindle import tune_spindle
+from ..planner.step.tuning import FixedPasses
 from ..planner.step.validate import check_plan
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
@@ -56,6 +60,8 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
 
     ``passes``: the passes of the plan accumulated per optimizer step (Megatron's number of microbatches);
     the planner chooses among its candidates by ``passes`` x pass + one gradient sync, the step the run takes.
+    Where Spindle's plain plan does not fit memory, the tuner (:mod:`..planner.step.tune_spindle`) adds
+    recompute, phases and the distributed optimizer where memory binds, at the run's passes.
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """
     if args.spindle_plan:
@@ -66,8 +72,19 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     if dist.get_rank() == 0:
         try:
             cluster, curves = make_cluster(args, world)
-            p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
-                            passes=passes)
+            try:
+                p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
+                                passes=passes)
+            except PlacementError as e:  # memory binds: recompute, phases, ZeRO-1 where they make it fit
+                if not args.spindle:
+                    raise
+                tuned = tune_spindle(FixedPasses(graph, passes), cluster, curves_file=curves,
+                                     hints=[Execution(passes=passes)])
+                if tuned.plan is None:
+                    raise e from None
+                log.info(f"spindle: the plain plan does not fit memory ({e}); planned with "
+                         f"{tuned.execution.label()} instead")
+                p = tuned.plan
             box[0] = p.to_json()
         except ValueError as e:
             box[0] = {"error": str(e)}

@@ -86,6 +86,23 @@ class Workload:
         return divisors(reduce(math.gcd, self.step_batches().values()))
 
 
+@dataclass(frozen=True)
+class FixedPasses:
+    """A workload held to one pass graph (``passes`` passes per step: the run's own, from its flags): the tuner
+    then searches only the rest (recompute, phases, the distributed optimizer) at those passes."""
+
+    one_pass: TaskGraph
+    passes: int
+
+    def graph(self, passes: int) -> TaskGraph:
+        if passes != self.passes:
+            raise ValueError(f"this workload is held to {self.passes} passes per step, not {passes}")
+        return self.one_pass
+
+    def pass_options(self) -> tuple[int, ...]:
+        return (self.passes,)
+
+
 @dataclass
 class Trial:
     execution: Execution
