@@ -55,19 +55,23 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
     bucket (default: megatron.core's for each rank set's size)."""
     metaops = {m.name: m for m in plan.metaops}
     frozen = {k for m in plan.metaops if not m.trainable for k in m.param_keys if k}
-    holders: dict[tuple[str, int], list[tuple[float, int, str]]] = defaultdict(list)  # (key, rank) -> uses
+    # (key, rank) -> its last use (done, wave, slice name): only the latest use of a group matters
+    last: dict[tuple[str, int], tuple[float, int, str]] = {}
     for w in plan.waves:
         for s in w.slices:
+            use = (done_ms[s.name], w.index, s.name)
             for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
                 if key:
                     for r in s.ranks:
-                        holders[(key, r)].append((done_ms[s.name], w.index, s.name))
+                        got = last.get((key, r))
+                        if got is None or got < use:
+                            last[(key, r)] = use
     by_ranks: dict[tuple[int, ...], list[tuple[float, int, int, str]]] = defaultdict(list)
     for g in plan.param_groups:
         if g.param_key in frozen:
             continue
         ranks = tuple(sorted(g.ranks))
-        uses = [u for r in ranks for u in holders.get((g.param_key, r), ())]
+        uses = [u for u in (last.get((g.param_key, r)) for r in ranks) if u is not None]
         ready, wave = (max(uses)[:2]) if uses else (pass_ms, None)
         by_ranks[ranks].append((ready, -1 if wave is None else wave, g.params, g.param_key))
     out = []

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 from ...atomic import write_file
@@ -85,8 +86,10 @@ class Slice:
     def ref(self) -> SliceRef:
         return SliceRef(self.wave, self.metaop, self.layer_start, self.layer_stop - 1, len(self.ranks), self.tp)
 
-    @property
+    @cached_property
     def name(self) -> str:
+        """``str(self.ref)``, formatted once per slice (the simulator and the data flow look it up often; the
+        slice is frozen, so it cannot go stale)."""
         return str(self.ref)
 
     def to_json(self) -> dict:
@@ -169,9 +172,9 @@ class Transfer:
     cross_island_bytes: float
     """Forward bytes that leave their island."""
 
-    @property
+    @cached_property
     def wave(self) -> int:
-        """The consumer's wave: the boundary before it carries this edge."""
+        """The consumer's wave: the boundary before it carries this edge (parsed once)."""
         return SliceRef.from_str(self.dst).wave
 
     @property
