@@ -37,6 +37,7 @@ Worked example: a producer on ranks ``(0,)`` and a consumer on ``(0, 1, 2, 3)`` 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -93,7 +94,17 @@ class Layout:
 
 def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
     """Where a slice of ``m`` on ``ranks`` keeps its activations (item 1)."""
-    return Layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
+    return _layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
+
+
+#: Layouts and message lists kept for reuse: the placement search and every whole-step candidate's plan
+#: (:mod:`.choose`) ask for the same ones again (each a pure function of its arguments).
+CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _layout(ranks: tuple[int, ...], tp: int, batch: int) -> Layout:
+    return Layout(ranks, tp, batch)
 
 
 def _pick(holders: Sequence[int], dst: int, position: int, island_of: Callable[[int], int] | None) -> int:
@@ -125,6 +136,12 @@ def messages(src: Layout, dst: Layout, *, island_of: Callable[[int], int] | None
     return out
 
 
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def island_messages(src: Layout, dst: Layout, gpus_per_node: int, bytes_per_sample: float) -> tuple[Message, ...]:
+    """:func:`messages` with islands of ``gpus_per_node`` devices (remembered: the same layouts meet often)."""
+    return tuple(messages(src, dst, island_of=lambda r: r // gpus_per_node, bytes_per_sample=bytes_per_sample))
+
+
 def _edges(by_name: Mapping[str, MetaOp], slices: Sequence[Slice]) -> Iterable[tuple[int, Slice, Slice]]:
     """``(input index, producer slice, consumer slice)`` in plan order (item 2)."""
     where: dict[tuple[str, int], Slice] = {}
@@ -151,9 +168,9 @@ def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node:
         p = by_name[src.metaop]
         a, b = slice_layout(p, src.ranks), slice_layout(by_name[dst.metaop], dst.ranks)
         per_sample = float(ACTIVATION_BYTES * p.out_elems_per_sample)
-        fwd = messages(a, b, island_of=island, bytes_per_sample=per_sample)
-        bwd = messages(b, a, island_of=island, bytes_per_sample=per_sample)
-        out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=tuple(fwd), backward=tuple(bwd),
+        fwd = island_messages(a, b, gpus_per_node, per_sample)
+        bwd = island_messages(b, a, gpus_per_node, per_sample)
+        out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=fwd, backward=bwd,
                             cross_island_bytes=sum(x.bytes for x in fwd if island(x.src) != island(x.dst))))
     return out
 
