@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from ..level.anneal import anneal
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
@@ -157,23 +159,27 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
     optimizer state over its holders) plus its largest phase's stashed activations. ``phase_of`` maps a wave
     index (or a slice name) to the set of activations it belongs to."""
     holders: dict[tuple[str, int], set[int]] = {}
-    act = [dict() for _ in range(num_devices)]
+    act: dict[int, np.ndarray] = {}  # phase -> activations per device (0 where the device stashes none)
     for s in slices:
         m = by_name[s.metaop]
         a = slice_activation_bytes(m, s.num_layers, len(s.ranks))
         phase = (phase_of.get(s.name, phase_of.get(s.wave, 0))) if phase_of else 0
-        for pos, r in enumerate(s.ranks):
-            act[r][phase] = act[r].get(phase, 0.0) + a
-            for k in slice_param_keys(m, s.layer_start, s.num_layers):
-                holders.setdefault((k, pos % m.tp), set()).add(r)
+        if phase not in act:
+            act[phase] = np.zeros(num_devices)
+        np.add.at(act[phase], list(s.ranks), a)  # in slice order, as one by one
+        keys = list(slice_param_keys(m, s.layer_start, s.num_layers))
+        for shard in range(min(m.tp, len(s.ranks))):  # position p holds shard p % tp: (key, shard) first met
+            ranks = s.ranks[shard::m.tp]                 # in the order of positions, then of keys
+            for k in keys:
+                holders.setdefault((k, shard), set()).update(ranks)
     owner = {}
     for m in by_name.values():
         for k in m.param_keys:
             if k:
                 owner.setdefault(k, m)
-    held = [0.0] * num_devices
-    for (k, shard), devs in holders.items():
-        b = layer_state_bytes(owner[k], holders=len(devs), distributed_optimizer=distributed_optimizer)
-        for r in devs:
-            held[r] += b
-    return [held[d] + max(act[d].values(), default=0.0) for d in range(num_devices)]
+    held = np.zeros(num_devices)
+    for (k, shard), devs in holders.items():  # each device's states summed in the same order as one by one
+        held[np.fromiter(devs, dtype=np.int64, count=len(devs))] += layer_state_bytes(
+            owner[k], holders=len(devs), distributed_optimizer=distributed_optimizer)
+    peak = np.maximum.reduce(list(act.values())) if act else np.zeros(num_devices)
+    return (held + peak).tolist()

@@ -188,9 +188,9 @@ def param_groups(metaops: Iterable[MetaOp], slices: Sequence[Slice]) -> list[Par
     for s in slices:
         m = by_name[s.metaop]
         for k in slice_param_keys(m, s.layer_start, s.num_layers):
-            for pos, r in enumerate(s.ranks):
-                key = (k, pos % m.tp)
-                groups.setdefault(key, set()).add(r)
+            for shard in range(min(m.tp, len(s.ranks))):  # position p holds shard p % tp
+                key = (k, shard)
+                groups.setdefault(key, set()).update(s.ranks[shard::m.tp])
                 info[key] = (m.tp, m.params_per_layer // m.tp)
     return [ParamGroup(param_key=k, tp_rank=t, tp=info[(k, t)][0], ranks=tuple(sorted(groups[(k, t)])),
                        params=info[(k, t)][1]) for k, t in sorted(groups)]
