@@ -102,6 +102,12 @@ def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
 CACHE_SIZE = 1024
 
 
+def clear_caches() -> None:
+    """Forget the remembered layouts and message lists (a benchmark's rows each start cold)."""
+    _layout.cache_clear()
+    island_messages.cache_clear()
+
+
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _layout(ranks: tuple[int, ...], tp: int, batch: int) -> Layout:
     return Layout(ranks, tp, batch)

@@ -321,10 +321,10 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
         f = flows.get(w.index, [])
         fwd = boundary_time_ms(f, cluster)
         bwd = boundary_time_ms(back.get(w.index, []), cluster)
+        g = cluster.gpus_per_node  # cluster.island(d) is d // g
         waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
-                                cross_island_bytes=sum(x for a, b, x in f
-                                                       if cluster.island(a) != cluster.island(b))))
+                                cross_island_bytes=sum(x for a, b, x in f if a // g != b // g)))
     if early_sends:
         exposed_f, exposed_b = _early_exposure(plan, cluster, {w.index: w.duration_ms for w in waves}, slice_ms)
         waves = [dataclasses.replace(w, transfer_fwd_ms=exposed_f[w.index], transfer_bwd_ms=exposed_b[w.index])
