@@ -14,7 +14,6 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Mapping
 
 from ...atomic import write_file
@@ -86,11 +85,14 @@ class Slice:
     def ref(self) -> SliceRef:
         return SliceRef(self.wave, self.metaop, self.layer_start, self.layer_stop - 1, len(self.ranks), self.tp)
 
-    @cached_property
+    @property
     def name(self) -> str:
         """``str(self.ref)``, formatted once per slice (the simulator and the data flow look it up often; the
         slice is frozen, so it cannot go stale)."""
-        return str(self.ref)
+        got = self.__dict__.get("_name")
+        if got is None:
+            got = self.__dict__["_name"] = str(self.ref)
+        return got
 
     def to_json(self) -> dict:
         return {"wave": self.wave, "metaop": self.metaop, "layer_start": self.layer_start,
@@ -172,10 +174,13 @@ class Transfer:
     cross_island_bytes: float
     """Forward bytes that leave their island."""
 
-    @cached_property
+    @property
     def wave(self) -> int:
         """The consumer's wave: the boundary before it carries this edge (parsed once)."""
-        return SliceRef.from_str(self.dst).wave
+        got = self.__dict__.get("_wave")
+        if got is None:
+            got = self.__dict__["_wave"] = SliceRef.from_str(self.dst).wave
+        return got
 
     @property
     def bytes(self) -> float:
