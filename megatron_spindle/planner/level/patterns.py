@@ -179,14 +179,20 @@ class _Pool:
 
     def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]`` (the recurrence of
-        :meth:`_options`, one count at a time: over every duration the stacked form moves 3x the memory)."""
-        value = np.zeros((len(rows), self.N + 1))
+        :meth:`_options`, one count at a time: over every duration the stacked form moves 3x the memory). The
+        table is kept devices-major (a shift by a count is a contiguous block) in two buffers; every entry is
+        the same maximum of the same sums as in any layout."""
+        R, W = len(rows), self.N + 1
+        full = R == len(self.Ds) and bool((rows == np.arange(R)).all())  # every duration, in order: no gather
+        value, new, tmp = np.zeros((W, R)), np.empty((W, R)), np.empty((W, R))
         for i in self._active(pi):
-            new = value.copy()
+            gains = pi[i] * (self.layers[i] if full else self.layers[i][rows])  # (R, counts)
+            new[...] = value
             for k, c in enumerate(self.counts[i]):
-                np.maximum(new[:, c:], value[:, :-c] + (pi[i] * self.layers[i][rows, k])[:, None], out=new[:, c:])
-            value = new
-        return value[:, self.N]
+                np.add(value[:W - c], gains[:, k], out=tmp[:W - c])
+                np.maximum(new[c:], tmp[:W - c], out=new[c:])
+            value, new = new, value
+        return value[self.N].copy()
 
     def patterns(self, pi: np.ndarray, rows: Sequence[int]) -> list[tuple[float, np.ndarray, np.ndarray]]:
         """The knapsack's best pattern for each duration ``Ds[rows]``, backtracked, each with its own
@@ -196,23 +202,33 @@ class _Pool:
         value = np.zeros((R, N + 1))
         picks = []
         active = self._active(pi)
-        for i in active:
-            opts = self._options(i, pi, rows, value)
-            pick = opts.argmax(axis=1)          # the first best: left out on ties, then the smallest count
-            value = opts.max(axis=1)
-            picks.append(pick - 1)              # -1: left out
+        W = N + 1
+        for i in active:  # :meth:`_options`'s maximum and first argmax, one count at a time
+            gains = pi[i] * self.layers[i][rows]               # (R, K)
+            best = value.copy()
+            pick = np.full((R, W), -1, dtype=np.int64)         # -1: left out (it wins every tie)
+            for k, c in enumerate(self.counts[i]):
+                cand = value[:, :W - c] + gains[:, k:k + 1]
+                better = cand > best[:, c:]                    # strictly: the smallest count wins a tie
+                np.copyto(best[:, c:], cand, where=better)
+                np.copyto(pick[:, c:], k, where=better)
+            value = best
+            picks.append(pick)
         out = []
+        # backtracked in Python lists (the same floats; numpy scalars are slow to index one by one)
+        back = [(i, pick.tolist(), self.layers[i][rows].tolist(), self.T[i].tolist(), self.counts[i])
+                for i, pick in zip(reversed(active), reversed(picks))]
         for r in range(R):
-            a, kk, n, dur = np.zeros(self.M), np.full(self.M, -1), N, 0.0
-            for i, pick in zip(reversed(active), reversed(picks)):
-                k = int(pick[r, n])
+            a, kk, n, dur = [0.0] * self.M, [-1] * self.M, N, 0.0
+            for i, pick, layers, T, counts in back:
+                k = pick[r][n]
                 if k >= 0:
-                    a[i], kk[i] = self.layers[i][rows[r], k], k
+                    a[i], kk[i] = layers[r][k], k
                     if a[i] > 0:
-                        dur = max(dur, a[i] * self.T[i][k])
-                    n -= self.counts[i][k]
-            if a.any():
-                out.append((dur, a, kk))
+                        dur = max(dur, a[i] * T[k])
+                    n -= counts[k]
+            if any(a):
+                out.append((dur, np.array(a), np.array(kk)))
         return out
 
     def generate(self, rounds: int) -> tuple[float, float, np.ndarray] | None:

@@ -45,8 +45,13 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     # state: per wave, MetaOp -> [devices, layers]
     state = [{s.metaop: [s.devices, s.layers] for s in w.slices} for w in waves]
 
-    def dur(w: dict) -> float:
-        return max((k * T[n][c] for n, (c, k) in w.items()), default=0.0)
+    def dur(w: dict) -> float:  # the longest slice (0 for an empty wave)
+        d = 0.0
+        for n, (c, k) in w.items():
+            t = k * T[n][c]
+            if t > d:
+                d = t
+        return d
 
     D = [dur(w) for w in state]
     F = [N - sum(c for c, _ in w.values()) for w in state]

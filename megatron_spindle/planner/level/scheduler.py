@@ -261,20 +261,30 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     align = align.split("+")[0]
     tag = "+polish" if polished else "+search"
     tuples = dict(best.tuples)
-    seen.setdefault((propose, align, polished, _tuple_key(metaops, tuples)), best.span_ms)
+    ms = list(metaops)
+    index = {m.name: i for i, m in enumerate(ms)}
+    parts = list(_tuple_key(metaops, tuples))  # the key of ``tuples``, one part per MetaOp
+    seen.setdefault((propose, align, polished, tuple(parts)), best.span_ms)
     for _ in range(steps):
-        m = rng.choice(list(metaops))
+        m = rng.choice(ms)
         valid = m.valid_counts(N)
-        options = [[AllocTuple(c, m.num_layers, float(m.num_layers))] for c in valid]
-        if m.num_layers > 1 and len(valid) > 1:
+        L = m.num_layers
+        split = None
+        if L > 1 and len(valid) > 1:
             i = rng.randrange(len(valid) - 1)
-            k = rng.randrange(1, m.num_layers)
-            options.append([AllocTuple(valid[i + 1], k, float(k)),
-                            AllocTuple(valid[i], m.num_layers - k, float(m.num_layers - k))])
-        if fine:
-            options += _fine_moves(m, tuples[m.name], valid, rng)
-        trial = {**tuples, m.name: rng.choice(options)}
-        key = (propose, align, polished, _tuple_key(metaops, trial))
+            k = rng.randrange(1, L)
+            split = [AllocTuple(valid[i + 1], k, float(k)), AllocTuple(valid[i], L - k, float(L - k))]
+        more = _fine_moves(m, tuples[m.name], valid, rng) if fine else []
+        # the options: each valid count alone, the split, the finer moves (only the one drawn is built)
+        j = rng.randrange(len(valid) + (split is not None) + len(more))
+        if j < len(valid):
+            choice = [AllocTuple(valid[j], L, float(L))]
+        else:
+            choice = split if split is not None and j == len(valid) else more[j - len(valid) - (split is not None)]
+        trial = {**tuples, m.name: choice}
+        trial_parts = parts.copy()
+        trial_parts[index[m.name]] = tuple((t.devices, t.layers) for t in choice)
+        key = (propose, align, polished, tuple(trial_parts))
         if seen.get(key, -1.0) >= best.span_ms * (1 - 1e-12):
             continue
         waves = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose, align=align,
@@ -283,7 +293,7 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
             waves = polish(waves, metaops, curves, N, times)
         span = seen[key] = sum(w.duration_ms for w in waves)
         if span < best.span_ms * (1 - 1e-12):
-            tuples = trial
+            tuples, parts = trial, trial_parts
             best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,
                                  variant=best.variant.split(tag)[0] + tag)
     return best

@@ -66,22 +66,18 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     curves' ``count_time`` of every MetaOp on every valid count, when the caller has them already.
     """
     N = num_devices
-    by_name = {m.name: m for m in metaops}
-    producers = {m.name: [p for p in m.producers if p in by_name] for m in metaops}
-    valid = {m.name: m.valid_counts(N) for m in metaops}
+    order, by_name, producers, valid, nextv = _context(metaops, N)
     queue = {m.name: [[t.devices, t.layers] for t in tuples[m.name] if t.layers > 0] for m in metaops}
-    next_layer = {m.name: 0 for m in metaops}
+    next_layer = dict.fromkeys(order, 0)
     table = times if times is not None else {
         name: {c: curves[name].count_time(c) for c in valid[name]} for name in by_name}
-    # the next larger valid count of each valid count (infinite for the largest)
-    nextv = {n: {c: (v[i + 1] if i + 1 < len(v) else math.inf) for i, c in enumerate(v)} for n, v in valid.items()}
     has_producers = any(producers.values())
 
     waves: list[Wave] = []
     clock = start_ms
-    order = [m.name for m in metaops]
+    left = sum(1 for n in order if queue[n])  # MetaOps with layers to schedule
     guard = 0
-    while any(queue[n] for n in order):
+    while left:
         guard += 1
         if guard > 100 * (len(order) + 1) * 4:
             raise RuntimeError(f"wavefront scheduler made no progress on level {level}")
@@ -98,11 +94,13 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         pick: dict[str, int] = {}
         if propose == "paper":
             for n in sorted(heads, key=lambda n: (-queue[n][0][0], -queue[n][0][1] * table[n][queue[n][0][0]])):
-                if queue[n][0][0] <= free:
-                    cand[n], pick[n] = queue[n][0][0], 0
-                    free -= queue[n][0][0]
+                d = queue[n][0][0]
+                if d <= free:
+                    cand[n], pick[n] = d, 0
+                    free -= d
         else:
-            for n in sorted(heads, key=lambda n: -work[n]):
+            by_work = sorted(heads, key=lambda n: -work[n])
+            for n in by_work:
                 q = queue[n]
                 i = 0  # the first tuple with the fewest devices
                 for j in range(1, len(q)):
@@ -112,7 +110,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
-            for n in sorted(cand, key=lambda n: -work[n]):
+            for n in (by_work if len(cand) == len(by_work) else sorted(cand, key=lambda n: -work[n])):
                 q = queue[n]
                 i = 0  # the first tuple with the most devices
                 for j in range(1, len(q)):
@@ -145,20 +143,51 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         if across_levels:
             level = max([level] + [by_name[n].level for n in layers])
         wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        slices = wave.slices
+        dur = 0.0
         for n in order:
-            if n not in layers:
+            k = layers.get(n)
+            if k is None:
                 continue
-            k, d = layers[n], cand[n]
+            d = cand[n]
             t = k * table[n][d]
-            wave.slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
-            wave.duration_ms = max(wave.duration_ms, t)
+            slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
+            if t > dur:
+                dur = t
             next_layer[n] += k
-            queue[n][pick[n]][1] -= k
-            if queue[n][pick[n]][1] == 0:
-                queue[n].pop(pick[n])
-        clock += wave.duration_ms
+            q = queue[n]
+            q[pick[n]][1] -= k
+            if q[pick[n]][1] == 0:
+                q.pop(pick[n])
+                if not q:
+                    left -= 1
+        wave.duration_ms = dur
+        clock += dur
         waves.append(wave)
     return merge_waves(waves)
+
+
+#: Per MetaOp sequence and device count, what Algorithm 1 reads of the MetaOps (the sequence's MetaOps
+#: checked one by one: the same objects, which are frozen), for the few sequences a planner run schedules.
+_CONTEXTS: dict[tuple[int, int], tuple] = {}
+
+
+def _context(metaops: Sequence[MetaOp], N: int) -> tuple:
+    """``(names in order, MetaOps by name, producers among them, valid counts, next larger valid count of each
+    valid count)`` (infinite for the largest)."""
+    key = (id(metaops), N)
+    got = _CONTEXTS.get(key)
+    if got is not None and len(got[0]) == len(metaops) and all(a is b for a, b in zip(got[0], metaops)):
+        return got[1]
+    by_name = {m.name: m for m in metaops}
+    valid = {m.name: m.valid_counts(N) for m in metaops}
+    ctx = ([m.name for m in metaops], by_name,
+           {m.name: [p for p in m.producers if p in by_name] for m in metaops}, valid,
+           {n: {c: (v[i + 1] if i + 1 < len(v) else math.inf) for i, c in enumerate(v)} for n, v in valid.items()})
+    if len(_CONTEXTS) >= 64:
+        _CONTEXTS.clear()
+    _CONTEXTS[key] = (tuple(metaops), ctx)
+    return ctx
 
 
 def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,

@@ -277,11 +277,12 @@ def plan_sequential(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
 def marginal_gain_shares(groups: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCurve],
                          num_devices: int) -> list[int]:
     """Optimus's greedy: device shares per group (a group's MetaOps run one after another on its share)."""
-    N = num_devices
-    shares = [min_share(g, N) for g in groups]
+    N, shares = num_devices, [min_share(g, num_devices) for g in groups]
     if sum(shares) > N:
         raise ValueError(f"the groups need at least {sum(shares)} devices together, the cluster has {N}")
-    T = [lambda n, g=g: group_time(g, curves, n, N) for g in groups]
+    memo: dict[tuple[int, int], float] = {}  # a group's time on a share, computed once
+    T = [lambda n, i=i, g=g: memo[(i, n)] if (i, n) in memo else memo.setdefault((i, n), group_time(g, curves, n, N))
+         for i, g in enumerate(groups)]
     while True:
         free = N - sum(shares)
         best = None

@@ -39,6 +39,7 @@ Worked example: a producer on ranks ``(0,)`` and a consumer on ``(0, 1, 2, 3)`` 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -95,7 +96,23 @@ class Layout:
 
 def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
     """Where a slice of ``m`` on ``ranks`` keeps its activations (item 1)."""
-    return Layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
+    return _layout(tuple(ranks), m.tp if m.batch_splittable else len(ranks), m.batch)
+
+
+#: Layouts and message lists kept for reuse: the placement search and every whole-step candidate's plan
+#: (:mod:`.choose`) ask for the same ones again (each a pure function of its arguments).
+CACHE_SIZE = 1024
+
+
+def clear_caches() -> None:
+    """Forget the remembered layouts and message lists (a benchmark's rows each start cold)."""
+    _layout.cache_clear()
+    island_messages.cache_clear()
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _layout(ranks: tuple[int, ...], tp: int, batch: int) -> Layout:
+    return Layout(ranks, tp, batch)
 
 
 def _pick(holders: Sequence[int], dst: int, position: int, island_of: Callable[[int], int] | None) -> int:
@@ -125,6 +142,12 @@ def messages(src: Layout, dst: Layout, *, island_of: Callable[[int], int] | None
                     out.append(Message(src=_pick(src.replica(i), d, j * dst.tp + pos, island_of), dst=d,
                                        start=lo, stop=hi, bytes=(hi - lo) * bytes_per_sample))
     return out
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def island_messages(src: Layout, dst: Layout, gpus_per_node: int, bytes_per_sample: float) -> tuple[Message, ...]:
+    """:func:`messages` with islands of ``gpus_per_node`` devices (remembered: the same layouts meet often)."""
+    return tuple(messages(src, dst, island_of=lambda r: r // gpus_per_node, bytes_per_sample=bytes_per_sample))
 
 
 def _edges(by_name: Mapping[str, MetaOp], slices: Sequence[Slice]) -> Iterable[tuple[int, Slice, Slice]]:
@@ -164,9 +187,9 @@ def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node:
         p = by_name[src.metaop]
         a, b = slice_layout(p, src.ranks), slice_layout(by_name[dst.metaop], dst.ranks)
         per_sample = float(ACTIVATION_BYTES * p.out_elems_per_sample)
-        fwd = messages(a, b, island_of=island, bytes_per_sample=per_sample)
-        bwd = messages(b, a, island_of=island, bytes_per_sample=per_sample) if needs_output_grad(p) else []
-        out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=tuple(fwd), backward=tuple(bwd),
+        fwd = island_messages(a, b, gpus_per_node, per_sample)
+        bwd = island_messages(b, a, gpus_per_node, per_sample) if needs_output_grad(p) else ()
+        out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=fwd, backward=bwd,
                             cross_island_bytes=sum(x.bytes for x in fwd if island(x.src) != island(x.dst))))
     return out
 
@@ -184,9 +207,9 @@ def param_groups(metaops: Iterable[MetaOp], slices: Sequence[Slice]) -> list[Par
     for s in slices:
         m = by_name[s.metaop]
         for k in slice_param_keys(m, s.layer_start, s.num_layers):
-            for pos, r in enumerate(s.ranks):
-                key = (k, pos % m.tp)
-                groups.setdefault(key, set()).add(r)
+            for shard in range(min(m.tp, len(s.ranks))):  # position p holds shard p % tp
+                key = (k, shard)
+                groups.setdefault(key, set()).update(s.ranks[shard::m.tp])
                 info[key] = (m.tp, m.params_per_layer // m.tp)
     return [ParamGroup(param_key=k, tp_rank=t, tp=info[(k, t)][0], ranks=tuple(sorted(groups[(k, t)])),
                        params=info[(k, t)][1]) for k, t in sorted(groups)]

@@ -22,6 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from .plan import Plan
 
 #: megatron.core DDP's default bucket size, parameters (``max(40e6, 1e6 × dp)``).
@@ -55,20 +57,36 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
     bucket (default: megatron.core's for each rank set's size)."""
     metaops = {m.name: m for m in plan.metaops}
     frozen = {k for m in plan.metaops if not m.trainable for k in m.param_keys if k}
-    holders: dict[tuple[str, int], list[tuple[float, int, str]]] = defaultdict(list)  # (key, rank) -> uses
+    # every slice's use (end of its backward, wave, name), ranked; per weight and device the last use's rank
+    uses: list[tuple[float, int, str]] = []
+    per_key: dict[str, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    top = 0
     for w in plan.waves:
         for s in w.slices:
-            for key in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]:
-                if key:
-                    for r in s.ranks:
-                        holders[(key, r)].append((done_ms[s.name], w.index, s.name))
+            keys = [k for k in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop] if k]
+            if keys and s.ranks:
+                for key in keys:
+                    per_key[key].append((len(uses), s.ranks))
+                top = max(top, *s.ranks)
+                uses.append((done_ms[s.name], w.index, s.name))
+    order = sorted(range(len(uses)), key=uses.__getitem__)
+    rank_of = np.empty(len(uses), dtype=np.int64)
+    rank_of[order] = np.arange(len(uses))
+    top = max([top] + [r for g in plan.param_groups for r in g.ranks])
+    last: dict[str, np.ndarray] = {}
+    for key, held in per_key.items():
+        a = last[key] = np.full(top + 1, -1, dtype=np.int64)
+        for i, ranks in held:
+            idx = list(ranks)
+            a[idx] = np.maximum(a[idx], rank_of[i])
     by_ranks: dict[tuple[int, ...], list[tuple[float, int, int, str]]] = defaultdict(list)
     for g in plan.param_groups:
         if g.param_key in frozen:
             continue
         ranks = tuple(sorted(g.ranks))
-        uses = [u for r in ranks for u in holders.get((g.param_key, r), ())]
-        ready, wave = (max(uses)[:2]) if uses else (pass_ms, None)
+        a = last.get(g.param_key)
+        best = int(a[list(ranks)].max()) if a is not None and ranks else -1
+        ready, wave = uses[order[best]][:2] if best >= 0 else (pass_ms, None)
         by_ranks[ranks].append((ready, -1 if wave is None else wave, g.params, g.param_key))
     out = []
     for ranks, groups in by_ranks.items():

@@ -17,15 +17,17 @@ def boundary_time_ms(flows: Iterable[tuple[int, int, float]], cluster: Cluster) 
     dev_in: dict[int, float] = defaultdict(float)
     node_out: dict[int, float] = defaultdict(float)
     node_in: dict[int, float] = defaultdict(float)
+    g = cluster.gpus_per_node  # cluster.island(d) is d // g
     for src, dst, nbytes in flows:
         if src == dst or nbytes <= 0:
             continue
-        if cluster.island(src) == cluster.island(dst):
+        a, b = src // g, dst // g
+        if a == b:
             dev_out[src] += nbytes
             dev_in[dst] += nbytes
         else:
-            node_out[cluster.island(src)] += nbytes
-            node_in[cluster.island(dst)] += nbytes
+            node_out[a] += nbytes
+            node_in[b] += nbytes
     t = 0.0
     if dev_out:
         peak = max(max(dev_out.values()), max(dev_in.values()))
@@ -69,7 +71,8 @@ def schedule_collectives(collectives: Iterable[tuple[Sequence[int], float, float
             out.append((ready, ready))
             continue
         members = set(ranks)
-        nodes = {cluster.island(d) for d in members} if cluster.spans_islands(ranks) else set()
+        g = cluster.gpus_per_node  # cluster.island(d) is d // g
+        nodes = {d // g for d in members} if cluster.spans_islands(ranks) else set()
         start = max([ready] + [dev_free[d] for d in members] + [nic_free[n] for n in nodes])
         end = start + t
         for d in members:

@@ -19,11 +19,12 @@ sits on the device that already holds its samples when possible.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from ..workload.cluster import Cluster
-from .dataflow import Layout, messages, slice_layout
+from .dataflow import ACTIVATION_BYTES, Layout, island_messages, slice_layout
 from ..workload.memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from ..workload.metaops import MetaOp
 from ..level.waves import Wave, WaveSlice
@@ -37,19 +38,65 @@ class PlacementError(ValueError):
     """No placement fits in memory; the message names the wave, the slice, the device and the bytes."""
 
 
-@dataclass
 class _State:
-    mem_act: list[dict[int, float]]  # device -> {phase: stashed activation bytes}
-    held: list[dict[tuple[str, int], float]]  # device -> {(param_key, tp shard): bytes}
-    placed: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (wave, slot) -> ranks
+    """The search's memory state: per device its stashed activations per phase and the weight shards it
+    holds, with what every candidate reads of them kept ready: per device ``Σ`` held bytes and its largest
+    phase's activations (recomputed from the dicts, in their order, after a device changes, so every value is
+    the same float as summing the dicts on the spot), and which ``(weight, shard)`` it holds (a boolean
+    matrix, so a slice's candidates rank all free devices at once in numpy: elementwise additions and maxima
+    only, the same IEEE operations as Python's)."""
+
+    def __init__(self, N: int, cols: dict[tuple[str, int], int]) -> None:
+        self.mem_act: list[dict[int, float]] = [{} for _ in range(N)]  # device -> {phase: activation bytes}
+        self.held: list[dict[tuple[str, int], float]] = [{} for _ in range(N)]  # device -> {(key, shard): bytes}
+        self.placed: dict[tuple[int, int], tuple[int, ...]] = {}  # (wave, slot) -> ranks
+        self.cols = cols
+        self.has = np.zeros((N, len(cols)), dtype=bool)
+        self._h: list[float] = [0.0] * N
+        self._a: list[float] = [0.0] * N
+        self._dirty: set[int] = set()
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def touch(self, d: int) -> None:
+        """``d``'s activations or states are about to change."""
+        self._dirty.add(d)
+        self._arrays = None
+
+    def hold(self, d: int, key: tuple[str, int], b: float) -> None:
+        self.held[d][key] = b
+        self.has[d, self.cols[key]] = True
+
+    def drop(self, d: int, key: tuple[str, int]) -> None:
+        del self.held[d][key]
+        self.has[d, self.cols[key]] = False
+
+    def _refresh(self) -> None:
+        for d in self._dirty:
+            self._h[d] = sum(self.held[d].values())
+            self._a[d] = max(self.mem_act[d].values(), default=0.0)
+        self._dirty.clear()
+
+    def sums(self, d: int) -> tuple[float, float]:
+        """``(Σ held bytes, largest phase's activations)`` of device ``d``."""
+        if self._dirty:
+            self._refresh()
+        return self._h[d], self._a[d]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`sums` of every device, as two arrays."""
+        if self._dirty:
+            self._refresh()
+        if self._arrays is None:
+            self._arrays = (np.array(self._h, dtype=float), np.array(self._a, dtype=float))
+        return self._arrays
 
     def mem(self, d: int) -> float:
-        return max(self.mem_act[d].values(), default=0.0) + sum(self.held[d].values())
+        h, a = self.sums(d)
+        return a + h
 
     def act_after(self, d: int, phase: int, act: float) -> float:
         """The device's largest phase's activations once ``act`` more is stashed in ``phase``."""
-        acts = self.mem_act[d]
-        return max(max(acts.values(), default=0.0), acts.get(phase, 0.0) + act)
+        return max(self.sums(d)[1], self.mem_act[d].get(phase, 0.0) + act)
 
 
 def _gib(b: float) -> str:
@@ -63,6 +110,7 @@ class Placer:
         self.distributed_optimizer = distributed_optimizer
         self.node_budget = node_budget
         self._states: dict[tuple[str, int], float] = {}
+        self._layers_states: dict[tuple[str, int, int], float] = {}
         self.waves = waves
         self.cluster = cluster
         self.N = cluster.num_devices
@@ -82,6 +130,18 @@ class Placer:
             self.order += [(wi, si) for si in slots]
         self.nodes = 0
         self.deepest: tuple[int, str] = (-1, "")
+        self.worst: dict[tuple[int, ...], float] = {}
+        """The fullest device of the last slice's candidates once the slice is placed on them."""
+        # a column per (weight, TP shard) any slice may hold; a weight's columns over all its shards
+        self.cols: dict[tuple[str, int], int] = {}
+        self.key_cols: dict[str, list[int]] = {}
+        for m in metaops:
+            for k in m.param_keys:
+                for shard in range(m.tp) if k else ():
+                    if (k, shard) not in self.cols:
+                        self.cols[(k, shard)] = len(self.cols)
+                        self.key_cols.setdefault(k, []).append(self.cols[(k, shard)])
+        self.island_of = np.arange(self.N) // cluster.gpus_per_node
 
     # -- flows ----------------------------------------------------------------------------------------
     def producers(self, wi: int, si: int) -> list[tuple[int, int, float]]:
@@ -112,7 +172,9 @@ class Placer:
         for pw, ps, nbytes in self.producers(wi, si):
             src = self.layout(pw, ps, st.placed[(pw, ps)])
             per_sample = nbytes / self.m[s.metaop].batch  # producer and consumer share the task's batch
-            for msg in messages(src, dst, island_of=self.cluster.island):
+            # the forward messages of the edge, as the plan will store them (bytes: the plan's own)
+            plan_bytes = float(ACTIVATION_BYTES * self.m[self.waves[pw].slices[ps].metaop].out_elems_per_sample)
+            for msg in island_messages(src, dst, self.cluster.gpus_per_node, plan_bytes):
                 if msg.src == msg.dst:
                     continue
                 bw, lat = self.cluster.link(msg.src, msg.dst)
@@ -176,34 +238,59 @@ class Placer:
         m = self.m[s.metaop]
         n, tp = s.devices, m.tp
         isl = self.cluster.island
-        by_mem = sorted(free, key=lambda d: (st.mem(d), d))
+        self.worst = {}
+        F = np.array(sorted(free), dtype=np.int64)
+        H, A = st.arrays()
+        Hf, Af = H[F], A[F]
+        mem = Af + Hf  # st.mem of every free device
+        by_mem_a = F[np.lexsort((F, mem))]
         prods = sorted(self.producers(wi, si), key=lambda p: -p[2])
         src_devs: list[int] = []
+        seen_src: set[int] = set()
         for pw, ps, _ in prods:
-            src_devs += [d for d in st.placed[(pw, ps)] if d not in src_devs]
+            for d in st.placed[(pw, ps)]:
+                if d not in seen_src:
+                    seen_src.add(d)
+                    src_devs.append(d)
         src_islands = []
         for d in src_devs:
             if isl(d) not in src_islands:
                 src_islands.append(isl(d))
         keys = set(slice_param_keys(m, s.layer_start, s.layers))
         prefs: dict[str, list[int]] = {}
-        prefs["affine"] = ([d for d in src_devs if d in free]
-                           + [d for d in by_mem if d not in src_devs and isl(d) in src_islands]
-                           + [d for d in by_mem if isl(d) not in src_islands])
-        if keys:
-            prefs["colocate"] = sorted(free, key=lambda d: (-len(keys & {k for k, _ in st.held[d]}), st.mem(d), d))
-        free_in: dict[int, list[int]] = {}
-        for d in by_mem:
-            free_in.setdefault(isl(d), []).append(d)
-        fit = sorted(free_in, key=lambda i: (len(free_in[i]) < n, len(free_in[i]) if len(free_in[i]) >= n
-                                             else -len(free_in[i]), i))
-        prefs["island"] = [d for i in fit for d in free_in[i]]
+        in_src_isl = np.isin(self.island_of[by_mem_a], np.array(src_islands, dtype=np.int64))
+        not_src = ~np.isin(by_mem_a, np.array(src_devs, dtype=np.int64))
+        prefs["affine"] = ([d for d in src_devs if d in free] + by_mem_a[not_src & in_src_isl].tolist()
+                           + by_mem_a[~in_src_isl].tolist())
+        klist = sorted(keys)
+        if keys:  # most of its weights held first (any shard), then the emptiest
+            held = st.has[np.ix_(F, [c for k in klist for c in self.key_cols[k]])]
+            sizes = [len(self.key_cols[k]) for k in klist]
+            if len(set(sizes)) == 1:
+                shared = held.reshape(len(F), len(klist), sizes[0]).any(axis=2).sum(axis=1)
+            else:
+                bounds = np.cumsum([0] + sizes)
+                shared = sum(held[:, a:b].any(axis=1).astype(np.int64) for a, b in zip(bounds[:-1], bounds[1:]))
+            prefs["colocate"] = F[np.lexsort((F, mem, -shared))].tolist()
+        counts = np.bincount(self.island_of[F], minlength=int(self.island_of[-1]) + 1)
+        present = np.nonzero(counts)[0].tolist()  # islands with free devices, best fit first
+        fit = sorted(present, key=lambda i: (counts[i] < n, counts[i] if counts[i] >= n else -counts[i], i))
+        rank = np.zeros(len(counts), dtype=np.int64)
+        rank[fit] = np.arange(len(fit))
+        prefs["island"] = by_mem_a[np.argsort(rank[self.island_of[by_mem_a]], kind="stable")].tolist()
         act = slice_activation_bytes(m, s.layers, n)
         ph = self.waves[wi].phase
-        prefs["emptiest"] = sorted(free, key=lambda d: (self._mem_after(d, 0, keys, m, act, st, ph, n), d))
+        # _mem_after(d, 0, ...) of every free device
+        lacking = len(klist) - (st.has[np.ix_(F, [self.cols[(k, 0)] for k in klist])].sum(axis=1) if klist else 0)
+        new = np.array([self._new_bytes(m, n, j) for j in range(len(klist) + 1)], dtype=float)
+        phase_act = np.array([st.mem_act[d].get(ph, 0.0) for d in F.tolist()], dtype=float)
+        after = (Hf + new[lacking]) + np.maximum(Af, phase_act + act)
+        prefs["emptiest"] = F[np.lexsort((F, after))].tolist()
         seen, out = set(), []
         for pref in prefs.values():
-            chunks = self._chunks(pref, tp)
+            if len(pref) < n:  # fewer devices than the slice needs (and so fewer whole TP groups)
+                continue
+            chunks = self._chunks(pref if tp > 1 else pref[:n], tp)
             if len(chunks) * tp < n:
                 continue
             chosen = chunks[:n // tp]
@@ -211,11 +298,26 @@ class Placer:
             if frozenset(ranks) in seen:
                 continue
             seen.add(frozenset(ranks))
-            worst = max(self._mem_after(d, pos % tp, keys, m, act, st, ph, n) for pos, d in enumerate(ranks))
+            worst = float(self._after(ranks, klist, m, act, st, ph, n).max())
+            self.worst[ranks] = worst
             score = self.comm_ms(wi, si, ranks, st) + MEMORY_WEIGHT_MS * worst / self.limit
             out.append((score, ranks))
         out.sort(key=lambda x: x[0])
         return out
+
+    def _after(self, ranks: tuple[int, ...], klist: list[str], m: MetaOp, act: float, st: _State, phase: int,
+               devices: int) -> np.ndarray:
+        """:meth:`_mem_after` of every rank of a candidate (its TP shard ``pos % tp``), at once."""
+        R = np.array(ranks, dtype=np.int64)
+        H, A = st.arrays()
+        if klist:
+            cols = np.array([[self.cols[(k, shard)] for k in klist] for shard in range(m.tp)], dtype=np.int64)
+            lacking = len(klist) - st.has[R[:, None], cols[np.arange(len(R)) % m.tp]].sum(axis=1)
+        else:
+            lacking = np.zeros(len(R), dtype=np.int64)
+        new = np.array([self._new_bytes(m, devices, j) for j in range(len(klist) + 1)], dtype=float)
+        phase_act = np.array([st.mem_act[d].get(phase, 0.0) for d in ranks], dtype=float)
+        return (H[R] + new[lacking]) + np.maximum(A[R], phase_act + act)
 
     def _state_bytes(self, m: MetaOp, devices: int) -> float:
         """One layer's states per device; with the distributed optimizer its shard is split over at least the
@@ -227,14 +329,25 @@ class Placer:
                                                         distributed_optimizer=self.distributed_optimizer)
         return got
 
+    def _new_bytes(self, m: MetaOp, devices: int, n: int) -> float:
+        """``n`` layers' states summed one by one (as a sum over the keys a device lacks)."""
+        key = (m.name, devices, n)
+        got = self._layers_states.get(key)
+        if got is None:
+            one = self._state_bytes(m, devices)
+            got = self._layers_states[key] = sum(one for _ in range(n))
+        return got
+
     def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: _State, phase: int,
                    devices: int) -> float:
-        new = sum(self._state_bytes(m, devices) for k in keys if (k, shard) not in st.held[d])
-        return sum(st.held[d].values()) + new + st.act_after(d, phase, act)
+        held = st.held[d]
+        h, a = st.sums(d)
+        n = sum(1 for k in keys if (k, shard) not in held) if held else len(keys)
+        return h + self._new_bytes(m, devices, n) + max(a, st.mem_act[d].get(phase, 0.0) + act)
 
     # -- search ---------------------------------------------------------------------------------------
     def run(self) -> dict[tuple[int, int], tuple[int, ...]]:
-        st = _State(mem_act=[{} for _ in range(self.N)], held=[{} for _ in range(self.N)])
+        st = _State(self.N, self.cols)
         ok, _ = self._dfs(0, st, {})
         if not ok:
             raise PlacementError(self.deepest[1])
@@ -251,9 +364,8 @@ class Placer:
         keys = set(slice_param_keys(m, s.layer_start, s.layers))
         act = slice_activation_bytes(m, s.layers, s.devices)
         ph = self.waves[wi].phase
-        cands = [c for c in self.candidates(wi, si, free, st)
-                 if all(self._mem_after(d, pos % m.tp, keys, m, act, st, ph, s.devices) <= self.limit
-                        for pos, d in enumerate(c[1]))]
+        # every device of the candidate within the limit once the slice is there
+        cands = [c for c in self.candidates(wi, si, free, st) if self.worst[c[1]] <= self.limit]
         if not cands:
             self._record_failure(i, wi, s, m, free, keys, act, st)
             return False, wi
@@ -264,9 +376,10 @@ class Placer:
             added = {d: [(k2, pos % m.tp) for k2 in keys if (k2, pos % m.tp) not in st.held[d]]
                      for pos, d in enumerate(ranks)}
             for d in ranks:
+                st.touch(d)
                 st.mem_act[d][ph] = st.mem_act[d].get(ph, 0.0) + act
                 for k2 in added[d]:
-                    st.held[d][k2] = self._state_bytes(m, s.devices)
+                    st.hold(d, k2, self._state_bytes(m, s.devices))
             st.placed[(wi, si)] = ranks
             used.setdefault(wi, set()).update(ranks)
             ok, fw = self._dfs(i + 1, st, used)
@@ -275,9 +388,10 @@ class Placer:
             used[wi].difference_update(ranks)
             del st.placed[(wi, si)]
             for d in ranks:
+                st.touch(d)
                 st.mem_act[d][ph] -= act
                 for k2 in added[d]:
-                    del st.held[d][k2]
+                    st.drop(d, k2)
             fail_wave = max(fail_wave, fw)
             if fw - wi > BACKTRACK_WAVES:  # failure too far ahead: do not search alternatives here
                 break

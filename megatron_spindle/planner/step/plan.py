@@ -87,7 +87,12 @@ class Slice:
 
     @property
     def name(self) -> str:
-        return str(self.ref)
+        """``str(self.ref)``, formatted once per slice (the simulator and the data flow look it up often; the
+        slice is frozen, so it cannot go stale)."""
+        got = self.__dict__.get("_name")
+        if got is None:
+            got = self.__dict__["_name"] = str(self.ref)
+        return got
 
     def to_json(self) -> dict:
         return {"wave": self.wave, "metaop": self.metaop, "layer_start": self.layer_start,
@@ -171,8 +176,11 @@ class Transfer:
 
     @property
     def wave(self) -> int:
-        """The consumer's wave: the boundary before it carries this edge."""
-        return SliceRef.from_str(self.dst).wave
+        """The consumer's wave: the boundary before it carries this edge (parsed once)."""
+        got = self.__dict__.get("_wave")
+        if got is None:
+            got = self.__dict__["_wave"] = SliceRef.from_str(self.dst).wave
+        return got
 
     @property
     def bytes(self) -> float:

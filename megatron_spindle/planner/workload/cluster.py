@@ -104,8 +104,9 @@ class Cluster:
         return device // self.gpus_per_node
 
     def spans_islands(self, devices) -> bool:
-        """Whether ``devices`` lie in more than one island."""
-        return len({self.island(d) for d in devices}) > 1
+        """Whether ``devices`` lie in more than one island (islands are ranges: the first and the last tell)."""
+        devices = tuple(devices)
+        return bool(devices) and min(devices) // self.gpus_per_node != max(devices) // self.gpus_per_node
 
     @property
     def memory_limit_bytes(self) -> float:
