@@ -15,6 +15,7 @@ import argparse
 import functools
 import math
 import os
+import sys
 from typing import Callable
 
 from ..atomic import check_output
@@ -22,7 +23,12 @@ from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..planner.workload.workloads import build_graph
-from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
+from .ckpt_dir import TRACKER, check_save_dir, latest_iteration, probe_save_lock
+from .lifeline import report_once
+
+STARTUP_TIMEOUT_S = 120.0
+"""Default of ``--spindle-startup-timeout``: the slowest rank's imports on a busy machine take tens of seconds."""
+MAX_TIMEOUT_S = 86400
 
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,6 +63,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "'equivalence: max relative difference X' over losses and gradients")
     g.add_argument("--spindle-timeout", type=float, default=300.0,
                    help="seconds to wait for a peer before failing with the wave, slice and peer named")
+    g.add_argument("--spindle-startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds every rank has to join the job and agree on flags and files before the "
+                        "start-up fails, naming what it waited for (at most --spindle-timeout)")
     g.add_argument("--spindle-predict-interval", type=int, default=10,
                    help="every N iterations rank 0 logs predicted against measured step time and the "
                         "MetaOps with the largest error (0: never)")
@@ -97,13 +106,25 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
+                        "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
     return parser
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (``error: ...``, exit status 2), not the usage
+    block; under torchrun once, by the first rank (:func:`.lifeline.report_once`)."""
+
+    def error(self, message: str):
+        report_once(f"error: {' '.join(message.split())} (see --help)")
+        raise SystemExit(2)
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The built-in trainer's parser: Megatron-named training flags plus the ``--spindle*`` flags."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = OneLineParser(description=description, allow_abbrev=False)
     add_training_args(parser)
     return add_spindle_args(parser)
 
@@ -191,8 +212,10 @@ def check_megatron_args(args) -> list[str]:
     return bad
 
 
-def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
-    """``'0:a,b;10:a'`` -> ``[(0, ('a', 'b')), (10, ('a',))]``; names must be tasks of the model.
+def parse_task_schedule(spec: str | None, tasks: tuple[str, ...],
+                        train_iters: int | None = None) -> list[tuple[int, tuple[str, ...]]]:
+    """``'0:a,b;10:a'`` -> ``[(0, ('a', 'b')), (10, ('a',))]``; names must be tasks of the model, and every
+    change must come before ``train_iters`` (a change after the last iteration would never be applied).
 
     >>> parse_task_schedule("0:x,y;5:x", ("x", "y"))
     [(0, ('x', 'y')), (5, ('x',))]
@@ -220,6 +243,10 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
     out.sort()
     if not out or out[0][0] != 0:
         raise ValueError("--spindle-task-schedule must start at iteration 0")
+    late = [s0 for s0, _ in out if train_iters is not None and s0 >= train_iters]
+    if late:
+        raise ValueError(f"--spindle-task-schedule changes the tasks at iteration {late[0]}, but --train-iters "
+                         f"{train_iters} ends the run before it (iterations 0 to {train_iters - 1})")
     return out
 
 
@@ -251,11 +278,19 @@ def check_args(args, world: int) -> None:
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
                          ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
         need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
-    need(math.isfinite(args.spindle_timeout) and args.spindle_timeout > 0,
-         f"--spindle-timeout {args.spindle_timeout:g} must be a positive number of seconds")
+    for flag, v in (("--spindle-timeout", args.spindle_timeout),
+                    ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
+        need(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+             f"{flag} {v:g} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a day)")
     for flag, v in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--clip-grad", args.clip_grad),
                     ("--weight-decay", args.weight_decay)):
         need(math.isfinite(v) and v >= 0, f"{flag} {v:g} must be a finite number, zero or more")
+    need(args.min_lr <= args.lr, f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the schedule decays from "
+                                 f"--lr down to --min-lr")
+    for flag, v in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
+        need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
+                                              f"average's past")
+    need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
     need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
          f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
 
@@ -266,7 +301,7 @@ def check_args(args, world: int) -> None:
     load_cluster(None, num_devices=world, gpus_per_node=per_node,
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
-    parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    parse_task_schedule(args.spindle_task_schedule, graph.tasks, args.train_iters)
     if args.spindle_plan:
         Plan.load(args.spindle_plan)
     if args.load:
@@ -281,3 +316,18 @@ def check_args(args, world: int) -> None:
         check_output(args.spindle_gantt, "--spindle-gantt")
     if args.spindle_trace:
         check_output(os.path.join(args.spindle_trace, "trace.json"), "--spindle-trace")
+
+
+def preflight_main(argv, description: str = "") -> int:
+    """The launch scripts' check, in one process before torchrun starts any worker: parse ``argv`` as a
+    worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), run
+    :func:`check_args`, and look at the ``--save`` lock. Bad input prints one line; returns the exit status."""
+    args, _ = fallback_args(argv)
+    try:
+        check_args(args, world_from_env())
+        if args.save:
+            probe_save_lock(args.save)
+    except ValueError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
