@@ -250,6 +250,37 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...],
     return out
 
 
+def load_plan(path: str) -> Plan:
+    """``--spindle-plan``'s plan; a plan that does not read names the flag and the file."""
+    try:
+        return Plan.load(path)
+    except ValueError as e:
+        text = str(e)
+        raise ValueError(text if repr(path) in text else f"--spindle-plan {path!r}: {text}") from None
+
+
+def check_plan_fields(plan: Plan, graph, path: str) -> None:
+    """A loaded plan's ``model``, ``tasks`` and ``task_weights`` must be this run's (its graph fingerprint
+    covers the graph it was made for, not these copies of it, which the runtime reads)."""
+    for field, mine in (("model", graph.model), ("tasks", list(graph.tasks)),
+                        ("task_weights", list(graph.task_weights))):
+        theirs = getattr(plan, field)
+        theirs = theirs if field == "model" else list(theirs)
+        if theirs != mine:
+            raise ValueError(f"--spindle-plan {path!r}: field {field} is {theirs!r}, this run's model has {mine!r}: "
+                             f"re-plan (spindle plan ... --out) instead of editing the plan")
+
+
+def check_curves_model(curves, path: str, model: str, size: str) -> None:
+    """Refuse a profile of another model or size: its times would plan this one (a file without a
+    ``measured`` record, written by hand, is taken as it is)."""
+    got_model, got_size = curves.measured.get("model"), curves.measured.get("size")
+    if got_model is not None and (got_model != model or (got_size is not None and got_size != size)):
+        raise ValueError(f"--spindle-curves {path!r} was profiled for model {got_model!r} at size {got_size!r}, this "
+                         f"run trains {model!r} at size {size!r}: profile this model (spindle profile --model ... "
+                         f"--size ...) or leave --spindle-curves out")
+
+
 def world_from_env() -> int:
     """The job's world size before ``torch.distributed`` starts: ``WORLD_SIZE`` (torchrun), else 1."""
     try:
@@ -297,13 +328,15 @@ def check_args(args, world: int) -> None:
     graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
                         batch=args.micro_batch_size * world if args.micro_batch_size else None)
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    if curves is not None:
+        check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
     per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     load_cluster(None, num_devices=world, gpus_per_node=per_node,
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
     parse_task_schedule(args.spindle_task_schedule, graph.tasks, args.train_iters)
     if args.spindle_plan:
-        Plan.load(args.spindle_plan)
+        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan)
     if args.load:
         need(os.path.isdir(args.load), f"--load {args.load!r} is not a directory")
         it = latest_iteration(args.load)
