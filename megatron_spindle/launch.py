@@ -14,6 +14,11 @@ already said what happened in one line and chosen an exit status (:mod:`.megatro
 * the exit status is the workers': 2 if any rank found bad input, else 3 if any saw a peer fail, else the
   signal that stopped them (128 + N), else 128 + N of a killed rank, else 1.
 
+When torchrun itself gets SIGINT or SIGTERM (Ctrl-C, a scheduler), it forwards the signal to the workers,
+waits for them and raises its own ``SignalException``; the status is then the workers' (0 when they all
+finished, as ``--exit-signal-handler`` does after saving), else 128 + N. torchrun reports no exit status of
+workers it shut down, so :func:`_remember_exit_statuses` wraps its agent's ``_shutdown`` to read them.
+
 torchrun's log lines about the same events (``failed (exitcode: 2)``, ``Sending process ... closing signal``,
 ``Received 2 death signal``) are dropped; its other messages pass.
 """
@@ -68,6 +73,28 @@ def status_of(failures: dict) -> tuple[int, list[str]]:
     return (128 + killed[0] if killed else 1), lines
 
 
+_SHUTDOWN_CODES: list[int] = []
+
+
+def _remember_exit_statuses() -> None:
+    """Record the workers' exit statuses when torchrun's agent shuts them down (on a signal to torchrun)."""
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    except ImportError:  # pragma: no cover - another torch layout: fall back to 128 + N
+        return
+    if getattr(LocalElasticAgent._shutdown, "_spindle", False):
+        return
+    original = LocalElasticAgent._shutdown
+
+    def _shutdown(self, *a, **kw):
+        original(self, *a, **kw)
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+        _SHUTDOWN_CODES[:] = [h.proc.returncode for h in handlers.values() if h.proc.returncode is not None]
+
+    _shutdown._spindle = True
+    LocalElasticAgent._shutdown = _shutdown
+
+
 def busy_port(args) -> str | None:
     """The line for a rendezvous port that is taken (torchrun would end in a traceback of its own)."""
     if args.rdzv_backend != "static" or args.node_rank != 0:
@@ -86,6 +113,7 @@ def main(argv=None) -> int:
                  "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.agent.server.local_elastic_agent"):
         logging.getLogger(name).addFilter(_DropRepeats())
+    _remember_exit_statuses()
     args = torchrun.parse_args(argv)
     busy = busy_port(args)
     if busy:
@@ -99,6 +127,12 @@ def main(argv=None) -> int:
             print(line, file=sys.stderr)
         return status
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: forwarded to the workers, which said so
+        codes = list(_SHUTDOWN_CODES)
+        if codes and all(c == 0 for c in codes):
+            return 0
+        for code in (*OURS, *sorted(c for c in codes if 128 < c < 160)):
+            if code in codes:
+                return code
         return 128 + int(e.sigval)
     return 0
 

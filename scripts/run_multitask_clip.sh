@@ -11,6 +11,8 @@
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
 #   TORCHRUN_ARGS: more torchrun flags, e.g. "--max-restarts 2" (a killed rank's group restarts and resumes
 #     from the last checkpoint in --save)
+#   SHUTDOWN_TIMEOUT [120]: seconds torchrun gives the workers after forwarding SIGINT/SIGTERM (finish the step,
+#     and with --exit-signal-handler save) before it kills them; torchrun's own default is 30
 # Extra arguments pass through to examples/pretrain_multitask_clip.py (see its --help).
 #
 # Every flag and input file is checked first, in this one process (exit status 2 and one line, no worker
@@ -46,4 +48,4 @@ SPINDLE_PREFLIGHT=1 WORLD_SIZE=$(( ${NNODES:-1} * GPUS_PER_NODE )) LOCAL_WORLD_S
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
 exec "$PY" -m megatron_spindle.launch --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29517}" \
-  ${TORCHRUN_ARGS:-} "$SCRIPT" "${ARGS[@]}" "$@"
+  --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" ${TORCHRUN_ARGS:-} "$SCRIPT" "${ARGS[@]}" "$@"

@@ -345,6 +345,12 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+    if getattr(args, "spindle_data", None):
+        need(os.path.isdir(args.spindle_data), f"--spindle-data {args.spindle_data!r} is not a directory")
+        missing = [t for t in graph.tasks if not os.path.isdir(os.path.join(args.spindle_data, t, ".nv-meta"))]
+        need(not missing, f"--spindle-data {args.spindle_data}: no energon dataset for task(s) {', '.join(missing)} "
+                          f"(expected {os.path.join(args.spindle_data, missing[0]) if missing else ''} prepared with "
+                          f"`energon prepare`)")
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
     if args.spindle_trace:

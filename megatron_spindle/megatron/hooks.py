@@ -386,6 +386,6 @@ def main(argv=None, backend: str | None = None) -> int:
     LIFE.start()
     setup_logging()
     status = run_entry(lambda: pretrain_spindle(argv=argv, backend=backend))
-    if status:
+    if status or LIFE.signal:  # a stop on a signal races the launcher's grace period: no interpreter teardown
         LIFE.exit(status)
     return status

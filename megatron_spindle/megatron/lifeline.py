@@ -94,16 +94,18 @@ def _write_line(line: str) -> None:
 
 
 def report_once(line: str, key: str = "error") -> None:
-    """Print ``line`` on stderr once per torchrun attempt: the first worker to claim ``key`` in torchrun's
-    agent store prints, the others stay silent. Outside torchrun (ranks started by hand, one process) every
-    caller prints: each is its own process that someone is watching."""
+    """Print ``line`` on stderr once per node and torchrun attempt: the first worker of this node to claim
+    ``key`` in torchrun's agent store prints, the others stay silent (every node's launcher still shows it:
+    each node's output may be read alone). Outside torchrun (ranks started by hand, one process) every caller
+    prints: each is its own process that someone is watching."""
     if under_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         try:
             import torch.distributed as dist  # optional: torch (a worker has it loaded; the preflight has not)
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=datetime.timedelta(seconds=3), wait_for_workers=False)
-            claim = (f"spindle/once/{os.environ.get('TORCHELASTIC_RUN_ID')}/"
-                     f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}")
+            env = os.environ
+            claim = (f"spindle/once/{env.get('TORCHELASTIC_RUN_ID')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                     f"{env.get('GROUP_RANK', '0')}/{key}")
             if store.add(claim, 1) != 1:
                 return
         except Exception:  # noqa: BLE001 - no store to ask: better the line twice than never

@@ -346,7 +346,7 @@ def main(argv=None, description: str = "") -> int:
     setup_logging()
     args = build_parser(description).parse_args(argv)
     status = run_entry(lambda: pretrain(args), args.spindle_plan)
-    if status:
+    if status or LIFE.signal:  # a stop on a signal races the launcher's grace period: no interpreter teardown
         LIFE.exit(status)
     return status
 
