@@ -35,7 +35,10 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 fi
 ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"
-      --spindle-gantt "$OUT/plan.png" --spindle-trace "$OUT")
+      --spindle-trace "$OUT")
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('matplotlib') is None)" 2>/dev/null; then
+  ARGS+=(--spindle-gantt "$OUT/plan.png")  # the plan's picture, where matplotlib is installed
+fi
 [ -n "${TASKS-4}" ] && ARGS+=(--spindle-tasks "${TASKS:-4}")
 [ -n "$MICRO" ] && ARGS+=(--micro-batch-size "$MICRO")
 [ "${SPINDLE:-1}" = 1 ] && ARGS+=(--spindle)

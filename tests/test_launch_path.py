@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -199,3 +200,27 @@ def test_a_shape_mismatch_on_load_is_the_same_line_on_every_rank(inputs, tmp_pat
     r = launch(["--spindle-model", inputs["WIDER"], "--load", save], str(tmp_path), TRAIN_ITERS=2).wait(300)
     line = one_line(r, "error: checkpoint", "vision.embed", "this model needs")  # every rank raised it; one said it
     assert "Connection reset" not in line and "FutureWarning" not in r.out
+
+
+def test_a_save_that_fails_leaves_no_tmp(tmp_path):
+    """The disk fills during the run: the failing save says so in one line and removes its iter_N.tmp
+    (needs root for a small tmpfs)."""
+    mnt = str(tmp_path / "small")
+    os.makedirs(mnt)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mnt], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        run = launch(["--save", mnt, "--save-interval", "1"], str(tmp_path), TRAIN_ITERS=200)
+        run.wait_for(r"saved checkpoint \S+ at iteration 1\b")
+        try:
+            with open(os.path.join(mnt, "filler"), "wb") as fh:
+                while True:
+                    fh.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+        r = run.wait(300)
+        assert r.rc == 2 and len(r.err) == 1, r.err
+        assert "cannot write checkpoint" in r.err[0] and "no space left on device" in r.err[0], r.err
+        assert [f for f in os.listdir(mnt) if ".tmp" in f] == [] and not r.left
+    finally:
+        subprocess.run(["umount", mnt], capture_output=True)

@@ -34,8 +34,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_repl
 from .. import comm, faults
 from ..atomic import write_file
 from ..models.layer_state import shard_spec
-from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
-                         latest_iteration, restrict_metadata_unpickling, verify_checkpoint, write_manifest)
+from .ckpt_files import (TRACKER, CheckpointFileError, deferred_common_save_error, describe_save_error,  # noqa: F401
+                         in_process_writes, latest_iteration, restrict_metadata_unpickling, verify_checkpoint,
+                         write_manifest)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -148,12 +149,15 @@ def _save(root: str, iteration: int, model, optimizer, extra: dict | None) -> st
     sd = sharded_state_dict(model, optimizer)
     sd["common"] = {"iteration": iteration, "model": model.graph.model, "tasks": list(model.plan.tasks),
                     **(extra or {})}
+    common_errors: list = []
     try:
-        with in_process_writes():
+        with in_process_writes(), deferred_common_save_error(common_errors):
             dc.save(sd, tmp)
     except _READ_ERRORS as e:  # torch's CheckpointException is a BaseException
         _raise_peer_failure(e, "writing checkpoint shards")
         error = describe_save_error(root, e)
+    if common_errors and error is None:
+        error = describe_save_error(root, common_errors[0])
     _raise_any(error)  # every rank agrees before any rank goes on
     faults.point("save-written", iteration, rank)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -167,6 +168,11 @@ def fallback_args(argv=None, extra_args_provider: Callable | None = None):
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     return args, flags
+
+
+def spindle_args(argv=None):
+    """Only the ``--spindle*`` flags of a Megatron command line (the rest is Megatron's to parse)."""
+    return add_spindle_args(OneLineParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)[0]
 
 
 def check_megatron_args(args) -> list[str]:
@@ -353,6 +359,8 @@ def check_args(args, world: int) -> None:
                           f"`energon prepare`)")
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
+        need(importlib.util.find_spec("matplotlib") is not None,
+             "--spindle-gantt needs matplotlib, which is not installed here (pip install matplotlib)")
     if args.spindle_trace:
         check_output(os.path.join(args.spindle_trace, "trace.json"), "--spindle-trace")
 

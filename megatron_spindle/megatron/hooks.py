@@ -57,7 +57,7 @@ from ..runtime.trace import gather_chrome_trace
 from . import trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators
-from .flags import chain_args, check_megatron_args, fallback_args
+from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
 from .ckpt_dir import latest_iteration
 from .lifeline import LIFE, signal_name
 from .preflight import agree_on_inputs, hold_save_lock
@@ -203,15 +203,17 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
     agree_on_inputs(args, [k for k in vars(args) if k.startswith("spindle") or k in AGREED])
     if getattr(args, "save", None):
         _LOCKS.append(hold_save_lock(args.save))
-    LIFE.disarm()
-    _megatron_stops(args)
     world = dist.get_world_size()
     graph = graph_for(args, world)
     per_pass = (args.micro_batch_size or 1) * world
     passes = max(1, (getattr(args, "global_batch_size", None) or per_pass) // per_pass)  # Megatron's microbatches
+    LIFE.stage = "planning (rank 0) and sharing the plan; a rank stopped or planning takes long"
     plan = plan_for(args, graph, world, passes=passes)
     log_plan(args, plan, graph, world, passes=passes)
+    LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
     model = build_model(args, plan, graph, device=device)
+    LIFE.disarm()
+    _megatron_stops(args)
     return MegatronModelChunk(model, config=config, pg_collection=pg_collection,
                               clip_grad=getattr(args, "clip_grad", 0.0) or 0.0)
 
@@ -358,7 +360,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     if argv is not None:  # Megatron parses sys.argv
         sys.argv = [sys.argv[0], *argv]
     install(always=True)
-    early, _ = fallback_args(argv, extra_args_provider)  # the start-up deadline, before Megatron parses
+    early = spindle_args(argv)  # the start-up deadline, before Megatron parses
     LIFE.arm(min(early.spindle_startup_timeout, early.spindle_timeout))
     LIFE.stage = "starting Megatron-LM (initialize_megatron: the rendezvous of every rank)"
     try:

@@ -185,7 +185,7 @@ class Lifeline:
                           f"{self.stage}", EXIT_PEER, once=True)
 
     def _on_signal(self, sig: int) -> None:
-        if sig not in (signal.SIGINT, signal.SIGTERM) or sig in self.owned:
+        if sig not in (signal.SIGINT, signal.SIGTERM) or (sig in self.owned and self.phase == "training"):
             return
         now = time.monotonic()
         if self.phase == "finishing":

@@ -94,7 +94,6 @@ class Trainer:
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
         join_job(args)
         self.lock = hold_save_lock(args.save)
-        LIFE.disarm()
         try:
             self._build(args)
         except BaseException:
@@ -120,14 +119,17 @@ class Trainer:
             raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
                              f"(--micro-batch-size x {self.world} ranks)")
         self.accum = glob // self.micro
+        LIFE.stage = "planning (rank 0) and sharing the plan; a rank stopped or planning takes long"
         self.plan = plan_for(args, sub, self.world, passes=self.accum)
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
+        LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
         self.optimizer = make_optimizer(self.model.unique_parameters(), args)
         self.scheduler = make_scheduler(self.optimizer, args)
+        LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
         self.load, attempt = restart_source(args)
         if self.load:
             self.start, _, missing = load_checkpoint(self.load, self.model, self.optimizer)
