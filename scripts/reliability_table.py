@@ -107,7 +107,7 @@ def bad_inputs(w: str, files: dict):
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield row("24.1", "`--save` held by a run on another host", SCRIPT, launch(["--save", save], w).wait(300))
     r = spindle(["plan", "--model", files["UNUSED_MODULE"], "--size", "tiny", "--tasks", "4", "--gpus", "2"], w)
-    yield row("24.6", "spec module used by no task", CLI, r, shown=out_line(r, r"^warning:.*"))
+    yield row("24.8", "spec module used by no task", CLI, r, shown=out_line(r, r"^warning:.*"))
     r = bare_torchrun(["--log-interval", "0"], w).wait(300)
     ours = [x for x in r.err if x.startswith("error: --log-interval")]
     yield row("24.3", "`--log-interval 0` under a bare torchrun", TORCHRUN, r,
@@ -164,10 +164,12 @@ def orphans_then_exit_signal_handler(w: str):
     r = nxt.wait(300)
     yield row("24.1", "the next run with that `--save` (its lock left by the killed run)", SCRIPT, r,
               shown=out_line(r, r"^warning: --save .*"))
-    saved = out_line(r, r"^SIGTERM: finished.*")
-    future = "; no FutureWarning on --load" if "FutureWarning" not in r.out + "\n".join(r.err) else "; FutureWarning!"
-    yield row("24.6", "SIGTERM to the launcher with `--exit-signal-handler`", SCRIPT, r, shown=saved + future,
-              left=leftovers(save, result=r))
+    yield row("24.6", "SIGTERM to the launcher with `--exit-signal-handler`", SCRIPT, r,
+              shown=out_line(r, r"^SIGTERM: finished.*"), left=leftovers(save, result=r))
+    warned = [x for x in (r.out + "\n" + "\n".join(r.err)).splitlines() if "Warning" in x]
+    yield row("24.10", "`--load` (megatron.core's FutureWarnings)", SCRIPT, r,
+              shown=f"{len(warned)} warning lines: " + (" / ".join(warned[:2]) or "none") + "; " +
+              out_line(r, r"^resumed from .*"))
 
 
 def peer_faults(w: str, files: dict):
@@ -195,7 +197,7 @@ def peer_faults(w: str, files: dict):
     save = os.path.join(w, "wide")
     launch(["--save", save], w, TRAIN_ITERS=1).wait(300)
     r = launch(["--spindle-model", files["WIDER"], "--load", save], w, TRAIN_ITERS=2).wait(300)
-    yield row("24.6", "a shape mismatch on load (another hidden size)", SCRIPT, r)
+    yield row("24.10", "a shape mismatch on load (another hidden size)", SCRIPT, r)
 
 
 def restart(w: str):

@@ -254,23 +254,26 @@ def make_inputs(d: str) -> dict[str, str]:
     return f
 
 
-#: (finding, what, script args, environment, words the one line holds); placeholders from make_inputs.
+#: (finding, what, script args, environment, words the one line holds); placeholders from make_inputs. Findings
+#: are issue 24's bullets in order: 1 one --save, 2 orphans and hangs at start, 3 one line on the launch path,
+#: 4 a huge spec, 5 a peer's failure, 6 signals and failed saves, 7 plan fields, 8 spec values, 9 curves,
+#: 10 flags.
 BAD_INPUTS = [
-    ("1", "`--log-interval 0`", ["--log-interval", "0"], {}, ["--log-interval 0"]),
-    ("6", "`--min-lr 1 --lr 1e-4`", ["--min-lr", "1", "--lr", "1e-4"], {}, ["--min-lr 1 is above --lr 0.0001"]),
-    ("6", "`--spindle-timeout 1e15`", ["--spindle-timeout", "1e15"], {}, ["--spindle-timeout 1e+15"]),
-    ("6", "`--adam-beta1 1.5`", ["--adam-beta1", "1.5"], {}, ["--adam-beta1 1.5", "[0, 1)"]),
-    ("6", "a task schedule change after `--train-iters`",
+    ("3", "`--log-interval 0`", ["--log-interval", "0"], {}, ["--log-interval 0"]),
+    ("10", "`--min-lr 1 --lr 1e-4`", ["--min-lr", "1", "--lr", "1e-4"], {}, ["--min-lr 1 is above --lr 0.0001"]),
+    ("10", "`--spindle-timeout 1e15`", ["--spindle-timeout", "1e15"], {}, ["--spindle-timeout 1e+15"]),
+    ("10", "`--adam-beta1 1.5`", ["--adam-beta1", "1.5"], {}, ["--adam-beta1 1.5", "[0, 1)"]),
+    ("10", "a task schedule change after `--train-iters`",
      ["--spindle-task-schedule", "0:vision-text,audio-text;100:vision-text"], {"TRAIN_ITERS": "30"},
      ["iteration 100", "--train-iters 30"]),
-    ("6", "`--spindle-bogus 1` (a misspelt flag)", ["--spindle-bogus", "1"], {}, ["--spindle-bogus"]),
+    ("3", "`--spindle-bogus 1` (a misspelt flag)", ["--spindle-bogus", "1"], {}, ["--spindle-bogus"]),
     ("4", "spec `num_layers = 1000000000` under `[sizes.tiny]`", ["--spindle-model", "HUGE_TINY"], {},
      ["sizes.tiny.modules.vision.layers.num_layers = 1000000000", "1 to 512"]),
-    ("6", "spec `temperature = nan`", ["--spindle-model", "NAN_TEMP"], {}, ["modules.loss.temperature = nan"]),
-    ("6", "spec `weight = inf`", ["--spindle-model", "INF_WEIGHT"], {}, ["tasks.vision-text.weight = inf"]),
-    ("6", "spec task name with a space", ["--spindle-model", "SPACE_TASK"], {}, ["'vision text'", "ASCII"]),
-    ("6", "spec task name not ASCII", ["--spindle-model", "ASCII_TASK"], {}, ["vision-tëxt", "ASCII"]),
-    ("6", "plugin cost with NaN FLOPs", ["--spindle-model", "NAN_PLUGIN", "--micro-batch-size", "2"],
+    ("8", "spec `temperature = nan`", ["--spindle-model", "NAN_TEMP"], {}, ["modules.loss.temperature = nan"]),
+    ("8", "spec `weight = inf`", ["--spindle-model", "INF_WEIGHT"], {}, ["tasks.vision-text.weight = inf"]),
+    ("8", "spec task name with a space", ["--spindle-model", "SPACE_TASK"], {}, ["'vision text'", "ASCII"]),
+    ("8", "spec task name not ASCII", ["--spindle-model", "ASCII_TASK"], {}, ["vision-tëxt", "ASCII"]),
+    ("8", "plugin cost with NaN FLOPs", ["--spindle-model", "NAN_PLUGIN", "--micro-batch-size", "2"],
      {"TASKS": ""}, ["plugin llava_layers.py", "mlp_projector", "nan"]),
     ("7", "plan with `tasks` cut to 3", ["--spindle", "--spindle-plan", "CUT_PLAN"], {},
      ["plan field tasks", "vision-thermal"]),
@@ -278,11 +281,11 @@ BAD_INPUTS = [
      ["task_weights", "nan"]),
     ("7", "plan with another `model`", ["--spindle", "--spindle-plan", "MODEL_PLAN"], {},
      ["field model is 'qwen-val'"]),
-    ("8", "curves file `\"curves\": []`", ["--spindle-curves", "EMPTY_CURVES"], {}, ["has no curves"]),
-    ("8", "curves points of 1e300 ms", ["--spindle-curves", "HUGE_CURVES"], {}, ["invalid point [1, 1e+300]"]),
-    ("8", "curves with a NaN optimizer constant", ["--spindle-curves", "NAN_OPT_CURVES"], {},
+    ("9", "curves file `\"curves\": []`", ["--spindle-curves", "EMPTY_CURVES"], {}, ["has no curves"]),
+    ("9", "curves points of 1e300 ms", ["--spindle-curves", "HUGE_CURVES"], {}, ["invalid point [1, 1e+300]"]),
+    ("9", "curves with a NaN optimizer constant", ["--spindle-curves", "NAN_OPT_CURVES"], {},
      ["measured.optimizer.fixed_ms = nan"]),
-    ("8", "another model's curves", ["--spindle-curves", "OTHER_CURVES"], {}, ["profiled for model 'qwen-val'"]),
+    ("9", "another model's curves", ["--spindle-curves", "OTHER_CURVES"], {}, ["profiled for model 'qwen-val'"]),
     ("2", "an empty task data folder", ["--spindle-data", "EMPTY_DATA"], {}, ["no energon dataset", "audio-text"]),
 ]
 
