@@ -295,6 +295,11 @@ def world_from_env() -> int:
         raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
 def check_args(args, world: int) -> None:
     """Every check of the flags that needs no peer, run by every rank before any collective.
 
@@ -302,23 +307,13 @@ def check_args(args, world: int) -> None:
     instead of rank 0 printing it while the others die in a collective. Pure (no torch): numbers, the curves
     file, the cluster the planner would use, the task schedule, the checkpoint to resume and the save directory.
     """
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(msg)
-
+    need = _need
     for flag, v, low in (("--train-iters", args.train_iters, 1), ("--log-interval", args.log_interval, 1),
                          ("--micro-batch-size", args.micro_batch_size, 1),
                          ("--global-batch-size", args.global_batch_size, 1),
-                         ("--save-interval", args.save_interval, 1), ("--exit-interval", args.exit_interval, 1),
-                         ("--spindle-tasks", args.spindle_tasks, 1),
-                         ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
-                         ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
-        need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
-    for flag, v in (("--spindle-timeout", args.spindle_timeout),
-                    ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
-        need(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
-             f"{flag} {v:g} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a day)")
+                         ("--save-interval", args.save_interval, 1), ("--exit-interval", args.exit_interval, 1)):
+        need(v is None or v >= low, f"{flag} {v} must be at least 1")
+    check_spindle_values(args)
     for flag, v in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--clip-grad", args.clip_grad),
                     ("--weight-decay", args.weight_decay)):
         need(math.isfinite(v) and v >= 0, f"{flag} {v:g} must be a finite number, zero or more")
@@ -328,21 +323,10 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
-    need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
-         f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
-
     graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
                         batch=args.micro_batch_size * world if args.micro_batch_size else None)
-    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
-    if curves is not None:
-        check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
-    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    load_cluster(None, num_devices=world, gpus_per_node=per_node,
-                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
-                 (curves.device.memory_gib if curves else None))
+    check_spindle_inputs(args, world, graph)
     parse_task_schedule(args.spindle_task_schedule, graph.tasks, args.train_iters)
-    if args.spindle_plan:
-        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan)
     if args.load:
         need(os.path.isdir(args.load), f"--load {args.load!r} is not a directory")
         it = latest_iteration(args.load)
@@ -351,6 +335,35 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+
+
+def check_spindle_values(args) -> None:
+    """The ``--spindle*`` numbers (both loops)."""
+    for flag, v, low in (("--spindle-tasks", args.spindle_tasks, 1),
+                         ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
+                         ("--spindle-predict-interval", args.spindle_predict_interval, 0),
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+        _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
+    for flag, v in (("--spindle-timeout", args.spindle_timeout),
+                    ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
+        _need(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+              f"{flag} {v:g} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a day)")
+    _need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
+          f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
+
+
+def check_spindle_inputs(args, world: int, graph) -> None:
+    """The ``--spindle*`` files and outputs (both loops): curves, cluster, plan, data, Gantt, trace."""
+    need = _need
+    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    if curves is not None:
+        check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
+    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    load_cluster(None, num_devices=world, gpus_per_node=per_node,
+                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
+                 (curves.device.memory_gib if curves else None))
+    if args.spindle_plan:
+        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan)
     if getattr(args, "spindle_data", None):
         need(os.path.isdir(args.spindle_data), f"--spindle-data {args.spindle_data!r} is not a directory")
         missing = [t for t in graph.tasks if not os.path.isdir(os.path.join(args.spindle_data, t, ".nv-meta"))]
@@ -367,14 +380,34 @@ def check_args(args, world: int) -> None:
 
 def preflight_main(argv, description: str = "") -> int:
     """The launch scripts' check, in one process before torchrun starts any worker: parse ``argv`` as a
-    worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), run
-    :func:`check_args`, and look at the ``--save`` lock. Bad input prints one line; returns the exit status."""
-    args, _ = fallback_args(argv)
+    worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), check
+    it, and look at the ``--save`` lock. Where Megatron-LM's loop will run (``SPINDLE_BACKEND=megatron``, or
+    ``megatron.training`` and a GPU driver), Megatron judges its own flags: only the ``--spindle*`` flags and
+    files are checked here. Bad input prints one line; returns the exit status."""
     try:
-        check_args(args, world_from_env())
-        if args.save:
-            probe_save_lock(args.save)
+        world = world_from_env()
+        backend = os.environ.get("SPINDLE_BACKEND") or (
+            "megatron" if importlib.util.find_spec("megatron.training") and os.path.exists("/proc/driver/nvidia/version")
+            else "loop")
+        if backend == "megatron":
+            args = spindle_args(argv)
+            check_spindle_values(args)
+            check_spindle_inputs(args, world, build_graph(args.spindle_model, tasks=args.spindle_tasks,
+                                                          size=args.spindle_size))
+            save = _known(argv, "--save")
+        else:
+            args, _ = fallback_args(argv)
+            check_args(args, world)
+            save = args.save
+        if save:
+            probe_save_lock(save)
     except ValueError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
+
+
+def _known(argv, flag: str):
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument(flag, default=None)
+    return getattr(p.parse_known_args(argv)[0], flag.lstrip("-").replace("-", "_"))
