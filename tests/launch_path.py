@@ -202,7 +202,8 @@ def make_inputs(d: str) -> dict[str, str]:
     os.makedirs(d, exist_ok=True)
     f = {}
     f["HUGE_TINY"] = _spec_variant(os.path.join(d, "huge.toml"), lambda t: t.replace(
-        "vision.layers = { hidden_size = 52, num_layers = 4", "vision.layers = { hidden_size = 52, num_layers = 1000000000"))
+        "vision.layers = { hidden_size = 52, num_layers = 4",
+        "vision.layers = { hidden_size = 52, num_layers = 1000000000"))
     f["NAN_TEMP"] = _spec_variant(os.path.join(d, "nan_temp.toml"),
                                   lambda t: t.replace("temperature = 0.07", "temperature = nan"))
     f["INF_WEIGHT"] = _spec_variant(os.path.join(d, "inf_weight.toml"),

@@ -265,9 +265,16 @@ def load_plan(path: str) -> Plan:
         raise ValueError(text if repr(path) in text else f"--spindle-plan {path!r}: {text}") from None
 
 
-def check_plan_fields(plan: Plan, graph, path: str) -> None:
-    """A loaded plan's ``model``, ``tasks`` and ``task_weights`` must be this run's (its graph fingerprint
-    covers the graph it was made for, not these copies of it, which the runtime reads)."""
+def check_plan_fields(plan: Plan, graph, path: str, world: int | None = None) -> None:
+    """A loaded plan must be for this run: its graph (fingerprint) and world size, and then its ``model``,
+    ``tasks`` and ``task_weights`` (the fingerprint covers the graph it was made for, not these copies of it,
+    which the runtime reads)."""
+    if plan.graph_fingerprint != graph.fingerprint():
+        raise ValueError(f"--spindle-plan {path!r}: plan was made for model {plan.model!r} with graph "
+                         f"{plan.graph_fingerprint}, not for this model's graph {graph.fingerprint()} (different "
+                         f"model, task set, sizes or batch): re-plan")
+    if world is not None and plan.world_size != world:
+        raise ValueError(f"--spindle-plan {path!r}: plan is for {plan.world_size} devices but the job has {world}")
     for field, mine in (("model", graph.model), ("tasks", list(graph.tasks)),
                         ("task_weights", list(graph.task_weights))):
         theirs = getattr(plan, field)
@@ -323,6 +330,9 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
+    need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
+         "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
+         "first plan's layout)")
     graph = build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
                         batch=args.micro_batch_size * world if args.micro_batch_size else None)
     check_spindle_inputs(args, world, graph)
@@ -363,7 +373,7 @@ def check_spindle_inputs(args, world: int, graph) -> None:
                  memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
                  (curves.device.memory_gib if curves else None))
     if args.spindle_plan:
-        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan)
+        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan, world)
     if getattr(args, "spindle_data", None):
         need(os.path.isdir(args.spindle_data), f"--spindle-data {args.spindle_data!r} is not a directory")
         missing = [t for t in graph.tasks if not os.path.isdir(os.path.join(args.spindle_data, t, ".nv-meta"))]
@@ -386,9 +396,9 @@ def preflight_main(argv, description: str = "") -> int:
     files are checked here. Bad input prints one line; returns the exit status."""
     try:
         world = world_from_env()
+        gpu = os.path.exists("/proc/driver/nvidia/version")
         backend = os.environ.get("SPINDLE_BACKEND") or (
-            "megatron" if importlib.util.find_spec("megatron.training") and os.path.exists("/proc/driver/nvidia/version")
-            else "loop")
+            "megatron" if gpu and importlib.util.find_spec("megatron.training") else "loop")
         if backend == "megatron":
             args = spindle_args(argv)
             check_spindle_values(args)

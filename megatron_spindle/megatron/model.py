@@ -59,8 +59,8 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     """
     if args.spindle_plan:
         plan = load_plan(args.spindle_plan)
-        check_plan_fields(plan, graph, args.spindle_plan)
         check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        check_plan_fields(plan, graph, args.spindle_plan)
         return plan
     box = [None]
     if dist.get_rank() == 0:

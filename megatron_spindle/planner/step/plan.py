@@ -369,7 +369,8 @@ def _check_task_fields(plan: Plan) -> None:
     (each once), one finite non-negative weight per task. (The runtime compares them with its graph.)"""
     if not isinstance(plan.model, str) or not plan.model:
         raise ValueError(f"plan field model {plan.model!r} must be the model's name")
-    if not plan.tasks or not all(isinstance(t, str) and t for t in plan.tasks) or len(set(plan.tasks)) != len(plan.tasks):
+    names = plan.tasks
+    if not names or not all(isinstance(t, str) and t for t in names) or len(set(names)) != len(names):
         raise ValueError(f"plan field tasks {list(plan.tasks)!r} must name each task once")
     used = {m.task for m in plan.metaops}
     if used != set(plan.tasks):
