@@ -24,10 +24,18 @@ API (``group=None`` is the world; ``timeout`` bounds the wait of an ``*_async`` 
   device and made contiguous; a receive buffer must already be on the device, see :func:`empty`), and
   :func:`batch_isend_irecv` posts a list of them and returns the works to wait on.
 * :func:`wait_all` - wait for works with one timeout each, raising ``TimeoutError`` naming the message.
+* :class:`PeerError` - what every call here raises when ``torch.distributed`` fails (a peer died or stopped:
+  gloo's "connection closed by peer", a timed-out wait, a store that is gone), naming this rank, the
+  operation and the ranks it spans; :func:`is_peer_failure` recognises such a failure raised elsewhere
+  (megatron.core's DDP and checkpointing call ``torch.distributed`` themselves). The entry points turn it into
+  one line and exit status 3.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
+import re
 from typing import Iterable, Sequence
 
 import torch
@@ -35,9 +43,80 @@ import torch.distributed as dist
 
 __all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
            "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
-           "batch_isend_irecv", "wait_all", "ReduceOp"]
+           "batch_isend_irecv", "wait_all", "ReduceOp", "PeerError", "is_peer_failure", "first_line", "during"]
 
 ReduceOp = dist.ReduceOp
+
+#: Words of torch.distributed / gloo / NCCL / TCPStore errors that mean a peer is gone or silent.
+_PEER_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "socket",
+               "gloo", "nccl", "tcpstore", "connection refused", "by peer")
+
+
+class PeerError(RuntimeError):
+    """A collective or point-to-point call failed: a peer died, stopped or is unreachable. The message names
+    this rank, the operation and its ranks (``rank 0: all_reduce over ranks [0, 1] failed: ...``)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, without gloo's source location and advice
+    (``[.../pair.cc:553] Connection closed by peer [10.0.0.2]:4040. This is typically ...``)."""
+    text = str(e).strip()
+    line = text.splitlines()[0].strip() if text else type(e).__name__
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", line)
+    return line.split(". This is typically")[0].rstrip(".")
+
+
+@contextlib.contextmanager
+def during(what: str):
+    """Within the block, a :class:`PeerError` also says what the rank was doing (``iteration 4: saving``)."""
+    try:
+        yield
+    except PeerError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        text = str(e)
+        prefix = f"rank {rank}: "
+        raise type(e)(f"{prefix}{what}: {text[len(prefix):] if text.startswith(prefix) else text}") from e
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` (or anything in its cause chain) is a failed exchange with a peer, as opposed to a bug."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (PeerError, dist.DistError)):
+            return True
+        if isinstance(e, (RuntimeError, OSError, TimeoutError)) and any(
+                w in str(e).lower() for w in _PEER_WORDS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _span(group) -> str:
+    if group is None:
+        return "all ranks"
+    try:
+        return f"ranks {dist.get_process_group_ranks(group)}"
+    except (RuntimeError, ValueError):
+        return "its group"
+
+
+def _named(op: str):
+    """Raise a failure of ``op`` as :class:`PeerError` naming this rank, ``op`` and the group's ranks."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            except PeerError:
+                raise
+            except RuntimeError as e:  # DistError, DistBackendError, gloo transport errors
+                if not is_peer_failure(e):
+                    raise
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise PeerError(f"rank {rank}: {op} over {_span(kw.get('group'))} failed: {first_line(e)}") from e
+        return wrapper
+    return deco
 
 
 def comm_device() -> torch.device:
@@ -65,6 +144,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=comm_device())
 
 
+@_named("all_reduce")
 def all_reduce(t: torch.Tensor, *, op=ReduceOp.SUM, group=None) -> torch.Tensor:
     """In-place all-reduce of ``t`` (moved to the device for the call and copied back if it was elsewhere)."""
     x = on_comm_device(t)
@@ -74,12 +154,14 @@ def all_reduce(t: torch.Tensor, *, op=ReduceOp.SUM, group=None) -> torch.Tensor:
     return t
 
 
+@_named("all_reduce_async")
 def all_reduce_async(t: torch.Tensor, *, op=ReduceOp.SUM, group=None):
     """``(x, work)``: ``x`` is ``t`` on the device; after ``work.wait()`` it holds the reduced values."""
     x = on_comm_device(t)
     return x, dist.all_reduce(x, op=op, group=group, async_op=True)
 
 
+@_named("all_gather")
 def all_gather(t: torch.Tensor, *, group=None) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape everywhere), in group-rank order, on the device."""
     x = on_comm_device(t).contiguous()
@@ -88,6 +170,7 @@ def all_gather(t: torch.Tensor, *, group=None) -> list[torch.Tensor]:
     return out
 
 
+@_named("broadcast")
 def broadcast(t: torch.Tensor, *, src: int | None = None, group=None, group_src: int | None = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` (or rank ``group_src`` within ``group``), moved to the
     device and back when needed."""
@@ -101,6 +184,7 @@ def broadcast(t: torch.Tensor, *, src: int | None = None, group=None, group_src:
     return t
 
 
+@_named("barrier")
 def barrier(group=None) -> None:
     if "nccl" in str(dist.get_backend(group)).lower():
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
@@ -108,17 +192,20 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+@_named("broadcast_object_list")
 def broadcast_object_list(objects: list, *, src: int, group=None) -> list:
     dist.broadcast_object_list(objects, src=src, group=group, device=comm_device())
     return objects
 
 
+@_named("all_gather_object")
 def all_gather_object(obj, *, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
+@_named("gather_object")
 def gather_object(obj, *, dst: int = 0, group=None) -> list | None:
     """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
@@ -139,6 +226,7 @@ def recv_op(buf: torch.Tensor, peer: int, *, tag: int = 0, group=None) -> dist.P
     return dist.P2POp(dist.irecv, buf, peer, group=group, tag=tag)
 
 
+@_named("batch_isend_irecv")
 def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
     """Post every operation at once; returns the works (empty for no operations)."""
     return list(dist.batch_isend_irecv(list(ops))) if ops else []
@@ -150,6 +238,6 @@ def wait_all(works: Iterable, what: Iterable[str], timeout: datetime.timedelta) 
         try:
             ok = work.wait(timeout)
         except RuntimeError as e:
-            raise TimeoutError(f"{desc} failed: {str(e).splitlines()[0]}") from e
+            raise TimeoutError(f"{desc} failed: {first_line(e)}") from e
         if ok is False:
             raise TimeoutError(f"{desc} timed out after {timeout.total_seconds():g} s")

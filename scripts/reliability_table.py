@@ -1,21 +1,26 @@
 #!/usr/bin/env python
-"""Run every bad input and fault of issue 12 and write what each gets as a table (docs/reliability.md).
+"""Run every bad input and fault of issues 12 and 24 the way users run them; write what each gets as a table
+(docs/reliability.md).
 
     .venv/bin/python scripts/reliability_table.py [--out docs/reliability.md] [--only SUBSTRING]
 
-Each case runs as a user would run it (``spindle ...`` or the built-in trainer on two ranks started by hand,
-or under torchrun for the kills) in a scratch directory. Recorded per case: the exit status of every rank,
-the error line (the same on every rank, or each one), whether a traceback was printed, and what was left
-behind (temporary files, processes of the run, checkpoints of a bad state). Cases that need a small tmpfs
-(a full disk) run only as root. 4 to 9 minutes on 2 CPU cores.
+Each case starts what a user starts, in a scratch directory: ``scripts/run_multitask_clip.sh`` (its
+one-process check, then torchrun through ``megatron_spindle.launch``) on 2 CPU ranks of the tiny model, a bare
+``torchrun`` of ``examples/pretrain_multitask_clip.py``, or the ``spindle`` command. Recorded per case: the
+exit status, what the user sees (every stderr line, or the line that matters on stdout), how many stderr
+lines there were, whether a traceback was printed, and what was left behind (temporary files, processes of
+the run, checkpoints, locks). The helpers and the bad inputs are ``tests/launch_path.py``'s, shared with
+``tests/test_launch_path.py``. Cases that need a small tmpfs (a full disk) run only as root.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,59 +28,40 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the kill scenarios and the process census live there
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)
 
-from test_faults_kill import TRAIN as KILL_TRAIN, losses, scenarios, torchrun  # noqa: E402
+from launch_path import (BAD_INPUTS, EXAMPLE, Result, bare_torchrun, base_env, free_port, launch,  # noqa: E402
+                         losses, make_inputs, run_processes, spindle, start, substitute)
 
-PY = sys.executable
-TRAIN = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--train-iters", "3",
-         "--spindle-predict-interval", "0", "--lr", "1e-3", "--seed", "7"]
+SCRIPT = "`run_multitask_clip.sh`"
+TORCHRUN = "bare `torchrun`"
+CLI = "`spindle`"
 PLAN = ["plan", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4", "--gpus", "4"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def leftovers(*dirs: str, result: Result | None = None) -> str:
+    found = []
+    for d in dirs:
+        if os.path.isdir(d):
+            found += [f for f in os.listdir(d) if ".tmp" in f or f == ".spindle-save.lock"]
+    if result is not None and result.left:
+        found.append(f"{len(result.left)} processes")
+    return ", ".join(found) or "nothing"
 
 
-def _env(**extra) -> dict:
-    return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **extra}
+def row(item: str, what: str, how: str, r: Result | None, shown: str | None = None, left: str = "nothing"):
+    if r is None:
+        return item, what, how, "-", shown or "skipped", "-", "-", left
+    lines = [x for x in r.err if not x.startswith(("W1", "I1")) or "error" in x]  # torchrun's own log lines
+    text = shown if shown is not None else " / ".join(dict.fromkeys(lines)) or "(nothing)"
+    tb = "yes" if any("Traceback" in x for x in r.err) or "Traceback" in r.out else "no"
+    return item, what, how, str(r.rc), text, str(len(r.err)), tb, left
 
 
-def run_cli(args: list[str]) -> list[tuple[int, str]]:
-    r = subprocess.run([PY, "-m", "megatron_spindle.cli", *args], capture_output=True, text=True, env=_env())
-    return [(r.returncode, r.stderr + r.stdout)]
-
-
-def run_ranks(args: list[str], world: int = 2, port: int | None = None) -> list[tuple[int, str]]:
-    port = port or free_port()
-    procs = [subprocess.Popen([PY, "-m", "megatron_spindle.megatron.trainer", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)))
-             for r in range(world)]
-    return [(p.wait(timeout=600), p.stdout.read()) for p in procs]
-
-
-def shown_lines(text: str) -> list[str]:
-    """The error lines; without one, the last line naming a file written; else the last line (rank 0 only:
-    the other ranks of a successful run print nothing of their own); a warning line outranks the last line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith(("error:", "spindle ")) and "error:" in line]
-    written = [line for line in lines if "written to" in line or line.startswith("saved checkpoint")]
-    killed = [line for line in lines if line.startswith("killed ")]  # the kill rows' own summary
-    warned = [line for line in lines if line.startswith("warning:")]  # e.g. devices left idle
-    return killed or errors or warned or written[-1:] or [line for line in lines if "Warning" not in line and "warn(" not in line][-1:]
-
-
-def summarize(results: list[tuple[int, str]]) -> tuple[str, str, str]:
-    codes = sorted({rc for rc, _ in results})
-    lines = sorted({e for _, out in results for e in shown_lines(out)})
-    tb = any("Traceback" in out for _, out in results)
-    status = ",".join(map(str, codes)) + (f" (all {len(results)} ranks)" if len(results) > 1 else "")
-    line = " / ".join(lines) if lines else "(no error line)"
-    return status, line, "yes" if tb else "no"
+def out_line(r: Result, pattern: str) -> str:
+    m = re.search(pattern, r.out, re.M)
+    return m.group(0) if m else "(not found)"
 
 
 @contextlib.contextmanager
@@ -90,178 +76,252 @@ def tmpfs(size: str):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def leftovers(d: str) -> str:
-    tmp = [f for f in os.listdir(d) if ".tmp" in f] if os.path.isdir(d) else []
-    return ", ".join(tmp) if tmp else "nothing"
+def worker_pids(run) -> dict[int, int]:
+    ranks = {}
+    for entry in run_processes(run.marker):
+        pid = entry.split()[0]
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = int(pid)
+    return ranks
 
 
-def cases(work: str):
-    """(issue item, case, runner) where runner() -> (results, left behind)."""
-    os.makedirs(work, exist_ok=True)
-    f = os.path.join(work, "file")
-    open(f, "w").write("x")
-    latin = os.path.join(work, "latin1.json")
-    open(latin, "wb").write(b'{"a": "\xe9"}')
-    notjson = os.path.join(work, "curves.json")
-    open(notjson, "w").write("{not json")
-    ck = os.path.join(work, "ck")
+# ---------------------------------------------------------------------------------------------------
+# Cases: each yields rows
+# ---------------------------------------------------------------------------------------------------
+def bad_inputs(w: str, files: dict):
+    for item, what, args, env, _ in BAD_INPUTS:
+        r = launch(substitute(args, files), w, **env).wait(300)
+        yield row(f"24.{item}", what, SCRIPT, r, left=leftovers(w, result=r))
+    with contextlib.ExitStack() as stack:
+        import fcntl
+        save = os.path.join(w, "locked")
+        os.makedirs(save, exist_ok=True)
+        fd = os.open(os.path.join(save, ".spindle-save.lock"), os.O_RDWR | os.O_CREAT)
+        stack.callback(os.close, fd)
+        os.write(fd, b'{"host": "node-7", "pid": 4242, "started": "2026-12-01 10:00:00 UTC"}')
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield row("24.1", "`--save` held by a run on another host", SCRIPT, launch(["--save", save], w).wait(300))
+    r = spindle(["plan", "--model", files["UNUSED_MODULE"], "--size", "tiny", "--tasks", "4", "--gpus", "2"], w)
+    yield row("24.8", "spec module used by no task", CLI, r, shown=out_line(r, r"^warning:.*"))
+    r = bare_torchrun(["--log-interval", "0"], w).wait(300)
+    ours = [x for x in r.err if x.startswith("error: --log-interval")]
+    yield row("24.3", "`--log-interval 0` under a bare torchrun", TORCHRUN, r,
+              shown=f"{ours[0] if ours else '(none)'} ({len(ours)} time(s)), then torchrun's own report "
+                    f"(ChildFailedError) of the failed group")
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        yield row("12.5", "busy `MASTER_PORT`", SCRIPT, launch([], w, MASTER_PORT=s.getsockname()[1]).wait(300))
 
-    def cli(args, where=work):
-        return lambda: (run_cli(args), leftovers(where))
 
-    def train(args, world=2, where=None, port=None):
-        return lambda: (run_ranks(TRAIN + args, world, port), leftovers(where) if where else "nothing")
+def owned_save_and_sigint(w: str):
+    save = os.path.join(w, "owned")
+    a = launch(["--save", save, "--save-interval", "1"], w, TRAIN_ITERS=200)
+    a.wait_for(r"saved checkpoint \S+ at iteration 2\b")
+    b = launch(["--save", save, "--seed", "7"], w).wait(300)
+    yield row("24.1", "a second run with the same `--save` while the first trains", SCRIPT, b)
+    os.killpg(a.proc.pid, signal.SIGINT)
+    r = a.wait(300)
+    yield row("24.6", "SIGINT (Ctrl-C: the whole process group)", SCRIPT, r, left=leftovers(save, result=r))
 
-    def nan_run():
-        save = os.path.join(work, "nan")
-        res = run_ranks(TRAIN + ["--spindle", "--lr", "1e6", "--save", save, "--save-interval", "1"])
-        its = sorted(x for x in os.listdir(save) if x.startswith("iter_")) if os.path.isdir(save) else []
-        return res, "checkpoints: " + (", ".join(its) or "none") + " (iteration 1 was finite)"
 
-    def full_disk_start():
-        with tmpfs("256k") as d:
-            if d is None:
-                return None, "skipped (needs root for a small tmpfs)"
-            return run_ranks(TRAIN + ["--spindle", "--save", d], 1), leftovers(d)
+def sigterm_without_handler(w: str):
+    save = os.path.join(w, "term")
+    a = launch(["--save", save, "--save-interval", "1"], w, TRAIN_ITERS=200)
+    a.wait_for(r"iteration +2/200")
+    a.proc.send_signal(signal.SIGTERM)
+    r = a.wait(300)
+    yield row("24.6", "SIGTERM to the launcher (without `--exit-signal-handler`)", SCRIPT, r,
+              left=leftovers(save, result=r))
 
-    def full_disk_plan():
-        with tmpfs("4k") as d:
-            if d is None:
-                return None, "skipped (needs root for a small tmpfs)"
-            fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT)
-            with contextlib.suppress(OSError):
-                while True:
-                    os.write(fd, b"\0" * 1024)
-            os.close(fd)
-            return run_cli(PLAN + ["--out", os.path.join(d, "plan.json")]), leftovers(d)
 
-    def busy_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            s.listen()
-            return run_ranks(TRAIN, 1, s.getsockname()[1]), "nothing"
+def orphans_then_exit_signal_handler(w: str):
+    save = os.path.join(w, "orphan")
+    run = bare_torchrun(["--train-iters", "200", "--log-interval", "1", "--save", save, "--save-interval", "1"], w)
+    run.wait_for(r"saved checkpoint \S+ at iteration 2\b")
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait()
+    left = run_processes(run.marker)
+    while left and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+        left = run_processes(run.marker)
+    gone = time.monotonic() - t0
+    r = run.result()
+    yield row("24.2", "`kill -9` of torchrun during training", TORCHRUN, r,
+              shown=f"torchrun killed; {len(left)} workers left {gone:.1f} s after the kill (parent-death signal)",
+              left=f"{len(left)} processes; {leftovers(save)}")
+    nxt = launch(["--save", save, "--load", save, "--save-interval", "1000", "--exit-signal-handler"], w,
+                 TRAIN_ITERS=200)
+    nxt.wait_for(r"iteration +\d+/200")
+    time.sleep(1)
+    nxt.proc.send_signal(signal.SIGTERM)
+    r = nxt.wait(300)
+    yield row("24.1", "the next run with that `--save` (its lock left by the killed run)", SCRIPT, r,
+              shown=out_line(r, r"^warning: --save .*"))
+    yield row("24.6", "SIGTERM to the launcher with `--exit-signal-handler`", SCRIPT, r,
+              shown=out_line(r, r"^SIGTERM: finished.*"), left=leftovers(save, result=r))
+    warned = [x for x in (r.out + "\n" + "\n".join(r.err)).splitlines() if "Warning" in x]
+    yield row("24.10", "`--load` (megatron.core's FutureWarnings)", SCRIPT, r,
+              shown=f"{len(warned)} warning lines: " + (" / ".join(warned[:2]) or "none") + "; " +
+              out_line(r, r"^resumed from .*"))
 
-    def damaged(kind):
-        def go():
-            d = os.path.join(work, f"ck-{kind}")
-            shutil.copytree(ck, d)
-            it = os.path.join(d, "iter_0000003")
-            if kind == "bit":
-                shard = os.path.join(it, sorted(x for x in os.listdir(it) if x.endswith(".distcp"))[0])
-                with open(shard, "r+b") as fh:
-                    fh.seek(os.path.getsize(shard) // 2)
-                    b = fh.read(1)
-                    fh.seek(-1, 1)
-                    fh.write(bytes([b[0] ^ 0x40]))
-            else:  # a .metadata pickle that runs a command, with a manifest that matches it
-                import json
-                import pickle
-                marker = os.path.join(work, "pwned")
 
-                class Payload:
-                    def __reduce__(self):
-                        return (os.system, (f"touch {marker}",))
-                with open(os.path.join(it, ".metadata"), "wb") as fh:
-                    pickle.dump(Payload(), fh)
-                sys.path.insert(0, ROOT)
-                from megatron_spindle.megatron.ckpt_files import MANIFEST, file_digest
-                m = json.load(open(os.path.join(it, MANIFEST)))
-                m["files"][".metadata"] = file_digest(os.path.join(it, ".metadata"))
-                json.dump(m, open(os.path.join(it, MANIFEST), "w"))
-            res = run_ranks(TRAIN + ["--spindle", "--load", d, "--train-iters", "4"])
-            return res, ("code ran!" if os.path.exists(os.path.join(work, "pwned")) else "no code ran")
-        return go
+def peer_faults(w: str, files: dict):
+    r = launch(["--save", os.path.join(w, "killed"), "--save-interval", "1"], w, TRAIN_ITERS=5,
+               SPINDLE_FAULT="1:3:save-start").wait(300)
+    yield row("24.5", "a rank SIGKILLed (a node killed)", SCRIPT, r,
+              left=leftovers(os.path.join(w, "killed"), result=r))
+    run = launch(["--spindle-timeout", "8"], w, TRAIN_ITERS=200)
+    run.wait_for(r"iteration +2/200")
+    ranks = worker_pids(run)
+    os.kill(ranks[1], signal.SIGSTOP)
+    end = time.monotonic() + 120
+    while "error: rank 0" not in open(run.err_path).read() and time.monotonic() < end:
+        time.sleep(0.2)
+    os.kill(ranks[1], signal.SIGCONT)
+    yield row("24.5", "a rank SIGSTOPped (`--spindle-timeout 8`), continued later", SCRIPT, run.wait(300))
+    port = free_port()
+    nodes = [launch([], w, NNODES=2, NODE_RANK=n, GPUS_PER_NODE=1, MASTER_PORT=port, TASKS=t, MICRO_BATCH=8)
+             for n, t in ((0, 4), (1, 7))]
+    for n, r in enumerate(x.wait(300) for x in nodes):
+        yield row("24.5", f"two nodes with other `TASKS` (4 and 7): node {n}", SCRIPT, r)
+    env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-size", "tiny", "--spindle-tasks",
+               "4", "--micro-batch-size", "4", "--spindle-startup-timeout", "5"], env, w).wait(300)
+    yield row("24.2", "rank 0 of 2 started, rank 1 never (`--spindle-startup-timeout 5`)",
+              "`python -m megatron_spindle.megatron.trainer` by hand", r, shown=" / ".join(r.errors) + " (the other "
+              "stderr lines: megatron.core's import warnings, which this entry point does not quiet)")
+    save = os.path.join(w, "wide")
+    launch(["--save", save], w, TRAIN_ITERS=1).wait(300)
+    r = launch(["--spindle-model", files["WIDER"], "--load", save], w, TRAIN_ITERS=2).wait(300)
+    yield row("24.10", "a shape mismatch on load (another hidden size)", SCRIPT, r)
 
-    def kill(case):
-        def go():
-            fault, last = scenarios(12)[case]
-            d = os.path.join(work, f"kill{case}")
-            rc, out, left = torchrun(KILL_TRAIN + ["--save", d, "--save-interval", "1"], fault=fault)
-            from megatron_spindle.megatron.ckpt_files import latest_iteration, verify_checkpoint
-            tracked = latest_iteration(d)
-            verify_checkpoint(os.path.join(d, f"iter_{tracked:07d}"))
-            rc2, out2, left2 = torchrun(KILL_TRAIN + ["--load", d, "--save", d, "--save-interval", "1"])
-            ref = REFERENCE.setdefault("losses", losses(torchrun(KILL_TRAIN)[1]))
-            same = all(ref[i] == v for i, v in losses(out2).items()) and sorted(losses(out2)) == list(
-                range(tracked + 1, 5))
-            res = [(rc, f"{out}\nkilled {fault} (rank:iteration:point); the tracker names iteration {tracked}, "
-                        f"every file matches its manifest")]  # torchrun's own report of the kill is in `out`
-            return res, (f"{len(left) + len(left2)} processes; resumed run exit {rc2}, losses "
-                         f"{'equal' if same else 'DIFFER from'} the uninterrupted run")
-        return go
 
-    yield "5", "`--log-interval 0`", train(["--log-interval", "0"])
-    yield "5", "`--spindle-timeout 0`", train(["--spindle-timeout", "0"])
-    yield "5", "`--spindle-timeout -5`", train(["--spindle-timeout", "-5"])
-    yield "5", "`--micro-batch-size 0`", train(["--micro-batch-size", "0"])
-    yield "5", "`--global-batch-size 0`", train(["--global-batch-size", "0"])
-    yield "5", "`--spindle-task-schedule '0:vision-text;0:audio-text'`", train(
-        ["--spindle-task-schedule", "0:vision-text;0:audio-text"])
-    yield "5", "`--spindle-curves` not JSON", train(["--spindle-curves", notjson])
-    yield "5", "`--spindle-curves` a directory", train(["--spindle-curves", work])
-    yield "5", "`--spindle-gpus-per-node 0`", train(["--spindle-gpus-per-node", "0"])
-    yield "5", "busy `MASTER_PORT`", busy_port
-    yield "4", "`--save` under a regular file", train(["--save", os.path.join(f, "ckpt")])
-    yield "4", "`--save` on a full disk (256 KiB tmpfs)", full_disk_start
-    yield "1", "`--lr 1e6` (NaN from iteration 2)", nan_run
-    yield "5", "train a checkpoint to iteration 3 (for the next cases)", lambda: (
-        run_ranks(TRAIN + ["--spindle", "--save", ck]), "checkpoint iter_0000003")
-    yield "5", "`--train-iters 2` below the checkpoint's 3", train(["--spindle", "--load", ck, "--train-iters", "2"])
-    yield "1", "resume from a shard with one flipped bit", damaged("bit")
-    yield "2", "resume from a crafted `.metadata` pickle (manifest rewritten to match)", damaged("pickle")
-    yield "6", "`spindle plan --out /dev/full`", cli(PLAN + ["--out", "/dev/full"])
-    yield "6", "`spindle plan --out DIR`", cli(PLAN + ["--out", work])
-    yield "6", "`spindle plan --out FILE/plan.json`", cli(PLAN + ["--out", os.path.join(f, "plan.json")])
-    yield "6", "`spindle plan --out` on a full disk", full_disk_plan
-    yield "6", "`spindle plan --gantt DIR`", cli(PLAN + ["--gantt", work])
-    yield "6", "`spindle plan --gantt waves` (no .png)", cli(PLAN + ["--gantt", os.path.join(work, "waves")])
-    yield "6", "`spindle plan --curves DIR`", cli(PLAN + ["--curves", work])
-    yield "6", "`spindle plan --curves` latin-1 bytes", cli(PLAN + ["--curves", latin])
-    yield "6", "`spindle compare --cluster DIR`", cli(["compare", "--model", "multitask-clip", "--size", "tiny",
-                                                       "--tasks", "4", "--gpus", "4", "--cluster", work])
-    yield "6", "`spindle profile --out DIR` (before measuring)", cli(
-        ["profile", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4", "--nproc", "1", "--out", work,
-         "--no-cache"])
-    yield "7", "`spindle plan --gpus 1000000000`", cli(["plan", "--model", "multitask-clip", "--gpus", "1000000000"])
-    yield "7", "`spindle plan --batch 100000000`", cli(["plan", "--model", "multitask-clip", "--gpus", "64",
-                                                        "--batch", "100000000"])
-    yield "7", "`spindle plan --gpus 4096` (devices left idle: a warning, exit 0)", cli(
-        ["plan", "--model", "multitask-clip", "--tasks", "4", "--gpus", "4096", "--json"])
+def restart(w: str):
+    save = os.path.join(w, "restart")
+    flags = ["--spindle", "--save", save, "--save-interval", "1"]
+    ref = launch(["--spindle"], w, TRAIN_ITERS=4).wait(300)
+    r = launch(flags, w, TRAIN_ITERS=4, SPINDLE_FAULT="1:2:save-done", TORCHRUN_ARGS="--max-restarts 1").wait(600)
+    same = losses(r.out) == losses(ref.out) and sorted(losses(r.out)) == [1, 2, 3, 4]
+    yield row("24.5", "a rank SIGKILLed under torchrun `--max-restarts 1`", SCRIPT, r,
+              shown=out_line(r, r"^torchrun restart 1: resumed.*") + f"; losses {'equal' if same else 'DIFFER from'}"
+                    " the uninterrupted run", left=leftovers(save, result=r))
+
+
+def failed_save(w: str):
+    with tmpfs("8m") as d:
+        if d is None:
+            yield row("24.6", "a save that fails (the disk fills during the run)", SCRIPT, None,
+                      shown="skipped (needs root for a small tmpfs)")
+            return
+        run = launch(["--save", d, "--save-interval", "1"], w, TRAIN_ITERS=200)
+        run.wait_for(r"saved checkpoint \S+ at iteration 1\b")
+        with contextlib.suppress(OSError), open(os.path.join(d, "filler"), "wb") as fh:
+            while True:
+                fh.write(b"\0" * (1 << 20))
+        r = run.wait(300)
+        yield row("24.6", "a save that fails (the disk fills during the run)", SCRIPT, r, left=leftovers(d, result=r))
+
+
+def issue12(w: str):
+    ck = os.path.join(w, "ck")
+    r = launch(["--lr", "1e6", "--save", os.path.join(w, "nan"), "--save-interval", "1"], w).wait(300)
+    its = sorted(x for x in os.listdir(os.path.join(w, "nan")) if x.startswith("iter_"))
+    yield row("12.1", "`--lr 1e6` (NaN from iteration 2)", SCRIPT, r, left="checkpoints: " + ", ".join(its))
+    launch(["--save", ck], w).wait(300)
+    yield row("12.5", "`--train-iters 2` below the checkpoint's 3", SCRIPT,
+              launch(["--load", ck], w, TRAIN_ITERS=2).wait(300))
+    bit = os.path.join(w, "ck-bit")
+    shutil.copytree(ck, bit)
+    it = os.path.join(bit, "iter_0000003")
+    shard = os.path.join(it, sorted(x for x in os.listdir(it) if x.endswith(".distcp"))[0])
+    with open(shard, "r+b") as fh:
+        fh.seek(os.path.getsize(shard) // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x40]))
+    yield row("12.1", "resume from a shard with one flipped bit", SCRIPT,
+              launch(["--load", bit], w, TRAIN_ITERS=4).wait(300))
+    pick = os.path.join(w, "ck-pickle")
+    shutil.copytree(ck, pick)
+    it = os.path.join(pick, "iter_0000003")
+    marker = os.path.join(w, "pwned")
+    with open(os.path.join(it, ".metadata"), "wb") as fh:
+        fh.write(b"cposix\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
+    from megatron_spindle.megatron.ckpt_files import MANIFEST, file_digest
+    m = json.load(open(os.path.join(it, MANIFEST)))
+    m["files"][".metadata"] = file_digest(os.path.join(it, ".metadata"))
+    json.dump(m, open(os.path.join(it, MANIFEST), "w"))
+    r = launch(["--load", pick], w, TRAIN_ITERS=4).wait(300)
+    yield row("12.2", "resume from a crafted `.metadata` pickle (manifest rewritten to match)", SCRIPT, r,
+              left="code ran!" if os.path.exists(marker) else "no code ran")
+    for what, args in (("`spindle plan --out /dev/full`", PLAN + ["--out", "/dev/full"]),
+                       ("`spindle plan --out DIR`", PLAN + ["--out", w]),
+                       ("`spindle plan --curves DIR`", PLAN + ["--curves", w]),
+                       ("`spindle plan --gpus 1000000000`",
+                        ["plan", "--model", "multitask-clip", "--gpus", "1000000000"]),
+                       ("`spindle plan --batch 100000000`", ["plan", "--model", "multitask-clip", "--gpus", "64",
+                                                             "--batch", "100000000"])):
+        yield row("12.6", what, CLI, spindle(args, w))
+
+
+def kills(w: str):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_faults_kill import TRAIN as KILL_TRAIN, scenarios, torchrun
     for i, when in enumerate(("before", "during", "after")):
-        yield "3", f"SIGKILL a rank {when} a save (torchrun, 2 ranks)", kill(i)
+        fault, _ = scenarios(12)[i]
+        d = os.path.join(w, f"kill{i}")
+        rc, out, left = torchrun(KILL_TRAIN + ["--save", d, "--save-interval", "1"], fault=fault)
+        from megatron_spindle.megatron.ckpt_files import latest_iteration, verify_checkpoint
+        tracked = latest_iteration(d)
+        verify_checkpoint(os.path.join(d, f"iter_{tracked:07d}"))
+        err = [x for x in out.splitlines() if x.startswith("error:")]
+        r = Result(rc, out, err, left)
+        yield row("12.3", f"SIGKILL a rank {when} a save ({fault}, rank:iteration:point)", "torchrun via launch", r,
+                  left=f"{len(left)} processes; the tracker names iteration {tracked}, every file matches its "
+                       f"manifest")
 
 
-REFERENCE: dict = {}
+def cases(w: str):
+    files = make_inputs(os.path.join(w, "inputs"))
+    yield from bad_inputs(w, files)
+    yield from owned_save_and_sigint(w)
+    yield from sigterm_without_handler(w)
+    yield from orphans_then_exit_signal_handler(w)
+    yield from peer_faults(w, files)
+    yield from restart(w)
+    yield from failed_save(w)
+    yield from issue12(w)
+    yield from kills(w)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "reliability.md"))
-    ap.add_argument("--only", default=None, help="run only the cases whose description contains this")
     a = ap.parse_args(argv)
-    sys.path.insert(0, ROOT)
     rows = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="spindle-reliability-") as work:
-        for item, what, runner in cases(work):
-            if a.only and a.only not in what and "for the next cases" not in what:
-                continue
-            res, left = runner()
-            if res is None:
-                rows.append((item, what, "-", left, "-", "-"))
-            else:
-                status, line, tb = summarize(res)
-                line = re.sub(r"/tmp/spindle-full-\w+", "$FULL", line.replace(work, "$WORK"))
-                rows.append((item, what, status, line.replace("|", "\\|"), tb, left))
-            print(" | ".join(rows[-1]), flush=True)
-    table = ["| issue item | input or fault | exit status | what the user sees | traceback | left behind |",
-             "| --- | --- | --- | --- | --- | --- |"] + ["| " + " | ".join(r) + " |" for r in rows]
+        for r in cases(work):
+            r = tuple(re.sub(r"/tmp/spindle-full-\w+", "$FULL", str(x).replace(work, "$WORK")).replace("|", "\\|")
+                      for x in r)
+            rows.append(r)
+            print(" | ".join(r), flush=True)
+    head = ["issue.finding", "input or fault", "started with", "exit status", "what the user sees", "stderr lines",
+            "traceback", "left behind"]
+    table = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
     with open(a.out) as fh:
         doc = fh.read()
     begin, end = "<!-- table: begin -->", "<!-- table: end -->"
     i, j = doc.index(begin) + len(begin), doc.index(end)
     doc = doc[:i] + f"\n(generated in {time.time() - t0:.0f} s)\n\n" + "\n".join(table) + "\n" + doc[j:]
-    sys.path.insert(0, ROOT)
     from megatron_spindle.atomic import write_file
     write_file(a.out, doc, "reliability table")
     print(f"table written to {a.out}")

@@ -9,13 +9,25 @@
 #     a pass of the plan carries MICRO_BATCH x ranks samples of every task
 #   OUT [out/multitask_clip]: plan.png, trace.json and checkpoints go here
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
+#   TORCHRUN_ARGS: more torchrun flags, e.g. "--max-restarts 2" (a killed rank's group restarts and resumes
+#     from the last checkpoint in --save)
+#   SHUTDOWN_TIMEOUT [120]: seconds torchrun gives the workers after forwarding SIGINT/SIGTERM (finish the step,
+#     and with --exit-signal-handler save) before it kills them; torchrun's own default is 30
 # Extra arguments pass through to examples/pretrain_multitask_clip.py (see its --help).
+#
+# Every flag and input file is checked first, in this one process (exit status 2 and one line, no worker
+# started); then torchrun runs through megatron_spindle.launch, which ends as the workers say (one line each,
+# exit status 2 bad input, 3 a failed peer, 130/143 stopped by SIGINT/SIGTERM) instead of torchrun's traceback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCRIPT=${SCRIPT:-examples/pretrain_multitask_clip.py}
 OUT=${OUT:-out/multitask_clip}
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ -e /proc/driver/nvidia/version ] || [ -e /dev/kfd ]; then  # a GPU driver: ask torch how many GPUs
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+else
+  NGPU=0
+fi
 if [ "$NGPU" -gt 0 ]; then
   GPUS_PER_NODE=${GPUS_PER_NODE:-$NGPU}; MODEL_SIZE=${MODEL_SIZE:-full}; MICRO=${MICRO_BATCH:-}
 else
@@ -23,16 +35,20 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 fi
 ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"
-      --spindle-gantt "$OUT/plan.png" --spindle-trace "$OUT")
+      --spindle-trace "$OUT")
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('matplotlib') is None)" 2>/dev/null; then
+  ARGS+=(--spindle-gantt "$OUT/plan.png")  # the plan's picture, where matplotlib is installed
+fi
 [ -n "${TASKS-4}" ] && ARGS+=(--spindle-tasks "${TASKS:-4}")
 [ -n "$MICRO" ] && ARGS+=(--micro-batch-size "$MICRO")
 [ "${SPINDLE:-1}" = 1 ] && ARGS+=(--spindle)
+for a in "$@"; do
+  if [ "$a" = "--help" ] || [ "$a" = "-h" ]; then exec "$PY" "$SCRIPT" --help; fi
+done
 mkdir -p "$OUT"
-if [ "${NODE_RANK:-0}" = 0 ] && ! "$PY" -c 'import socket, sys; socket.socket().bind(("", int(sys.argv[1])))' \
-    "${MASTER_PORT:-29517}" 2>/dev/null; then  # torchrun would end in a traceback of its own
-  echo "error: MASTER_PORT ${MASTER_PORT:-29517} is already in use (another job?): set MASTER_PORT to a free port" >&2
-  exit 2
-fi
-exec "$PY" -m torch.distributed.run --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+SPINDLE_PREFLIGHT=1 WORLD_SIZE=$(( ${NNODES:-1} * GPUS_PER_NODE )) LOCAL_WORLD_SIZE=$GPUS_PER_NODE \
+  "$PY" "$SCRIPT" "${ARGS[@]}" "$@" || exit $?
+# shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
+exec "$PY" -m megatron_spindle.launch --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29517}" \
-  "$SCRIPT" "${ARGS[@]}" "$@"
+  --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" ${TORCHRUN_ARGS:-} "$SCRIPT" "${ARGS[@]}" "$@"

@@ -1,10 +1,14 @@
 """Kill a random rank at a random point around a checkpoint save, several times, as torchrun runs training.
 
-For each kill (one before a save, one during, one after; rank, iteration and point drawn from a seeded
-generator, ``SPINDLE_FAULT_SEED`` to vary it): the run fails; afterwards no process of the run is left (none
-carries the run's environment marker: megatron.core's writer helpers would be orphans under init); the
-tracker names a checkpoint whose every file matches its manifest; and resuming from it gives, iteration by
-iteration, exactly the losses of the uninterrupted run.
+torchrun runs through ``megatron_spindle.launch`` (torchrun's own code, ending as the workers say), as the
+launch scripts start it. For each kill (one before a save, one during, one after; rank, iteration and point
+drawn from a seeded generator, ``SPINDLE_FAULT_SEED`` to vary it): the run fails with exit status 3 (a peer
+failed), the surviving rank says so in one line and the launcher names the killed rank in one line, no
+traceback; afterwards no process of the run is left (none carries the run's environment marker:
+megatron.core's writer helpers would be orphans under init); the tracker names a checkpoint whose every file
+matches its manifest; and resuming from it gives, iteration by iteration, exactly the losses of the
+uninterrupted run. With torchrun's ``--max-restarts 1`` the run resumes by itself from its last checkpoint
+and ends with the uninterrupted losses.
 """
 import os
 import random
@@ -47,8 +51,9 @@ def run_processes(marker: str) -> list[str]:
     return out
 
 
-def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None):
-    """Run the built-in loop under torchrun; returns (returncode, output, processes of the run left alive).
+def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None, torchrun_args=()):
+    """Run the built-in loop under torchrun (through ``megatron_spindle.launch``); returns (returncode, output,
+    processes of the run left alive).
 
     Output goes to a file, not a pipe: a leftover process holding the pipe would hang the reader.
     """
@@ -59,8 +64,9 @@ def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None):
     env.pop("SPINDLE_FAULT", None)
     if fault:
         env["SPINDLE_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "--monitor-interval", "0.2", "-m", "megatron_spindle.megatron.trainer", *args]
+    cmd = [sys.executable, "-m", "megatron_spindle.launch", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "--monitor-interval", "0.2", *torchrun_args, "-m", "megatron_spindle.megatron.trainer",
+           *args]
     with tempfile.TemporaryFile("w+") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         try:
@@ -125,7 +131,10 @@ def test_kill_a_rank_then_resume_gives_the_uninterrupted_losses(reference, case,
     fault, last = scenarios(SEED)[case]
     ckpt = str(tmp_path / "ckpt")
     rc, out, left = torchrun(TRAIN + ["--save", ckpt, "--save-interval", "1"], fault=fault)
-    assert rc != 0, f"{fault}: the run should have failed\n{out[-3000:]}"
+    assert rc == 3, f"{fault}: the run should have failed with status 3 (a peer failed)\n{out[-3000:]}"
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert "Traceback" not in out and 1 <= len(errors) <= 2, errors  # the survivor's line, the launcher's line
+    assert any("was killed by SIGKILL" in e for e in errors), errors
     assert not left, f"{fault}: processes left behind: {left}"
     assert latest_iteration(ckpt) == last, fault
     verify_checkpoint(os.path.join(ckpt, f"iter_{last:07d}"))  # complete: every file matches the manifest
@@ -138,3 +147,17 @@ def test_kill_a_rank_then_resume_gives_the_uninterrupted_losses(reference, case,
     for it, line in resumed.items():
         assert line == reference[it], f"{fault}: iteration {it} after resuming from {last}"
     assert latest_iteration(ckpt) == ITERS
+
+
+def test_torchrun_restarts_a_killed_run_from_its_last_checkpoint(reference, tmp_path):
+    """--max-restarts 1: rank 1 is SIGKILLed right after saving iteration 2; torchrun starts the group again,
+    which resumes from its own --save by itself and ends with the uninterrupted losses."""
+    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    ckpt = str(tmp_path / "ckpt")
+    rc, out, left = torchrun(TRAIN + ["--save", ckpt, "--save-interval", "1"], fault="1:2:save-done",
+                             torchrun_args=["--max-restarts", "1"])
+    assert rc == 0 and not left, out[-3000:]
+    assert f"torchrun restart 1: resumed from {ckpt} at iteration 2" in out, out[-3000:]
+    got = losses(out)  # iterations 1-2 from the first attempt, 3-4 from the restarted one
+    assert sorted(got) == list(range(1, ITERS + 1)) and got == reference, out[-3000:]
+    assert latest_iteration(ckpt) == ITERS and not os.path.exists(os.path.join(ckpt, ".spindle-save.lock"))

@@ -238,3 +238,28 @@ def test_megatron_pretrain_lean_plan(tmp_path):
     for step, (mega, loop, plain) in enumerate(zip(run["losses"], r0["loop"], r0["plain"])):
         assert _close(mega, loop, 1e-6), f"step {step + 1}: Megatron {mega} vs built-in loop {loop}"
         assert _close(mega, plain, 1e-5), f"step {step + 1}: phased + recompute {mega} vs one phase {plain}"
+
+
+def test_megatron_exit_signal_handler_saves_on_sigterm(tmp_path):
+    """Megatron-LM's ``pretrain`` through the launch script (its check, then torchrun through
+    ``megatron_spindle.launch``) with Megatron's ``--exit-signal-handler``: a scheduler's SIGTERM to the
+    launcher reaches the workers, Megatron's own handler finishes the step, saves and exits 0."""
+    import re
+    import signal
+
+    from launch_path import launch
+
+    save = str(tmp_path / "ckpt")
+    run = launch(["--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "1000",
+                  "--save", save, "--save-interval", "1000", "--exit-signal-handler"], str(tmp_path),
+                 SPINDLE_BACKEND="megatron", TRAIN_ITERS=200, PYTHON=sys.executable)
+    run.wait_for(r"iteration\s+2/\s*200", timeout=600)
+    run.proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would; torchrun forwards it
+    r = run.wait(600)
+    assert r.rc == 0, (r.err[-10:], r.out[-3000:])
+    assert "exiting program after receiving SIGTERM" in r.out and not r.left
+    logged = [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*200", r.out)]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as fh:
+        saved = int(fh.read().strip())
+    assert saved == max(logged) >= 2, (saved, logged)  # the step it was in finished, then it saved
+    assert not os.path.exists(os.path.join(save, ".spindle-save.lock"))

@@ -212,6 +212,16 @@ BAD = [
     ("temperature = 0.07", "temperature = 0.07\ntrainable = false", "modules.loss.trainable", "no weights"),
     ("[modules.loss]", "[modules.img.head2]\nshare = \"img.head\"\ntrainable = false\n[modules.loss]",
      "modules.img.head2.trainable", "one weight"),
+    # issue 24: finite values, the planner's limits, names that parse back
+    ("temperature = 0.07", "temperature = nan", "modules.loss.temperature", "nan"),
+    ("[tasks.pair]\nbatch = 16", "[tasks.pair]\nbatch = 16\nweight = inf", "tasks.pair.weight", "inf"),
+    ("[modules.img.layers]\ntype = \"transformer_layer\"\nnum_layers = 2",
+     "[modules.img.layers]\ntype = \"transformer_layer\"\nnum_layers = 1000000000", "modules.img.layers.num_layers",
+     "1 to 512 layers per module"),
+    ("vocab_size = 64", "vocab_size = 100000000", "modules.txt.embed.vocab_size", "1 to 16777216"),
+    ("tokens = { text = 6 }", "tokens = { text = 10000000 }", "tasks.pair.tokens.text", "1 to 4194304 tokens"),
+    ("[tasks.pair]", '[tasks."my pair"]', "tasks.my pair", "ASCII letters"),
+    ("[tasks.pair]", '[tasks."pairé"]', "tasks.pairé", "ASCII letters"),
 ]
 
 
@@ -224,6 +234,32 @@ def test_bad_spec_is_one_line_naming_file_key_and_value(tmp_path, old, new, key,
         load_spec(str(path))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{path}: {key}") and value in msg, msg
+
+
+def test_a_graph_of_too_many_operators_is_refused_before_it_is_built(tmp_path):
+    """512 layers per module pass, but not 4096 operators in the graph: the planner's memory is bounded."""
+    many = SMALL.replace("[tasks.pair]", "[tasks.a]").replace("num_layers = 2", "num_layers = 512")
+    many += "".join(f"\n[tasks.t{i}]\ntokens = {{ text = 6 }}\nflow = [\"data:image -> img.embed -> img.layers -> "
+                    f"img.head\", \"data:text -> txt.embed -> txt.layers -> txt.head\", \"img.head + txt.head -> "
+                    f"loss\"]\n" for i in range(4))
+    (tmp_path / "many.toml").write_text(many)
+    with pytest.raises(SpecError, match="more than 4096 operators"):
+        load_spec(str(tmp_path / "many.toml"))
+
+
+def test_a_module_no_task_uses_is_one_warning(tmp_path):
+    import logging
+    (tmp_path / "m.toml").write_text(SMALL + '\n[modules.spare]\ntype = "pool_head"\nproj_dim = 8\npooling = "cls"\n')
+    got: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: got.append(record.getMessage())
+    logger = logging.getLogger("megatron_spindle.planner.workload.spec_layers")
+    logger.addHandler(handler)
+    try:
+        load_spec(str(tmp_path / "m.toml"))
+    finally:
+        logger.removeHandler(handler)
+    assert got == [f"warning: {tmp_path / 'm.toml'}: module spare is used by no task's flow: never trained"]
 
 
 def test_bad_spec_on_the_command_line_exits_2_with_one_line(tmp_path, capsys):

@@ -4,6 +4,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -281,3 +282,34 @@ def test_cli_malformed_curves(tmp_path):
     f.write_text(json.dumps({"curves": [{"metaop": "x", "points": [[1, -2]]}]}))
     r = spindle("plan", "--model", "qwen-val", "--gpus", "16", "--curves", str(f))
     assert r.returncode == 2 and "invalid point [1, -2]" in r.stderr
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d.update(tasks=d["tasks"][:-1], task_weights=d["task_weights"][:-1]), "does not match the tasks"),
+    (lambda d: d.update(tasks=d["tasks"] + d["tasks"][:1], task_weights=d["task_weights"] + [1.0]), "each task once"),
+    (lambda d: d.update(task_weights=[float("nan")] + d["task_weights"][1:]), "task_weights"),
+    (lambda d: d.update(task_weights=d["task_weights"][:-1]), "one finite non-negative number per task"),
+    (lambda d: d.update(model=""), "plan field model"),
+])
+def test_plan_task_fields_are_checked_when_read(edit, needle):
+    d = json.loads(json.dumps(clip_plan().to_json()))
+    edit(d)
+    with pytest.raises(ValueError, match=needle):
+        Plan.from_json(d)
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"curves": []}, "has no curves"),
+    ({}, "has no curves"),
+    ({"curves": [{"metaop": "x", "points": [[1, 1e300]]}]}, "invalid point"),
+    ({"curves": [{"metaop": "x", "points": [[1.5, 1.0]]}]}, "invalid point"),
+    ({"curves": [{"metaop": "x", "points": [[100000, 1.0]]}]}, "invalid point"),
+    ({"measured": {"optimizer": {"fixed_ms": float("nan")}}, "curves": [{"metaop": "x", "points": [[1, 1.0]]}]},
+     "measured.optimizer.fixed_ms = nan"),
+    ({"device": {"peak_tflops": float("inf")}, "curves": [{"metaop": "x", "points": [[1, 1.0]]}]}, "not a finite"),
+    ({"device": {"layer_latency_ms": {"lm_head": -1}}, "curves": [{"metaop": "x", "points": [[1, 1.0]]}]},
+     "layer_latency_ms.lm_head"),
+])
+def test_curves_files_are_finite_non_empty_and_bounded(doc, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        CurvesFile.parse(doc, origin="c.json")

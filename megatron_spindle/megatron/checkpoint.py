@@ -14,7 +14,10 @@ saved as ``[..., stride, n/stride, ...]`` so every rank's piece is one contiguou
 
 Atomicity: a checkpoint is written to ``iter_NNNNNNN.tmp``, gets its checksum manifest when every rank has
 finished, is renamed, and only then is ``latest_checkpointed_iteration.txt`` replaced atomically. A save that
-fails or a rank killed at any point leaves the previous checkpoint and the pointer to it untouched.
+fails or a rank killed at any point leaves the previous checkpoint and the pointer to it untouched; a save
+that fails removes its ``iter_NNNNNNN.tmp`` (one whose rank was killed leaves it, and the next save of that
+iteration replaces it). A peer that dies during a save or a load is a :class:`~megatron_spindle.comm.PeerError`
+(exit status 3), not a damaged checkpoint.
 Loading verifies every file against the manifest before anything is unpickled, and unpickles torch's
 metadata with a restricted unpickler (:mod:`.ckpt_files`: the trust model).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,8 +35,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_repl
 from .. import comm, faults
 from ..atomic import write_file
 from ..models.layer_state import shard_spec
-from .ckpt_files import (TRACKER, CheckpointFileError, describe_save_error, in_process_writes,  # noqa: F401
-                         latest_iteration, restrict_metadata_unpickling, verify_checkpoint, write_manifest)
+from .ckpt_files import (TRACKER, CheckpointFileError, deferred_common_save_error, describe_save_error,  # noqa: F401
+                         in_process_writes, latest_iteration, restrict_metadata_unpickling, verify_checkpoint,
+                         write_manifest)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -119,6 +124,17 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
     as such) when it cannot be written; the last checkpoint and the tracker stay as they were.
     """
     rank = dist.get_rank()
+    tmp = _iter_dir(root, iteration) + ".tmp"
+    try:
+        return _save(root, iteration, model, optimizer, extra)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written behind
+        raise
+
+
+def _save(root: str, iteration: int, model, optimizer, extra: dict | None) -> str:
+    rank = dist.get_rank()
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
     faults.point("save-start", iteration, rank)
     error = None
@@ -134,11 +150,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
     sd = sharded_state_dict(model, optimizer)
     sd["common"] = {"iteration": iteration, "model": model.graph.model, "tasks": list(model.plan.tasks),
                     **(extra or {})}
+    common_errors: list = []
     try:
-        with in_process_writes():
+        with in_process_writes(), deferred_common_save_error(common_errors):
             dc.save(sd, tmp)
     except _READ_ERRORS as e:  # torch's CheckpointException is a BaseException
+        _raise_peer_failure(e, "writing checkpoint shards")
         error = describe_save_error(root, e)
+    if common_errors and error is None:
+        error = describe_save_error(root, common_errors[0])
     _raise_any(error)  # every rank agrees before any rank goes on
     faults.point("save-written", iteration, rank)
     try:
@@ -158,6 +178,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict | N
     _raise_any(error)
     faults.point("save-done", iteration, rank)
     return final
+
+
+def _raise_peer_failure(e: BaseException, what: str) -> None:
+    """A failure of megatron.core's own collectives inside ``dc.save``/``dc.load`` is a peer's, not the disk's."""
+    if isinstance(e, Exception) and comm.is_peer_failure(e) and not isinstance(e, OSError):
+        raise comm.PeerError(f"rank {dist.get_rank()}: {what} failed: {comm.first_line(e)}") from e
 
 
 def _raise_any(error: str | None) -> None:
@@ -199,14 +225,18 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
     every = comm.all_gather_object(mine)  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*every))
-    for k, v in present.items():
-        saved = tuple(meta[v.key].global_shape)
-        if saved != tuple(v.global_shape):
-            raise CheckpointError(f"checkpoint {path}: {v.key} has shape {list(saved)}, this model needs "
-                                  f"{list(v.global_shape)} (another model size?)")
+    wrong = sorted(f"{v.key} has shape {list(meta[v.key].global_shape)}, this model needs {list(v.global_shape)}"
+                   for v in present.values() if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
+    wrong = sorted(w for ws in comm.all_gather_object(wrong) for w in ws)  # the same line on every rank
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise CheckpointError(f"checkpoint {path}: {wrong[0]}{more} (another model size?)")
     try:
-        loaded = dc.load(present, path)
+        with warnings.catch_warnings():  # megatron.core calls torch's deprecated name; nothing for a user
+            warnings.filterwarnings("ignore", message=".*load_state_dict.* is deprecated", category=FutureWarning)
+            loaded = dc.load(present, path)
     except _READ_ERRORS as e:
+        _raise_peer_failure(e, f"loading checkpoint {path}")
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
     with torch.no_grad():

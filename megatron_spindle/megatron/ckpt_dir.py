@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import json
 import os
 import shutil
+import socket
+import time
 
 from ..atomic import describe_os_error
 
@@ -101,3 +105,144 @@ def describe_save_error(root: str, e: BaseException, need_bytes: int | None = No
                     + (f", the checkpoint needs about {_mib(need_bytes)})" if need_bytes else ")"))
     first = str(e).strip().splitlines()
     return f"cannot write checkpoint to {root!r}: {type(e).__name__}: {first[0] if first else ''}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# One writer per save directory
+# ---------------------------------------------------------------------------------------------------
+LOCK = ".spindle-save.lock"
+
+
+def _lock_owner(text: str) -> dict:
+    try:
+        info = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return {"unreadable": text[:60]}
+    return info if isinstance(info, dict) else {}
+
+
+def describe_owner(info: dict) -> str:
+    if not info:
+        return "a run that left no details"
+    if "unreadable" in info:
+        return f"a lock file that is not ours: {info['unreadable']!r}"
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}"
+            + (f", torchrun attempt {info['attempt']}" if info.get("attempt") else ""))
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError) as e:
+        return isinstance(e, PermissionError)
+    return True
+
+
+def run_identity() -> dict:
+    """Who holds a lock: host, pid, start time, and (under torchrun) the job and attempt it belongs to."""
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()),
+            "job": (f"{os.environ.get('TORCHELASTIC_RUN_ID')}@{os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')}" if "TORCHELASTIC_RUN_ID" in os.environ else None),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+
+
+class SaveLock:
+    """The lock of a ``--save`` directory, held by one process (rank 0) for the whole run.
+
+    ``DIR/.spindle-save.lock`` carries an exclusive ``flock`` while the run lives (the kernel drops it when
+    the process dies, however it dies) and says who holds it (:func:`run_identity`). A second run is refused
+    with one line naming the holder; a lock whose holder is gone (its content left, its ``flock`` free) is
+    taken over with a warning, silently when it is an earlier attempt of the same torchrun job (a restart).
+    Where the file system has no ``flock``, a lock of a live process on this host refuses and any other is
+    taken over. The file is written in place, not through :mod:`megatron_spindle.atomic`: the lock is on its
+    inode, which a rename would replace. Releasing removes the file; a taker checks after locking that the
+    path still names the inode it locked (else another run removed it meanwhile: it tries again).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.path = os.path.join(root, LOCK)
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise :class:`CheckpointFileError`; returns a warning line for a stale lock taken
+        over (``None`` otherwise)."""
+        for _ in range(10):
+            warning = self._try()
+            if self.fd is not None:
+                return warning
+        raise CheckpointFileError(f"--save {self.root!r}: its lock file keeps being replaced by another run")
+
+    def _try(self) -> str | None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointFileError(f"--save {self.root!r}: cannot create its lock file: "
+                                      f"{describe_os_error(e)}") from None
+        try:
+            old = _lock_owner(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            me = run_identity()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise self._refusal(old) from None
+            except OSError as e:  # no flock on this file system: judge by the pid on this host
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                if old.get("host") == me["host"] and old.get("pid") != me["pid"] and _pid_alive(old.get("pid")):
+                    raise self._refusal(old) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released (removed) between our open and our lock: try again
+                os.close(fd)
+                return None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        if not old or (old.get("job") and old.get("job") == me["job"] and old.get("attempt", 0) < me["attempt"]):
+            return None  # free, or an earlier attempt of this torchrun job
+        return (f"warning: --save {self.root!r} was locked by a run that is gone ({describe_owner(old)}); "
+                f"taking it over")
+
+    def _refusal(self, old: dict) -> CheckpointFileError:
+        return CheckpointFileError(f"--save {self.root!r} is in use by another run ({describe_owner(old)}): two "
+                                   f"runs writing one checkpoint directory overwrite each other's checkpoints; give "
+                                   f"this run another --save, or stop that run first")
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = None
+
+
+def probe_save_lock(root: str) -> None:
+    """Refuse ``--save root`` if another run holds its lock now (the launcher's check before any worker
+    starts); only looks: the lock and its content stay as they were."""
+    path = os.path.join(root, LOCK)
+    if not os.path.isfile(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        old = _lock_owner(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SaveLock(root)._refusal(old) from None
+        except OSError:
+            return  # no flock here: the run's own rank 0 judges by the pid
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -19,7 +19,12 @@ Trust model (README, "Checkpoints"): a checkpoint directory is data, not code.
    keeps a multiprocessing manager for the results; when a rank is killed those helpers outlive it (orphans
    under init). :func:`in_process_writes` runs the same per-bucket write function in the rank itself, so a
    rank's death leaves nothing behind.
-4. **Save failures are named.** :func:`check_save_dir` (at start: writable, enough free space) and
+4. **A failed write fails every rank alike.** megatron.core's ``dist_checkpointing.save`` writes ``common.pt``
+   on rank 0 before the collective sharded save; an error there (a full disk) left rank 0 outside the
+   collectives the other ranks entered, and both waited out the process group's timeout.
+   :func:`deferred_common_save_error` keeps rank 0 in step and hands the error to the caller, which raises
+   it on every rank after the save.
+5. **Save failures are named.** :func:`check_save_dir` (at start: writable, enough free space) and
    :func:`describe_save_error` turn a full disk or a permission error into words instead of torch's
    ``unexpected pos 704 vs 598``.
 
@@ -42,6 +47,7 @@ import queue
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from torch.distributed.checkpoint import filesystem
 
 from .. import comm
@@ -245,3 +251,24 @@ def in_process_writes():
         yield
     finally:
         cls.write_preloaded_data_multiproc, fa._get_write_results_queue = saved
+
+
+@contextlib.contextmanager
+def deferred_common_save_error(errors: list):
+    """Within the block, a failure of megatron.core's ``save_common`` (rank 0 writing ``common.pt``) is put in
+    ``errors`` instead of raised, so that rank 0 still takes part in the sharded save's collectives (see 4.
+    above); the caller raises it on every rank afterwards."""
+    cls = TorchCommonSaveStrategy
+    original = cls.__dict__["save_common"]
+
+    def save_common(self, common_state_dict, checkpoint_dir):
+        try:
+            original(self, common_state_dict, checkpoint_dir)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            errors.append(e)
+
+    cls.save_common = save_common
+    try:
+        yield
+    finally:
+        cls.save_common = original

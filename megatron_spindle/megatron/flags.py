@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import math
 import os
+import sys
 from typing import Callable
 
 from ..argtypes import name_list
@@ -26,7 +28,12 @@ from ..hf.mapping import init_targets
 from .logs import check_log_args
 from ..planner.workload.spec import load_spec
 from ..planner.workload.workloads import build_graph
-from .ckpt_dir import TRACKER, check_save_dir, latest_iteration
+from .ckpt_dir import TRACKER, check_save_dir, latest_iteration, probe_save_lock
+from .lifeline import report_once
+
+STARTUP_TIMEOUT_S = 120.0
+"""Default of ``--spindle-startup-timeout``: the slowest rank's imports on a busy machine take tens of seconds."""
+MAX_TIMEOUT_S = 86400
 
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,6 +72,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "'equivalence: max relative difference X' over losses and gradients")
     g.add_argument("--spindle-timeout", type=float, default=300.0,
                    help="seconds to wait for a peer before failing with the wave, slice and peer named")
+    g.add_argument("--spindle-startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds every rank has to join the job and agree on flags and files before the "
+                        "start-up fails, naming what it waited for (at most --spindle-timeout)")
     g.add_argument("--spindle-predict-interval", type=int, default=10,
                    help="every N iterations rank 0 logs predicted against measured step time and the "
                         "MetaOps with the largest error (0: never)")
@@ -109,6 +119,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
+                        "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "
@@ -121,9 +134,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (``error: ...``, exit status 2), not the usage
+    block; under torchrun once, by the first rank (:func:`.lifeline.report_once`)."""
+
+    def error(self, message: str):
+        report_once(f"error: {' '.join(message.split())} (see --help)")
+        raise SystemExit(2)
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The built-in trainer's parser: Megatron-named training flags plus the ``--spindle*`` flags."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = OneLineParser(description=description, allow_abbrev=False)
     add_training_args(parser)
     return add_spindle_args(parser)
 
@@ -166,6 +188,11 @@ def fallback_args(argv=None, extra_args_provider: Callable | None = None):
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     return args, flags
+
+
+def spindle_args(argv=None):
+    """Only the ``--spindle*`` flags of a Megatron command line (the rest is Megatron's to parse)."""
+    return add_spindle_args(OneLineParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)[0]
 
 
 def check_megatron_args(args) -> list[str]:
@@ -211,8 +238,10 @@ def check_megatron_args(args) -> list[str]:
     return bad
 
 
-def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[int, tuple[str, ...]]]:
-    """``'0:a,b;10:a'`` -> ``[(0, ('a', 'b')), (10, ('a',))]``; names must be tasks of the model.
+def parse_task_schedule(spec: str | None, tasks: tuple[str, ...],
+                        train_iters: int | None = None) -> list[tuple[int, tuple[str, ...]]]:
+    """``'0:a,b;10:a'`` -> ``[(0, ('a', 'b')), (10, ('a',))]``; names must be tasks of the model, and every
+    change must come before ``train_iters`` (a change after the last iteration would never be applied).
 
     >>> parse_task_schedule("0:x,y;5:x", ("x", "y"))
     [(0, ('x', 'y')), (5, ('x',))]
@@ -240,6 +269,10 @@ def parse_task_schedule(spec: str | None, tasks: tuple[str, ...]) -> list[tuple[
     out.sort()
     if not out or out[0][0] != 0:
         raise ValueError("--spindle-task-schedule must start at iteration 0")
+    late = [s0 for s0, _ in out if train_iters is not None and s0 >= train_iters]
+    if late:
+        raise ValueError(f"--spindle-task-schedule changes the tasks at iteration {late[0]}, but --train-iters "
+                         f"{train_iters} ends the run before it (iterations 0 to {train_iters - 1})")
     return out
 
 
@@ -253,6 +286,44 @@ def init_of(args) -> dict[str, str]:
             raise ValueError(f"--spindle-init {item!r}: want MODULE=DIR, e.g. vision=hf/clip-vit")
         init[module] = path
     return init
+
+
+def load_plan(path: str) -> Plan:
+    """``--spindle-plan``'s plan; a plan that does not read names the flag and the file."""
+    try:
+        return Plan.load(path)
+    except ValueError as e:
+        text = str(e)
+        raise ValueError(text if repr(path) in text else f"--spindle-plan {path!r}: {text}") from None
+
+
+def check_plan_fields(plan: Plan, graph, path: str, world: int | None = None) -> None:
+    """A loaded plan must be for this run: its graph (fingerprint) and world size, and then its ``model``,
+    ``tasks`` and ``task_weights`` (the fingerprint covers the graph it was made for, not these copies of it,
+    which the runtime reads)."""
+    if plan.graph_fingerprint != graph.fingerprint():
+        raise ValueError(f"--spindle-plan {path!r}: plan was made for model {plan.model!r} with graph "
+                         f"{plan.graph_fingerprint}, not for this model's graph {graph.fingerprint()} (different "
+                         f"model, task set, sizes or batch): re-plan")
+    if world is not None and plan.world_size != world:
+        raise ValueError(f"--spindle-plan {path!r}: plan is for {plan.world_size} devices but the job has {world}")
+    for field, mine in (("model", graph.model), ("tasks", list(graph.tasks)),
+                        ("task_weights", list(graph.task_weights))):
+        theirs = getattr(plan, field)
+        theirs = theirs if field == "model" else list(theirs)
+        if theirs != mine:
+            raise ValueError(f"--spindle-plan {path!r}: field {field} is {theirs!r}, this run's model has {mine!r}: "
+                             f"re-plan (spindle plan ... --out) instead of editing the plan")
+
+
+def check_curves_model(curves, path: str, model: str, size: str) -> None:
+    """Refuse a profile of another model or size: its times would plan this one (a file without a
+    ``measured`` record, written by hand, is taken as it is)."""
+    got_model, got_size = curves.measured.get("model"), curves.measured.get("size")
+    if got_model is not None and (got_model != model or (got_size is not None and got_size != size)):
+        raise ValueError(f"--spindle-curves {path!r} was profiled for model {got_model!r} at size {got_size!r}, this "
+                         f"run trains {model!r} at size {size!r}: profile this model (spindle profile --model ... "
+                         f"--size ...) or leave --spindle-curves out")
 
 
 def world_from_env() -> int:
@@ -277,6 +348,11 @@ def run_graph(args, world: int):
         raise
 
 
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
 def check_args(args, world: int) -> None:
     """Every check of the flags that needs no peer, run by every rank before any collective.
 
@@ -284,43 +360,32 @@ def check_args(args, world: int) -> None:
     instead of rank 0 printing it while the others die in a collective. Pure (no torch): numbers, the curves
     file, the cluster the planner would use, the task schedule, the checkpoint to resume and the save directory.
     """
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(msg)
-
+    need = _need
     for flag, v, low in (("--train-iters", args.train_iters, 1), ("--log-interval", args.log_interval, 1),
                          ("--micro-batch-size", args.micro_batch_size, 1),
                          ("--global-batch-size", args.global_batch_size, 1),
                          ("--save-interval", args.save_interval, 1), ("--exit-interval", args.exit_interval, 1),
-                         ("--spindle-tasks", args.spindle_tasks, 1),
-                         ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
-                         ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
                          ("--tensorboard-log-interval", getattr(args, "tensorboard_log_interval", 1), 1)):
-        need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
-    need(math.isfinite(args.spindle_timeout) and args.spindle_timeout > 0,
-         f"--spindle-timeout {args.spindle_timeout:g} must be a positive number of seconds")
+        need(v is None or v >= low, f"{flag} {v} must be at least 1")
+    check_spindle_values(args)
     for flag, v in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--clip-grad", args.clip_grad),
                     ("--weight-decay", args.weight_decay)):
         need(math.isfinite(v) and v >= 0, f"{flag} {v:g} must be a finite number, zero or more")
-    need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
-         f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
-
+    need(args.min_lr <= args.lr, f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the schedule decays from "
+                                 f"--lr down to --min-lr")
+    for flag, v in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
+        need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
+                                              f"average's past")
+    need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
+    need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
+         "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
+         "first plan's layout)")
     graph = run_graph(args, world)
-    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
-    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    load_cluster(None, num_devices=world, gpus_per_node=per_node,
-                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
-                 (curves.device.memory_gib if curves else None))
-    parse_task_schedule(args.spindle_task_schedule, graph.tasks)
+    check_spindle_inputs(args, world, graph)
+    parse_task_schedule(args.spindle_task_schedule, graph.tasks, args.train_iters)
     check_log_args(args)
     if getattr(args, "tensorboard_dir", None):
         check_output(os.path.join(args.tensorboard_dir, "events.out.tfevents"), "--tensorboard-dir")
-    init = init_of(args)
-    if init:
-        init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
-    if args.spindle_plan:
-        Plan.load(args.spindle_plan)
     if args.load:
         need(os.path.isdir(args.load), f"--load {args.load!r} is not a directory")
         it = latest_iteration(args.load)
@@ -329,7 +394,83 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+
+
+def check_spindle_values(args) -> None:
+    """The ``--spindle*`` numbers (both loops)."""
+    for flag, v, low in (("--spindle-tasks", args.spindle_tasks, 1),
+                         ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
+                         ("--spindle-predict-interval", args.spindle_predict_interval, 0),
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+        _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
+    for flag, v in (("--spindle-timeout", args.spindle_timeout),
+                    ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
+        _need(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+              f"{flag} {v:g} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a day)")
+    _need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
+          f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
+
+
+def check_spindle_inputs(args, world: int, graph) -> None:
+    """The ``--spindle*`` files and outputs (both loops): curves, cluster, pretrained weights, plan, data, Gantt,
+    trace."""
+    need = _need
+    curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
+    if curves is not None:
+        check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
+    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    load_cluster(None, num_devices=world, gpus_per_node=per_node,
+                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
+                 (curves.device.memory_gib if curves else None))
+    init = init_of(args)
+    if init:
+        init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
+    if args.spindle_plan:
+        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan, world)
+    if getattr(args, "spindle_data", None):
+        need(os.path.isdir(args.spindle_data), f"--spindle-data {args.spindle_data!r} is not a directory")
+        missing = [t for t in graph.tasks if not os.path.isdir(os.path.join(args.spindle_data, t, ".nv-meta"))]
+        need(not missing, f"--spindle-data {args.spindle_data}: no energon dataset for task(s) {', '.join(missing)} "
+                          f"(expected {os.path.join(args.spindle_data, missing[0]) if missing else ''} prepared with "
+                          f"`energon prepare`)")
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
+        need(importlib.util.find_spec("matplotlib") is not None,
+             "--spindle-gantt needs matplotlib, which is not installed here (pip install matplotlib)")
     if args.spindle_trace:
         check_output(os.path.join(args.spindle_trace, "trace.json"), "--spindle-trace")
+
+
+def preflight_main(argv, description: str = "") -> int:
+    """The launch scripts' check, in one process before torchrun starts any worker: parse ``argv`` as a
+    worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), check
+    it, and look at the ``--save`` lock. Where Megatron-LM's loop will run (``SPINDLE_BACKEND=megatron``, or
+    ``megatron.training`` and a GPU driver), Megatron judges its own flags: only the ``--spindle*`` flags and
+    files are checked here. Bad input prints one line; returns the exit status."""
+    try:
+        world = world_from_env()
+        gpu = os.path.exists("/proc/driver/nvidia/version")
+        backend = os.environ.get("SPINDLE_BACKEND") or (
+            "megatron" if gpu and importlib.util.find_spec("megatron.training") else "loop")
+        if backend == "megatron":
+            args = spindle_args(argv)
+            check_spindle_values(args)
+            args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
+            check_spindle_inputs(args, world, run_graph(args, world))
+            save = _known(argv, "--save")
+        else:
+            args, _ = fallback_args(argv)
+            check_args(args, world)
+            save = args.save
+        if save:
+            probe_save_lock(save)
+    except ValueError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _known(argv, flag: str):
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument(flag, default=None)
+    return getattr(p.parse_known_args(argv)[0], flag.lstrip("-").replace("-", "_"))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -56,7 +57,11 @@ from ..runtime.trace import gather_chrome_trace
 from . import trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators
-from .flags import chain_args, check_megatron_args, fallback_args
+from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
+from .ckpt_dir import latest_iteration
+from .lifeline import LIFE, signal_name
+from .preflight import agree_on_inputs, hold_save_lock
+from .session import run_entry
 from .model import build_model, graph_for, log_plan, plan_for, step_passes
 from .schedule import forward_step
 
@@ -196,10 +201,15 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
     problems = check_megatron_args(args)
     if problems:
         raise ValueError("Megatron settings a Spindle run cannot use:\n  " + "\n  ".join(problems))
+    LIFE.stage = "comparing flags and input files with the other ranks; a rank stopped or is still starting"
+    agree_on_inputs(args, [k for k in vars(args) if k.startswith("spindle") or k in AGREED])
+    if getattr(args, "save", None):
+        _LOCKS.append(hold_save_lock(args.save))
     world = dist.get_world_size()
     graph = graph_for(args, world)
     per_pass = (args.micro_batch_size or 1) * world
     glob = getattr(args, "global_batch_size", None)
+    LIFE.stage = "planning (rank 0) and sharing the plan; a rank stopped or planning takes long"
     plan = plan_for(args, graph, world, passes=max(1, (glob or per_pass) // per_pass))  # Megatron's microbatches
     passes = step_passes(plan, glob, per_pass)  # Megatron's num_microbatches must be the plan's passes
     if plan.distributed_optimizer:
@@ -207,12 +217,39 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
                          "loop Megatron's optimizer steps whole parameters: use a plan without the distributed "
                          "optimizer, or the built-in trainer (SPINDLE_BACKEND=loop)")
     log_plan(args, plan, graph, world, passes=passes)
+    LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
     model = build_model(args, plan, graph, device=device)
+    LIFE.disarm()
+    _megatron_stops(args)
     return MegatronModelChunk(model, config=config, pg_collection=pg_collection,
                               clip_grad=getattr(args, "clip_grad", 0.0) or 0.0)
 
 
 _BUILT: list[MegatronModelChunk] = []  # the chunk of the current run, for the trace written after training
+_LOCKS: list = []  # the --save lock of the current run (rank 0), released when pretrain_spindle returns or exits
+
+#: Megatron flags every rank must share besides the ``--spindle*`` ones (others, such as ``rank``, differ).
+AGREED = ("micro_batch_size", "global_batch_size", "seed", "train_iters", "save", "load", "lr", "min_lr",
+          "bf16", "exit_signal_handler")
+
+
+def _megatron_stops(args) -> None:
+    """Signals in Megatron-LM's loop. Its loop has no place for the built-in trainer's after-the-step check,
+    so SIGINT and SIGTERM stop it at once (the last checkpoint is whole: saves are atomic) with the line;
+    under ``--exit-signal-handler`` its own handler owns its exit signal (finish the step, save, exit 0)."""
+    if getattr(args, "exit_signal_handler", False):
+        LIFE.owned = {int(getattr(args, "exit_signal", signal.SIGTERM))}
+
+    def stop_now(sig: int) -> None:
+        it = getattr(args, "curr_iteration", None) or getattr(args, "iteration", 0)
+        saved = latest_iteration(args.save) if getattr(args, "save", None) else None
+        last = (f"last checkpoint: {args.save} at iteration {saved} (resume with --load {args.save})"
+                if saved is not None else "no checkpoint saved")
+        LIFE.stop_with(f"stopped by {signal_name(sig)} at iteration {it} of {args.train_iters} (Megatron-LM's "
+                       f"loop stops at once); {last}", 128 + sig)
+
+    LIFE.stop_now = stop_now
+    LIFE.training()
 
 
 def spindle_model_provider(pre_process: bool = True, post_process: bool = True, config=None,
@@ -330,10 +367,20 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     if argv is not None:  # Megatron parses sys.argv
         sys.argv = [sys.argv[0], *argv]
     install(always=True)
-    with cuda_on_cpu():
-        run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
-                     forward_step, extra_args_provider=chain_args(extra_args_provider),
-                     args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
+    early = spindle_args(argv)  # the start-up deadline, before Megatron parses
+    LIFE.arm(min(early.spindle_startup_timeout, early.spindle_timeout))
+    LIFE.stage = "starting Megatron-LM (initialize_megatron: the rendezvous of every rank)"
+    try:
+        with cuda_on_cpu():
+            run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
+                         forward_step, extra_args_provider=chain_args(extra_args_provider),
+                         args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
+    finally:
+        LIFE.disarm()
+        while _LOCKS:
+            lock = _LOCKS.pop()
+            if lock is not None:
+                lock.release()
     args = get_args()
     if args.spindle_trace and _BUILT:
         path = gather_chrome_trace(_BUILT[0].module.trace, args.spindle_trace)
@@ -343,14 +390,11 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
 
 
 def main(argv=None, backend: str | None = None) -> int:
-    """``pretrain_spindle.py``: :func:`pretrain_spindle`; a configuration error prints one line, exit code 2."""
+    """``pretrain_spindle.py``: :func:`pretrain_spindle`; how it ends as :func:`.session.run_entry` says
+    (one line: 2 bad input, 3 a failed peer, 128 + N a signal)."""
+    LIFE.start()
     setup_logging()
-    try:
-        pretrain_spindle(argv=argv, backend=backend)
-    except ValueError as e:
-        lines = str(e).splitlines() or [type(e).__name__]
-        print(f"error: {lines[0]}", file=sys.stderr)
-        for line in lines[1:]:
-            print(line, file=sys.stderr)
-        return 2
-    return 0
+    status = run_entry(lambda: pretrain_spindle(argv=argv, backend=backend))
+    if status or LIFE.signal:  # a stop on a signal races the launcher's grace period: no interpreter teardown
+        LIFE.exit(status)
+    return status

@@ -34,7 +34,7 @@ from ..planner.step.tuning import FixedPasses
 from ..planner.step.validate import check_plan
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
-from .flags import init_of, run_graph
+from .flags import check_plan_fields, init_of, load_plan, run_graph
 
 log = get_logger(__name__)
 
@@ -65,8 +65,9 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """
     if args.spindle_plan:
-        plan = Plan.load(args.spindle_plan)
+        plan = load_plan(args.spindle_plan)
         check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
+        check_plan_fields(plan, graph, args.spindle_plan)
         return plan
     box = [None]
     if dist.get_rank() == 0:
@@ -124,6 +125,11 @@ def log_plan(args, plan: Plan, graph, world: int, passes: int | None = None) -> 
              f"ranks, {per}")
     log.info(grid(plan))
     log.info(summary(plan))
+    analytic = [m for m, c in plan.curves if c.source != "measured"]
+    if getattr(args, "spindle_curves", None) and analytic:
+        log.warning(f"warning: --spindle-curves {args.spindle_curves} has no curve for {len(analytic)} of "
+                    f"{len(plan.curves)} MetaOps ({', '.join(analytic[:3])}{', ...' if len(analytic) > 3 else ''}): "
+                    f"the analytic model times them")
     if args.spindle_gantt and dist.get_rank() == 0:
         gantt(plan, args.spindle_gantt)
         log.info(f"Gantt chart written to {args.spindle_gantt}")

@@ -1,17 +1,115 @@
 """Start-of-run checks that need the process group, and one line for a rendezvous that fails.
 
-:func:`.args.check_args` runs every check that needs no peer on every rank before ``torch.distributed``
-starts. What is left needs the job: the rendezvous itself (:func:`explain_init_error`) and the save
-directory's free space against the size of this model's checkpoint (:func:`check_save_space`), which every
-rank checks and all ranks agree on before any of them goes on.
+:func:`.flags.check_args` runs every check that needs no peer on every rank before ``torch.distributed``
+starts. What is left needs the job: the rendezvous itself (:func:`explain_init_error`); the ranks' agreement
+on their flags and input files (:func:`agree_on_inputs`: a node started with other flags fails every rank at
+once, naming the flag, instead of a peer waiting out ``--spindle-timeout``); the save directory's lock
+(:func:`hold_save_lock`); and its free space against the size of this model's checkpoint
+(:func:`check_save_space`). Each is collective: every rank gets the same answer before any goes on.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
+
+import torch.distributed as dist
 
 from .. import comm
+from ..log import get_logger
+from ..planner.workload.spec import resolve
 from .checkpoint import CheckpointError, checkpoint_bytes
-from .ckpt_dir import check_save_dir
+from .ckpt_dir import SaveLock, check_save_dir
+from .lifeline import LIFE
+
+log = get_logger(__name__)
+
+#: Flags whose files are compared by content as well as by name.
+_FILE_FLAGS = ("spindle_plan", "spindle_curves")
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        return f"unreadable ({type(e).__name__})"
+    return h.hexdigest()[:16]
+
+
+def input_fingerprint(args, names=None) -> dict[str, str]:
+    """``{what: value}`` that every rank of a job must share: the flags (``names``, default all of ``args``),
+    the content of the model spec, plan and curves files, and each energon dataset's prepared metadata."""
+    flags = vars(args)
+    out = {f"--{k.replace('_', '-')}": repr(flags[k]) for k in sorted(names or flags) if k in flags}
+    model = flags.get("spindle_model")
+    if model:
+        try:
+            out["the model spec file"] = _digest(resolve(model))
+        except ValueError:
+            pass
+    for k in _FILE_FLAGS:
+        if flags.get(k):
+            out[f"the file of --{k.replace('_', '-')}"] = _digest(flags[k])
+    data = flags.get("spindle_data")
+    if data and os.path.isdir(data):
+        for task in sorted(os.listdir(data)):
+            meta = os.path.join(data, task, ".nv-meta")
+            if os.path.isdir(meta):
+                out[f"the dataset of task {task!r} in --spindle-data"] = _digest_dir(meta)
+    return out
+
+
+def _digest_dir(path: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(path)):
+        h.update(f.encode() + b"\0" + _digest(os.path.join(path, f)).encode())
+    return h.hexdigest()[:16]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def agree_on_inputs(args, names=None) -> None:
+    """Collective: raise the same ``ValueError`` on every rank, naming the first flag or file that differs
+    between ranks, with the value each group of ranks has (and its host)."""
+    mine = (socket.gethostname(), input_fingerprint(args, names))
+    every = comm.all_gather_object(mine)
+    for key in sorted({k for _, fp in every for k in fp}):
+        values: dict[str, list[int]] = {}
+        for r, (_, fp) in enumerate(every):
+            values.setdefault(fp.get(key, "(not given)"), []).append(r)
+        if len(values) > 1:
+            parts = [f"{v} on {_ranks_text(rs)} (host {every[rs[0]][0]})" for v, rs in values.items()]
+            what = "differs" if key.startswith("the ") else "has different values"
+            raise ValueError(f"the ranks disagree: {key} {what}: {'; '.join(parts)}; start every rank with the "
+                             f"same flags and files")
+
+
+def hold_save_lock(root: str | None) -> SaveLock | None:
+    """Collective: rank 0 takes ``root``'s lock for the run (:class:`.ckpt_dir.SaveLock`); every rank raises
+    the same line when another run holds it. Returns the lock on rank 0 (release it at the end)."""
+    if not root:
+        return None
+    lock, error, warning = None, None, None
+    if dist.get_rank() == 0:
+        lock = SaveLock(root)
+        try:
+            warning = lock.acquire()
+        except ValueError as e:
+            lock, error = None, str(e)
+    error = comm.all_gather_object(error)[0]
+    if error:
+        raise CheckpointError(error)
+    if warning:
+        log.warning(warning)
+    if lock is not None:
+        LIFE.cleanups.append(lock.release)  # a run that ends early leaves the lock free, not stale
+    return lock
+
 
 
 def explain_init_error(e: BaseException, timeout_s: float) -> ValueError | None:

@@ -16,9 +16,9 @@ ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -30,38 +30,23 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import comm
 from ..log import get_logger, setup_logging
 from ..planner.step.render import grid
-from ..planner.step.validate import PlanError
 from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
+from .ckpt_dir import latest_iteration
 from .guard import NumericGuard
+from .lifeline import LIFE, signal_name
 from .logs import TrainLogs
 from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
-from .preflight import check_save_space, explain_init_error
+from .preflight import check_save_space, hold_save_lock
+from .session import Stopped, join_job, restart_source, run_entry
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
 log = get_logger(__name__)
-
-
-def init_distributed(timeout_s: float) -> None:
-    """``init_process_group`` from the launcher's environment (NCCL with CUDA, gloo without); a plain
-    ``python script.py`` is a one-rank job."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
-        raise (explain_init_error(e, timeout_s) or e) from None
 
 
 def make_optimizer(params, args):
@@ -108,11 +93,21 @@ class Trainer:
         self.args = args
         self.extra_json = dict(extra_json or {})
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
-        init_distributed(args.spindle_timeout)
+        join_job(args)
+        self.lock = hold_save_lock(args.save)
+        try:
+            self._build(args)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self, args) -> None:
+        """Everything after the rendezvous: graph, plan, data, model, optimizer, a resumed checkpoint."""
         self.device = run_device()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.graph = graph_for(args, self.world)
-        self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks)
+        self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks, args.train_iters)
         if len(self.schedule) > 1 and args.spindle_plan:
             raise ValueError("--spindle-task-schedule plans each task set itself; it cannot use --spindle-plan")
         if args.bf16 and (args.save or args.load or len(self.schedule) > 1):
@@ -124,6 +119,7 @@ class Trainer:
         if glob is not None and glob % self.micro:
             raise ValueError(f"--global-batch-size {glob} is not a multiple of one pass's batch {self.micro} "
                              f"(--micro-batch-size x {self.world} ranks)")
+        LIFE.stage = "planning (rank 0) and sharing the plan; a rank stopped or planning takes long"
         self.plan = plan_for(args, sub, self.world, passes=glob // self.micro if glob else 1)
         self.accum = step_passes(self.plan, glob, self.micro)  # the plan's passes (a loaded plan decides)
         if self.plan.distributed_optimizer and (args.save or args.load or len(self.schedule) > 1):
@@ -131,15 +127,19 @@ class Trainer:
                              "trainer's checkpoints and task-mix changes keep it per parameter: drop "
                              "--save/--load/--spindle-task-schedule or use a plan without the distributed optimizer")
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
+        LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
         self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
         self.scheduler = make_scheduler(self.optimizer, args)
-        if args.load:
-            self.start, _, missing = load_checkpoint(args.load, self.model, self.optimizer)
-            log.info(f"resumed from {args.load} at iteration {self.start}"
+        LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
+        self.load, attempt = restart_source(args)
+        if self.load:
+            self.start, _, missing = load_checkpoint(self.load, self.model, self.optimizer)
+            log.info((f"torchrun restart {attempt}: " if self.load != args.load else "")
+                     + f"resumed from {self.load} at iteration {self.start}"
                      + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
             if self.start:
                 self.scheduler.step(self.start)
@@ -150,7 +150,7 @@ class Trainer:
         self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
                                                        "world_size": self.world, "system": self.plan.system})
         self.phase = self._phase_of(self.start)
-        if self.phase and args.load:
+        if self.phase and self.load:
             raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
         self.step_times: list[float] = []
         self.last: dict[str, float] = {}
@@ -253,13 +253,51 @@ class Trainer:
                                         tensors=len(params), elements=sum(p.numel() for p in params))
         return cluster, scale, costs
 
-    def train(self) -> dict:
-        """Run to ``--train-iters`` (or ``--exit-interval``); returns the summary rank 0 also logs as JSON."""
+    def last_checkpoint(self) -> str:
+        """Where the run stands on disk, for a stop line."""
+        save = self.args.save
+        it = latest_iteration(save) if save else None
+        if it is not None:
+            return f"last checkpoint: {save} at iteration {it} (resume with --load {save})"
+        if save:
+            return f"no checkpoint in {save} yet"
+        return "nothing saved (no --save)"
+
+    def agreed_stop(self) -> int:
+        """Collective: the stop signal any rank received (0: none), so every rank stops after the same step."""
+        flag = torch.tensor([float(LIFE.pending())], dtype=torch.float64)
+        return int(comm.all_reduce(flag, op=comm.ReduceOp.MAX).item())
+
+    def stop(self, sig: int, it: int, saved: bool) -> None:
+        """After iteration ``it`` every rank agreed to stop on ``sig``: with ``--exit-signal-handler`` and
+        SIGTERM, save (unless just saved) and return (exit 0); otherwise one line and :class:`Stopped`."""
         args = self.args
+        if sig == signal.SIGTERM and args.exit_signal_handler:
+            LIFE.phase = "finishing"
+            if args.save and not saved:
+                save_checkpoint(args.save, it + 1, self.model, self.optimizer)
+            where = f"saved checkpoint {args.save} at iteration {it + 1}" if args.save else "nothing saved (no --save)"
+            log.info(f"SIGTERM: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
+                     f"(--exit-signal-handler)")
+            return
+        if self.rank == 0:
+            print(f"stopped by {signal_name(sig)} after iteration {it + 1} of {args.train_iters}; "
+                  f"{self.last_checkpoint()}", file=sys.stderr, flush=True)
+        raise Stopped(sig)
+
+    def train(self) -> dict:
+        """Run to ``--train-iters`` (or ``--exit-interval``, or a signal); returns the summary rank 0 also logs
+        as JSON."""
+        args = self.args
+        LIFE.training()
+        here = [self.start]
+        LIFE.describe = lambda: f"at iteration {here[0]}; {self.last_checkpoint()}"
         for it in range(self.start, args.train_iters):
             if self._phase_of(it) != self.phase:
                 self.change_tasks(it)
-            losses, norm, dt = self.train_step(it)
+            with comm.during(f"iteration {it + 1}"):
+                losses, norm, dt = self.train_step(it)
+            here[0] = it + 1
             self.step_times.append(dt)
             self.last = losses
             self.logs.step(it + 1, losses=losses, grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"],
@@ -269,10 +307,17 @@ class Trainer:
             if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
                 self._log_prediction(it)
             stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
-            if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
-                              or it + 1 == args.train_iters):
-                save_checkpoint(args.save, it + 1, self.model, self.optimizer)
+            saved = bool(args.save) and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
+                                         or it + 1 == args.train_iters)
+            if saved:
+                with comm.during(f"iteration {it + 1}: saving checkpoint {args.save}"):
+                    save_checkpoint(args.save, it + 1, self.model, self.optimizer)
                 log.info(f"saved checkpoint {args.save} at iteration {it + 1}")
+            with comm.during(f"after iteration {it + 1}"):
+                sig = self.agreed_stop()
+            if sig:
+                self.stop(sig, it, saved)
+                break
             if stop:
                 log.info(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
                 break
@@ -296,6 +341,8 @@ class Trainer:
     def close(self) -> None:
         self.logs.close()
         self.model.destroy()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def pretrain(args, *, extra_json: dict | None = None) -> dict:
@@ -307,28 +354,15 @@ def pretrain(args, *, extra_json: dict | None = None) -> dict:
         trainer.close()
 
 
-def report_error(e: ValueError, plan_path: str | None = None) -> None:
-    """One line on stderr for a configuration error (a plan's violated rules without the grid)."""
-    if isinstance(e, PlanError):
-        msg = "; ".join(str(v) for v in e.violations[:3])
-        print(f"error: invalid plan {plan_path or ''}: {msg}".replace("  ", " "), file=sys.stderr)
-    else:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-
-
 def main(argv=None, description: str = "") -> int:
-    """``python -m megatron_spindle.megatron.trainer``: bad input prints one line, exit code 2."""
+    """``python -m megatron_spindle.megatron.trainer``: exit statuses and lines as :func:`run_entry` says."""
+    LIFE.start()
     setup_logging()
     args = build_parser(description).parse_args(argv)
-    try:
-        pretrain(args)
-    except ValueError as e:
-        report_error(e, args.spindle_plan)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    status = run_entry(lambda: pretrain(args), args.spindle_plan)
+    if status or LIFE.signal:  # a stop on a signal races the launcher's grace period: no interpreter teardown
+        LIFE.exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -13,6 +13,19 @@ here so that any input is planned in bounded time and memory, or refused with on
 Divisors come from the prime factorization (trial division up to ``√b``: at most 1024 steps at the limit),
 never from testing every number up to ``b``.
 
+A model spec's sizes are bounded too (:data:`SPEC_LIMITS`, checked when the spec loads, naming the key):
+the graph holds one operator per layer and task, so an unbounded ``num_layers`` (10^9 took minutes and
+grew by 80 MB/s) is the planner's memory; widths, token counts and vocabularies enter every cost formula.
+The caps are far above any model trained today (the largest dense models have ~128 layers of width
+~16-25k, vocabularies of ~256k, contexts of ~1M tokens): :data:`MAX_LAYERS` = 512 layers per module,
+:data:`MAX_OPERATORS` = 4096 operators in the graph (layers summed over every task's flow; the largest shipped
+model has 432: 10-task Multitask-CLIP),
+:data:`MAX_WIDTH` = 2^18 for hidden, FFN, projection and input widths and heads, :data:`MAX_TOKENS` = 2^22
+tokens per sequence, :data:`MAX_VOCAB` = 2^24, :data:`MAX_TASKS` = 256 tasks and :data:`MAX_MODULES` = 1024
+modules. A curves file's times are at most :data:`MAX_LAYER_MS` per layer, its device counts at most
+:data:`MAX_DEVICES`. Names of tasks and modules are ASCII letters, digits, ``_`` and ``-`` (a module's
+parts joined by ``.``), at most :data:`MAX_NAME` characters: they become slice names that parse back.
+
 >>> divisors(12)
 (1, 2, 3, 4, 6, 12)
 """
@@ -24,6 +37,35 @@ import functools
 MAX_DEVICES = 8192
 #: Largest global batch per task.
 MAX_BATCH = 1 << 20
+#: Largest number of layers of one module (a stack).
+MAX_LAYERS = 512
+#: Most operators (layers summed over every task's flow) in one graph. Measured on 2 busy cores with
+#: 10-task Multitask-CLIP at 200 layers per encoder (4050 operators): 19 s to plan 64 devices, 65 s for 1024.
+MAX_OPERATORS = 4096
+#: Largest width (hidden, FFN, projection, input) and head count.
+MAX_WIDTH = 1 << 18
+#: Largest sequence length (tokens of one stream or module).
+MAX_TOKENS = 1 << 22
+#: Largest vocabulary.
+MAX_VOCAB = 1 << 24
+#: Most tasks and modules in one spec.
+MAX_TASKS = 256
+MAX_MODULES = 1024
+#: Longest task or module name part.
+MAX_NAME = 64
+#: Longest forward + backward time of one layer a curves file may give, ms (about 17 minutes).
+MAX_LAYER_MS = 1e6
+
+#: The cap of each integer key of a model spec, and what it counts (named in the error).
+SPEC_LIMITS = {
+    "num_layers": (MAX_LAYERS, "layers per module"),
+    "hidden_size": (MAX_WIDTH, "width"), "ffn_hidden_size": (MAX_WIDTH, "width"),
+    "proj_dim": (MAX_WIDTH, "width"), "input_dim": (MAX_WIDTH, "width"),
+    "num_attention_heads": (MAX_WIDTH, "heads"),
+    "seq_length": (MAX_TOKENS, "tokens"), "pool_factor": (MAX_TOKENS, "tokens"),
+    "vocab_size": (MAX_VOCAB, "vocabulary entries"),
+    "tokens": (MAX_TOKENS, "tokens"), "batch": (MAX_BATCH, "samples"), "passes": (MAX_BATCH, "passes"),
+}
 
 
 def check_devices(num_devices: int) -> None:

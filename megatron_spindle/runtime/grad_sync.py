@@ -76,12 +76,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
+from .. import comm
 from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
 from ..models.layer_state import shard_spec
 from .rank_sets import param_group_name
 
 
-class GradSyncTimeout(RuntimeError):
+class GradSyncTimeout(comm.PeerError):
     """A gradient reduction did not complete (a peer died or hung): names the rank set."""
 
 
@@ -340,7 +341,7 @@ class GradSync:
                 inst.ddp.finish_grad_sync()
             except RuntimeError as e:
                 raise GradSyncTimeout(f"rank {self.rank}: gradient reduce over ranks {list(inst.ranks)} failed: "
-                                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                                      f"{comm.first_line(e)}") from e
         t1 = time.perf_counter()
         for inst in self.instances:
             for label, (start, end) in inst.times.items():

@@ -18,7 +18,7 @@ from ..models.shapes import output_shape
 from ..planner.step.plan import Message, Transfer
 
 
-class SpindleTimeout(RuntimeError):
+class SpindleTimeout(comm.PeerError):
     """A peer did not answer in time (dead or hung): names the wave, the slice and the peer."""
 
 

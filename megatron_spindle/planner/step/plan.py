@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -362,7 +363,7 @@ class Plan:
             raise ValueError(f"plan schema_version {d.get('schema_version')!r} is not supported (this version "
                              f"reads {SCHEMA_VERSION}): re-plan with `spindle plan ... --out PLAN.json`")
         try:
-            return cls(
+            plan = cls(
                 schema_version=d["schema_version"], system=d["system"], model=d["model"],
                 graph_fingerprint=d["graph_fingerprint"], tasks=tuple(d["tasks"]),
                 task_weights=tuple(d["task_weights"]), world_size=d["world_size"],
@@ -378,6 +379,8 @@ class Plan:
                 distributed_optimizer=d["distributed_optimizer"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__}: {e}") from None
+        _check_task_fields(plan)
+        return plan
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -389,3 +392,23 @@ class Plan:
     @classmethod
     def load(cls, path: str) -> "Plan":
         return cls.from_json(read_json(path, "plan file"))
+
+
+def _check_task_fields(plan: Plan) -> None:
+    """``model``, ``tasks`` and ``task_weights`` of a plan read from JSON: a name, the tasks its MetaOps run
+    (each once), one finite non-negative weight per task. (The runtime compares them with its graph.)"""
+    if not isinstance(plan.model, str) or not plan.model:
+        raise ValueError(f"plan field model {plan.model!r} must be the model's name")
+    names = plan.tasks
+    if not names or not all(isinstance(t, str) and t for t in names) or len(set(names)) != len(names):
+        raise ValueError(f"plan field tasks {list(plan.tasks)!r} must name each task once")
+    used = {m.task for m in plan.metaops}
+    if used != set(plan.tasks):
+        odd = sorted(used - set(plan.tasks)) or sorted(set(plan.tasks) - used)
+        raise ValueError(f"plan field tasks {list(plan.tasks)!r} does not match the tasks of its MetaOps "
+                         f"({', '.join(odd)} {'missing' if used - set(plan.tasks) else 'without a MetaOp'})")
+    w = plan.task_weights
+    if len(w) != len(plan.tasks) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                            and math.isfinite(x) and x >= 0 for x in w):
+        raise ValueError(f"plan field task_weights {list(w)!r} must be one finite non-negative number per task "
+                         f"({len(plan.tasks)})")

@@ -57,7 +57,10 @@ Curves file (``--curves FILE``; JSON)::
                 {"metaop": "vision-text.vision.layers", "curve": {...ScalingCurve JSON...}}]}
 
 A curve entry matches a MetaOp by its exact name or by its signature; points are refitted, a given curve
-is validated and used as is.
+is validated and used as is. A file is refused in one line unless it has at least one curve, every number
+in it is finite, every point is ``[devices, ms]`` with devices an integer from 1 to
+:data:`..limits.MAX_DEVICES` and ms in (0, :data:`..limits.MAX_LAYER_MS`], and a given curve stays within that
+time on one device: a bad profile must not plan a step of 10^294 ms.
 """
 from __future__ import annotations
 
@@ -66,7 +69,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import math
+
 from ..jsonfile import read_json
+from ..limits import MAX_DEVICES, MAX_LAYER_MS
 from .curves import ScalingCurve, fit_piecewise
 from ..exact import on_grid
 from .metaops import MetaOp
@@ -128,10 +134,17 @@ class DeviceModel:
             raise ValueError(f"unknown device constant(s) {bad}; known: {sorted(known)}")
         d = dict(obj)
         if "layer_latency_ms" in d:
+            if not isinstance(d["layer_latency_ms"], Mapping):
+                raise ValueError(f"device constant layer_latency_ms={d['layer_latency_ms']!r} must be an object "
+                                 f"layer type -> ms")
+            for t, v in d["layer_latency_ms"].items():
+                if not (_number(v) and 0 <= v <= MAX_LAYER_MS):
+                    raise ValueError(f"device constant layer_latency_ms.{t}={v!r} must be a finite number of ms "
+                                     f"from 0 to {MAX_LAYER_MS:g}")
             d["layer_latency_ms"] = {**cls().layer_latency_ms, **d["layer_latency_ms"]}
         for k, v in d.items():
-            if k != "layer_latency_ms" and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"device constant {k}={v!r} must be a positive number")
+            if k != "layer_latency_ms" and not (_number(v) and v > 0):
+                raise ValueError(f"device constant {k}={v!r} must be a positive finite number")
         return cls(**d)
 
     def efficiency(self, hidden: int) -> float:
@@ -160,6 +173,22 @@ class DeviceModel:
 #: batch and degree share one; the tuner plans the same workload under many configurations). Bounded.
 _FITTED: dict[tuple, ScalingCurve] = {}
 _FITTED_MAX = 4096
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _nonfinite(obj, path: str):
+    """The first ``(path, value)`` in ``obj`` (nested objects and lists) that is a non-finite number."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return path, obj
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        bad = _nonfinite(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if bad:
+            return bad
+    return None
 
 
 def analytic_curve(m: MetaOp, device: DeviceModel, num_devices: int) -> ScalingCurve:
@@ -204,21 +233,34 @@ class CurvesFile:
         if ver != CURVES_SCHEMA_VERSION:
             raise ValueError(f"curves file {origin!r}: schema_version {ver!r} is not supported "
                              f"(expected {CURVES_SCHEMA_VERSION})")
-        device = DeviceModel.from_json(obj.get("device", {}))
+        bad = _nonfinite(obj, "")
+        if bad:
+            raise ValueError(f"curves file {origin!r}: {bad[0].lstrip('.')} = {bad[1]!r} is not a finite number")
+        try:
+            device = DeviceModel.from_json(obj.get("device", {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"curves file {origin!r}: {e}") from None
         by_name, by_sig = {}, []
-        for i, c in enumerate(obj.get("curves", [])):
+        entries = obj.get("curves")
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"curves file {origin!r} has no curves ('curves' is {entries!r}): give measured points "
+                             f"(spindle profile --out), or leave the file out for the analytic model")
+        for i, c in enumerate(entries):
             if not isinstance(c, dict) or not ("points" in c or "curve" in c):
                 raise ValueError(f"curves file {origin!r}: entry {i} needs 'points' or 'curve'")
             if "curve" in c:
-                ScalingCurve.from_json(c["curve"])  # validate now, with the entry's index in errors
+                curve = ScalingCurve.from_json(c["curve"])  # validate now, with the entry's index in errors
+                if not curve.f(float(curve.batch)) <= MAX_LAYER_MS:
+                    raise ValueError(f"curves file {origin!r}: entry {i}'s curve gives {curve.f(float(curve.batch)):g} "
+                                     f"ms on one device, above the {MAX_LAYER_MS:g} ms the planner accepts per layer")
             elif not isinstance(c["points"], list) or not c["points"]:
                 raise ValueError(f"curves file {origin!r}: entry {i} has no points")
             else:
                 for p in c["points"]:
-                    if not (isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p)
-                            and p[0] > 0 and p[1] > 0):
-                        raise ValueError(f"curves file {origin!r}: entry {i} has invalid point {p!r} "
-                                         f"(want [devices > 0, ms > 0])")
+                    if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and _number(p[1])
+                            and 1 <= p[0] <= MAX_DEVICES and 0 < p[1] <= MAX_LAYER_MS):
+                        raise ValueError(f"curves file {origin!r}: entry {i} has invalid point {p!r} (want [devices "
+                                         f"from 1 to {MAX_DEVICES}, ms above 0 and at most {MAX_LAYER_MS:g}])")
             if "metaop" in c:
                 by_name[c["metaop"]] = c
             elif "signature" in c:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -63,12 +64,12 @@ class LayerCost:
     """Bytes stashed for the backward pass per sample."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.params, int) or self.params < 0:
-            raise ValueError(f"LayerCost.params must be a non-negative int, got {self.params!r}")
+        if not isinstance(self.params, int) or isinstance(self.params, bool) or not 0 <= self.params < 2 ** 53:
+            raise ValueError(f"LayerCost.params must be a non-negative int below 2^53, got {self.params!r}")
         for name in ("fwd_flops_per_sample", "act_bytes_per_sample"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"LayerCost.{name} must be a non-negative number, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"LayerCost.{name} must be a finite non-negative number, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,9 +81,16 @@ class CustomLayerType:
     """``build(op, *, tp_group, tp_rank, tp_size, dtype) -> torch.nn.Module`` (runtime only)."""
     tensor_parallel: bool = False
     """Whether the build function shards the layer over a tensor-parallel group (tp > 1 allowed)."""
+    origin: str = ""
+    """The plugin that registered it (a file or module name; empty when registered by other code)."""
+
+    @property
+    def described(self) -> str:
+        return f"layer type {self.name!r}" + (f" of plugin {self.origin}" if self.origin else "")
 
 
 _REGISTRY: dict[str, CustomLayerType] = {}
+_LOADING: list[str] = []  # the plugin being imported (its registrations name it)
 
 
 def register_layer_type(name: str, *, cost: Callable, build: Callable | None = None,
@@ -94,7 +102,8 @@ def register_layer_type(name: str, *, cost: Callable, build: Callable | None = N
         raise ValueError(f"custom layer type {name!r} would shadow the built-in type of that name")
     if not callable(cost) or (build is not None and not callable(build)):
         raise ValueError(f"custom layer type {name!r}: cost (and build, if given) must be callable")
-    t = CustomLayerType(name=name, cost=cost, build=build, tensor_parallel=bool(tensor_parallel))
+    t = CustomLayerType(name=name, cost=cost, build=build, tensor_parallel=bool(tensor_parallel),
+                        origin=_LOADING[-1] if _LOADING else "")
     _REGISTRY[name] = t
     return t
 
@@ -109,13 +118,18 @@ def registered() -> tuple[str, ...]:
 
 
 def custom_cost(op_type: str, config) -> LayerCost:
+    """The registered cost of one layer; a failing or non-finite cost function is a ``ValueError`` naming the
+    layer type and its plugin."""
     t = _REGISTRY.get(op_type)
     if t is None:
         raise ValueError(f"no cost formula for op_type {op_type!r} (not built in, not registered)")
-    got = t.cost(config)
+    try:
+        got = t.cost(config)
+    except Exception as e:  # noqa: BLE001 - a user's function: any failure is named, in one line
+        raise ValueError(f"the cost function of {t.described} failed: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
     if not isinstance(got, LayerCost):
-        raise ValueError(f"cost function of layer type {op_type!r} returned {type(got).__name__}, "
-                         f"not a LayerCost")
+        raise ValueError(f"the cost function of {t.described} returned {type(got).__name__}, not a LayerCost")
     return got
 
 
@@ -131,10 +145,17 @@ def load_plugin(ref: str, base_dir: str = "") -> None:
         spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
+        _LOADING.append(ref)
         try:
             spec.loader.exec_module(module)
         except BaseException:
             del sys.modules[name]
             raise
+        finally:
+            _LOADING.pop()
     else:
-        importlib.import_module(ref)
+        _LOADING.append(ref)
+        try:
+            importlib.import_module(ref)
+        finally:
+            _LOADING.pop()

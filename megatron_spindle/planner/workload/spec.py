@@ -26,6 +26,9 @@ Operators are emitted in the order their modules first appear in the flow lines,
 give exactly the graphs (and fingerprints) the Python workloads gave.
 
 Every error is one line ``<file>: <key> = <value>: <problem>`` (:class:`SpecError`, a ``ValueError``).
+Values are finite and within the planner's limits (:mod:`..limits`: layers, widths, tokens, vocabularies,
+batches, task and module counts), names of tasks and modules are ASCII letters, digits, ``_`` and ``-`` (a
+module's parts joined by ``.``), and a module that no task's flow uses is named in one warning line.
 """
 from __future__ import annotations
 
@@ -34,9 +37,11 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..limits import MAX_MODULES, MAX_OPERATORS, MAX_TASKS
 from .graph import DATA_PREFIX, Operator, TaskGraph
 from .layer_types import load_plugin
-from .spec_layers import NO_PARAMS, NO_VALUE, SpecError, check_module, module_operators
+from .spec_layers import (NO_PARAMS, NO_VALUE, SpecError, check_int, check_module, check_name, check_task_values,
+                          module_operators, warn_unused)
 from .spec_tables import _flatten_modules, _flatten_overrides, _init_table, _table
 
 __all__ = ["ModelSpec", "SpecError", "load_spec", "parse_spec", "resolve", "shipped_models", "SIZE_FULL"]
@@ -112,6 +117,7 @@ class ModelSpec:
         ops: list[Operator] = []
         for t in names:
             ops += self._task_operators(t, task_tables[t], per_task[t], modules, size)
+            check_operators(self.file, size, len(ops))
         weights = tuple(float(task_tables[t].get("weight", 1.0)) for t in names)
         return TaskGraph(model=self.name, tasks=tuple(names), operators=tuple(ops), task_weights=weights)
 
@@ -236,6 +242,15 @@ class ModelSpec:
                                                                        "(contrastive_loss or lm_head)")
         return ops
 
+# -- structural checks ----------------------------------------------------------------------------------
+def check_operators(file: str, size: str, n: int) -> None:
+    """The graph's size is the planner's memory and time: at most MAX_OPERATORS operators."""
+    if n > MAX_OPERATORS:
+        where = "" if size == SIZE_FULL else f"sizes.{size}: "
+        raise SpecError(file, "modules", NO_VALUE, f"{where}more than {MAX_OPERATORS} operators (layers summed over "
+                                                   f"every task's flow): outside what the planner accepts")
+
+
 def parse_spec(text: str, file: str) -> ModelSpec:
     """Parse and check a spec's structure (names, keys, types, references); shapes are checked by
     :meth:`ModelSpec.build_graph`, which also runs once here for every size."""
@@ -259,9 +274,11 @@ def parse_spec(text: str, file: str) -> ModelSpec:
     if type(batch) is not int or batch <= 0:
         raise SpecError(file, "model.batch", batch if batch is not None else NO_VALUE,
                         "must be a positive integer (the default global batch per task)")
+    check_int(file, "model.batch", "batch", batch)
     passes = model.get("passes", 1)
     if type(passes) is not int or passes <= 0:
         raise SpecError(file, "model.passes", passes, "must be a positive integer (passes per optimizer step)")
+    check_int(file, "model.passes", "passes", passes)
     plugins = model.get("layer_plugins", [])
     if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
         raise SpecError(file, "model.layer_plugins", plugins, "must be a list of strings")
@@ -277,6 +294,10 @@ def parse_spec(text: str, file: str) -> ModelSpec:
     modules = _flatten_modules(file, doc.get("modules", {}))
     if not modules:
         raise SpecError(file, "modules", NO_VALUE, "missing: at least one module")
+    if len(modules) > MAX_MODULES:
+        raise SpecError(file, "modules", NO_VALUE, f"{len(modules)} modules: the planner accepts 1 to {MAX_MODULES}")
+    for m in modules:
+        check_name(file, f"modules.{m}", m, "a module name's parts")
     for m, mod in modules.items():
         if "share" in mod:
             target = mod["share"]
@@ -299,12 +320,15 @@ def parse_spec(text: str, file: str) -> ModelSpec:
     tasks = _table(file, "tasks", doc.get("tasks", {}))
     if not tasks:
         raise SpecError(file, "tasks", NO_VALUE, "missing: at least one task")
+    if len(tasks) > MAX_TASKS:
+        raise SpecError(file, "tasks", NO_VALUE, f"{len(tasks)} tasks: the planner accepts 1 to {MAX_TASKS}")
     for t, table in tasks.items():
+        check_name(file, f"tasks.{t}", t, "a task name")
         table = _table(file, f"tasks.{t}", table)
         for k, v in table.items():
             if k not in _TASK_KEYS:
                 raise SpecError(file, f"tasks.{t}.{k}", v, f"unknown key; keys: {', '.join(sorted(_TASK_KEYS))}")
-        _check_task_values(file, f"tasks.{t}", table)
+        check_task_values(file, f"tasks.{t}", table)
         flow = table.get("flow")
         if not isinstance(flow, list) or not flow or not all(isinstance(x, str) for x in flow):
             raise SpecError(file, f"tasks.{t}.flow", flow if flow is not None else NO_VALUE,
@@ -329,8 +353,8 @@ def parse_spec(text: str, file: str) -> ModelSpec:
                 raise SpecError(file, f"sizes.{s}.model.{k}", v, "a size overrides model batch, passes, init")
             if k == "init":
                 size_model[k] = _init_table(file, f"sizes.{s}.model.init", v, modules)
-            elif type(v) is not int or v <= 0:
-                raise SpecError(file, f"sizes.{s}.model.{k}", v, "must be a positive integer")
+            else:
+                check_int(file, f"sizes.{s}.model.{k}", k, v)
         flat = _flatten_overrides(file, f"sizes.{s}.modules", over.get("modules", {}), modules)
         for t, keys in _table(file, f"sizes.{s}.tasks", over.get("tasks", {})).items():
             if t not in tasks:
@@ -339,14 +363,18 @@ def parse_spec(text: str, file: str) -> ModelSpec:
             for k, v in keys.items():
                 if k not in _TASK_KEYS - {"flow"}:
                     raise SpecError(file, f"sizes.{s}.tasks.{t}.{k}", v, "a size overrides batch, weight, tokens")
-            _check_task_values(file, f"sizes.{s}.tasks.{t}", keys)
+            check_task_values(file, f"sizes.{s}.tasks.{t}", keys)
         sizes[s] = {"modules": flat, "tasks": over.get("tasks", {}), "model": size_model}
     spec = ModelSpec(file=file, name=name, batch=batch, task_counts=tuple(counts), modules=modules,
                      tasks=tasks, sizes=sizes, passes=passes,
                      init=_init_table(file, "model.init", model.get("init", {}), modules))
+    warn_unused(file, modules, tasks)
     for s in (SIZE_FULL, *sizes):  # shapes must chain at every size, for every task
         mods, tables = spec._sized(s)
-        ops = [op for t in tasks for op in spec._task_operators(t, tables[t], 1, mods, s)]
+        ops = []
+        for t in tasks:
+            ops += spec._task_operators(t, tables[t], 1, mods, s)
+            check_operators(file, s, len(ops))
         try:
             TaskGraph(model=name, tasks=tuple(tasks), operators=tuple(ops))
         except ValueError as e:
@@ -354,17 +382,6 @@ def parse_spec(text: str, file: str) -> ModelSpec:
     return spec
 
 
-def _check_task_values(file: str, key: str, table: dict) -> None:
-    if "batch" in table and (type(table["batch"]) is not int or table["batch"] <= 0):
-        raise SpecError(file, f"{key}.batch", table["batch"], "must be a positive integer")
-    if "weight" in table and (type(table["weight"]) not in (int, float) or table["weight"] < 0):
-        raise SpecError(file, f"{key}.weight", table["weight"], "must be a non-negative number")
-    tokens = table.get("tokens", {})
-    if not isinstance(tokens, dict):
-        raise SpecError(file, f"{key}.tokens", tokens, "must be a table stream = length")
-    for s, n in tokens.items():
-        if type(n) is not int or n <= 0:
-            raise SpecError(file, f"{key}.tokens.{s}", n, "must be a positive integer")
 
 
 # -- finding specs ----------------------------------------------------------------------------------------

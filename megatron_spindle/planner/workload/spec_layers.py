@@ -8,12 +8,22 @@ format is in ``docs/model_spec.md``; :mod:`.spec` reads files and walks the task
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from ...log import get_logger
+from ..limits import MAX_NAME, SPEC_LIMITS
 from . import costs
 from .graph import DATA_PREFIX, LayerConfig, OP_TYPES, Operator, data_input
 from .layer_types import custom_layer_type, registered
+
+log = get_logger(__name__)
+
+#: A task name, and each dot-separated part of a module name: they become slice names that parse back.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
 
 class SpecError(ValueError):
     """A bad model spec: one line naming the file, the key and the value."""
@@ -213,6 +223,14 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
     inputs = [s if o is not None else data_input(task, s[len(DATA_PREFIX):]) for s, o in srcs]
     inputs = [last_op[s] if s in last_op else s for s in inputs]
     component = name.split(".")[0]
+    try:
+        return _operators(task, t, name, mod, cfg, base_key, layers, inputs, component, batch, tp,
+                          splittable, frozen), out
+    except ValueError as e:  # a custom type's cost function: named with its plugin, under the module's key
+        raise SpecError(file, f"modules.{name}.type", t, str(e)) from None
+
+
+def _operators(task, t, name, mod, cfg, base_key, layers, inputs, component, batch, tp, splittable, frozen):
     ops = []
     if layers:
         stem = name[:-len(".layers")] if name.endswith(".layers") else name
@@ -225,7 +243,7 @@ def module_operators(file: str, task: str, name: str, mod: dict, srcs: list, las
         ops.append(_operator(name=f"{task}.{name}", task=task, module=component, op_type=t, batch=batch,
                              layer=cfg, param_key="" if t in NO_PARAMS else base_key, inputs=inputs,
                              tp_splittable=tp, batch_splittable=splittable, **frozen))
-    return ops, out
+    return ops
 
 
 
@@ -271,16 +289,24 @@ def _operator(*, name, task, module, op_type, batch, layer, param_key, inputs, t
 
 
 # -- checks of one module's keys ----------------------------------------------------------------------------------
+def check_int(file: str, key: str, name: str, v: Any) -> None:
+    """A positive integer within the planner's cap for ``name`` (:data:`..limits.SPEC_LIMITS`)."""
+    if type(v) is not int or v <= 0:
+        raise SpecError(file, key, v, "must be a positive integer")
+    cap, what = SPEC_LIMITS.get(name, (None, ""))
+    if cap is not None and v > cap:
+        raise SpecError(file, key, v, f"outside what the planner accepts (1 to {cap} {what})")
+
+
 def check_value(file: str, key: str, name: str, v: Any) -> None:
     if name in _INT_KEYS:
-        if type(v) is not int or v <= 0:
-            raise SpecError(file, key, v, "must be a positive integer")
+        check_int(file, key, name, v)
     elif name in _BOOL_KEYS:
         if type(v) is not bool:
             raise SpecError(file, key, v, "must be true or false")
     elif name in ("temperature", "layernorm_epsilon", "rotary_base"):
-        if type(v) not in (int, float) or v <= 0:
-            raise SpecError(file, key, v, "must be a positive number")
+        if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+            raise SpecError(file, key, v, "must be a positive finite number")
     elif name in _CHOICES:
         if v not in _CHOICES[name]:
             raise SpecError(file, key, v, f"must be one of {', '.join(_CHOICES[name])}")
@@ -324,3 +350,41 @@ def check_module(file: str, key: str, mod: dict) -> None:
                         f"must be one of {', '.join(_POSITIONS.get(t, ()))}")
     if "rotary_base" in mod and pos != "rope":
         raise SpecError(file, f"{key}.rotary_base", mod["rotary_base"], "needs position_embedding_type = 'rope'")
+
+
+# -- checks of names and task tables ---------------------------------------------------------------------
+def check_name(file: str, key: str, name: str, what: str) -> None:
+    """Task names and module name parts: ASCII letters, digits, ``_``, ``-`` (not first), at most MAX_NAME."""
+    parts = name.split(".") if what.startswith("a module") else [name]
+    for part in parts:
+        if not NAME_RE.match(part) or len(part) > MAX_NAME:
+            raise SpecError(file, key, name, f"{what} must be ASCII letters, digits, '_' and '-' (starting with a "
+                                             f"letter or digit, at most {MAX_NAME} characters"
+                                             + ("; parts joined by '.'" if len(parts) > 1 or "." in what else "")
+                                             + ")")
+
+
+def warn_unused(file: str, modules: dict, tasks: dict) -> None:
+    """One warning line naming the modules no task's flow reaches (their weights would never train)."""
+    used = set()
+    for table in tasks.values():
+        for line in table.get("flow", []):
+            used |= {p.strip() for p in line.replace("->", "+").split("+")}
+    used |= {mod["share"] for m, mod in modules.items() if m in used and "share" in mod}
+    unused = [m for m in modules if m not in used]
+    if unused:
+        log.warning(f"warning: {file}: module{'s' if len(unused) > 1 else ''} {', '.join(unused)} "
+                    f"{'are' if len(unused) > 1 else 'is'} used by no task's flow: never trained")
+
+
+def check_task_values(file: str, key: str, table: dict) -> None:
+    if "batch" in table:
+        check_int(file, f"{key}.batch", "batch", table["batch"])
+    if "weight" in table and (type(table["weight"]) not in (int, float) or not math.isfinite(table["weight"])
+                              or table["weight"] < 0):
+        raise SpecError(file, f"{key}.weight", table["weight"], "must be a finite non-negative number")
+    tokens = table.get("tokens", {})
+    if not isinstance(tokens, dict):
+        raise SpecError(file, f"{key}.tokens", tokens, "must be a table stream = length")
+    for s, n in tokens.items():
+        check_int(file, f"{key}.tokens.{s}", "tokens", n)
