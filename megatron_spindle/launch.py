@@ -79,7 +79,7 @@ _SHUTDOWN_CODES: list[int] = []
 def _remember_exit_statuses() -> None:
     """Record the workers' exit statuses when torchrun's agent shuts them down (on a signal to torchrun)."""
     try:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # optional: internal
     except ImportError:  # pragma: no cover - another torch layout: fall back to 128 + N
         return
     if getattr(LocalElasticAgent._shutdown, "_spindle", False):

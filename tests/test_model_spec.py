@@ -328,11 +328,11 @@ def test_compare_cli_takes_batch_and_passes(capsys):
     assert cli.main(["compare", "--model", "qwen-val", "--gpus", "16", "--batch", "64", "--passes", "8",
                      "--json"]) == 0
     res = json.loads(capsys.readouterr().out)["results"][0]
-    assert res["passes"] == 8
     one = res["systems"]["sequential"]
+    assert not res["tuned"] and one["configuration"]["passes"] == 8  # --passes given: every system at 8
     assert cli.main(["compare", "--model", "qwen-val", "--gpus", "16", "--batch", "8", "--json"]) == 0
     single = json.loads(capsys.readouterr().out)["results"][0]
-    assert single["passes"] == 1
+    assert single["systems"]["sequential"]["configuration"]["passes"] == 1
     # the same per-pass graph: 8 passes cost 8 passes of compute and one sync
     b1, b8 = single["systems"]["sequential"]["breakdown"], one["breakdown"]
     assert b8["compute_ms"] == pytest.approx(8 * b1["compute_ms"])
