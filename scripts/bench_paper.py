@@ -7,8 +7,8 @@ Every system is tuned to its own best step (``spindle compare``: passes per step
 optimizer, TP, Spindle's phases, each under its own runtime's memory; :mod:`megatron_spindle.planner.step.tuning`)
 on the paper's grid and, beyond it, at 64, 256 and 1024 GPUs. Writes ``paper_grid.json`` (every system's
 configuration and step per row; ``tests/test_paper_grid.py`` checks it), ``paper_table.md`` (the tables beside
-the paper's numbers, the targets met or missed and why), ``paper_fig8.png`` (speedup over tuned sequential),
-``paper_breakdown.png`` (where a step goes) and ``compare_readme_section.md`` (the README's summary). With the
+the paper's numbers, where each step goes, the targets met or missed), ``paper_fig8.png`` (speedup over tuned
+sequential) and ``compare_readme_section.md`` (the README's summary). With the
 fixed comparison too (every system at the spec's passes, nothing recomputed: the comparison of earlier
 releases), for reference. Pure planner code: no GPU, no torch.
 """

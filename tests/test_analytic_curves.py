@@ -177,7 +177,7 @@ def test_device_json_round_trip_and_unknown_fields():
     assert DeviceModel.from_json(DEV.to_json()) == DEV
     with pytest.raises(ValueError, match="unknown device constant"):
         DeviceModel.from_json({"saturation_gflop": 400.0})  # the former model's constant
-    with pytest.raises(ValueError, match="must be a positive number"):
+    with pytest.raises(ValueError, match="must be a positive finite number"):
         DeviceModel.from_json({"half_efficiency_hidden": 0})
     dev = DeviceModel.from_json({"layer_latency_ms": {"transformer_layer": 1.0}})
     assert dev.latency_ms("transformer_layer") == 1.0 and dev.latency_ms("lm_head") == DEV.latency_ms("lm_head")

@@ -17,7 +17,7 @@ from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.dataflow import frozen_param_keys, needs_output_grad
 from megatron_spindle.planner.step.plan import Plan
 from megatron_spindle.planner.step.render import metaop_table, summary
-from megatron_spindle.planner.step.simulate import GRAD_BYTES_PER_PARAM, gradient_buckets, simulate
+from megatron_spindle.planner.step.simulate import GRAD_BYTES_PER_PARAM, simulate
 from megatron_spindle.planner.step.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import load_cluster
@@ -189,7 +189,7 @@ def test_plan_sends_no_gradient_to_forward_only_slices_and_syncs_no_frozen_weigh
     frozen = frozen_param_keys(plan.metaops)
     assert frozen == g.frozen_param_keys()
     assert {gr.param_key for gr in plan.param_groups} >= frozen  # held where used ...
-    buckets = gradient_buckets(plan)
+    buckets = simulate(plan, load_cluster(None, num_devices=8)).collectives
     synced = sum(gr.params for gr in plan.param_groups if gr.param_key not in frozen)
     assert sum(b.bytes for b in buckets) == GRAD_BYTES_PER_PARAM * synced  # ... but never reduced
     assert synced < sum(gr.params for gr in plan.param_groups)

@@ -242,9 +242,12 @@ class CurvesFile:
             raise ValueError(f"curves file {origin!r}: {e}") from None
         by_name, by_sig = {}, []
         entries = obj.get("curves")
-        if not isinstance(entries, list) or not entries:
+        if entries is None and isinstance(obj.get("device"), dict) and obj["device"]:
+            entries = []  # device constants only: the analytic curves on this device, said by the file itself
+        elif not isinstance(entries, list) or not entries:
             raise ValueError(f"curves file {origin!r} has no curves ('curves' is {entries!r}): give measured points "
-                             f"(spindle profile --out), or leave the file out for the analytic model")
+                             f"(spindle profile --out), or only a 'device' table for the analytic model on that "
+                             f"device, or leave the file out for the analytic model")
         for i, c in enumerate(entries):
             if not isinstance(c, dict) or not ("points" in c or "curve" in c):
                 raise ValueError(f"curves file {origin!r}: entry {i} needs 'points' or 'curve'")
