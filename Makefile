@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 export TORCHDYNAMO_DISABLE ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-megatron-lm plan bench clean
+.PHONY: demo test test-faults test-megatron-lm plan bench clean
 
 # Megatron-LM's own loop (megatron.training) ships in megatron-core >= 0.17 wheels, which need Python 3.12.
 # PY312: the first interpreter that really is 3.12 (pyenv's shim named python3.12 refuses unless pyenv
@@ -36,8 +36,15 @@ demo: $(VENV)/.installed
 		--out out/curves_tiny.json --quiet
 	GPUS_PER_NODE=$(DEMO_RANKS) PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
 
+# Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
+# on 2 cores (about 10 and 7 on an idle machine).
+FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py
+
 test: $(VENV)/.installed
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q tests $(addprefix --ignore=,$(FAULT_TESTS))
+
+test-faults: $(VENV)/.installed
+	$(VPY) -m pytest -q $(FAULT_TESTS)
 
 $(MLM_VENV)/.installed: requirements-mlm.txt setup.py
 	@test -n "$(PY312)" || { echo "error: no Python 3.12 found (tried pyenv's versions/3.12*, /usr/local/bin, /usr/bin, PATH); set PY312=/path/to/python3.12" >&2; exit 2; }

@@ -202,6 +202,19 @@ def test_sync_overlaps_the_remaining_backward():
     assert bf16.breakdown.sync_ms == pytest.approx(2.02)
 
 
+def test_a_slices_layers_complete_one_by_one_in_its_backward():
+    c = toy_cluster(16)
+    plan = hand_plan(c, [(0, 2, (0, 1))], params=BIG)  # one slice of two layers on 2 devices: 8 ms
+    sim = simulate(plan, c, check_memory=False)
+    # forward 0 -> 8/3; backward 8/3 -> 8, layer 1 first (done at 8/3 + 8/3 = 16/3), then layer 0 (at 8)
+    assert sim.pass_ms == pytest.approx(8.0)
+    l1, l0 = sim.collectives
+    assert (l1.ready_ms, l1.start_ms, l1.end_ms) == (pytest.approx(16 / 3), pytest.approx(16 / 3),
+                                                     pytest.approx(16 / 3 + 4.02))
+    assert (l0.ready_ms, l0.start_ms) == (pytest.approx(8.0), pytest.approx(16 / 3 + 4.02))
+    assert sim.breakdown.sync_ms == pytest.approx(16 / 3 + 8.04 - 8.0)  # as with the layers in two waves
+
+
 def test_sync_on_disjoint_devices_runs_side_by_side():
     c = toy_cluster(16)
     sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))], params=BIG), c, check_memory=False)

@@ -9,7 +9,11 @@ gradients are produced by the backward pass, and with ``overlap_grad_reduce`` po
 as soon as every gradient in it is complete.
 
 Here a parameter group (:class:`.plan.ParamGroup`) is complete when the last backward, in execution order,
-of a slice that holds it on one of its ranks has ended (``done_ms`` of that slice). Per rank set the groups
+of a slice that holds it on one of its ranks has passed its layer: a slice runs its layers' backward in
+reverse, so with ``backward_ms`` (the slice's backward time, split evenly over its layers) layer ``j`` of a
+slice of layers ``[a, b)`` ending at ``done`` is complete at ``done - backward · (b - 1 - j) / (b - a)``, as
+its gradient hooks fire in megatron.core DDP (the static-grid baseline counts its layers the same way);
+without it, at the slice's end (``done_ms`` of that slice). Per rank set the groups
 are taken in order of completion and cut into buckets at ``bucket_size`` parameters; a bucket is ready when
 its last group is. Groups of frozen MetaOps (``trainable=False``) have no gradient and are skipped.
 
@@ -50,11 +54,13 @@ class GradBucket:
 
 
 def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *, grad_bytes: int,
-                     bucket_size: int | None = None) -> list[GradBucket]:
+                     bucket_size: int | None = None,
+                     backward_ms: Mapping[str, float] | None = None) -> list[GradBucket]:
     """The plan's buckets (see the module docstring), sorted by ready time then ranks.
 
-    ``done_ms``: slice name -> end of its backward in the last pass; ``bucket_size``: parameters per
-    bucket (default: megatron.core's for each rank set's size)."""
+    ``done_ms``: slice name -> end of its backward in the last pass; ``backward_ms``: slice name -> its
+    backward time (layer by layer completion; ``None``: every layer at the slice's end); ``bucket_size``:
+    parameters per bucket (default: megatron.core's for each rank set's size)."""
     metaops = {m.name: m for m in plan.metaops}
     frozen = {k for m in plan.metaops if not m.trainable for k in m.param_keys if k}
     # every slice's use (end of its backward, wave, name), ranked; per weight and device the last use's rank
@@ -63,12 +69,22 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
     top = 0
     for w in plan.waves:
         for s in w.slices:
-            keys = [k for k in metaops[s.metaop].param_keys[s.layer_start:s.layer_stop] if k]
-            if keys and s.ranks:
+            keys = metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]
+            if not any(keys) or not s.ranks:
+                continue
+            top = max(top, *s.ranks)
+            done = done_ms[s.name]
+            if backward_ms is None:
                 for key in keys:
+                    if key:
+                        per_key[key].append((len(uses), s.ranks))
+                uses.append((done, w.index, s.name))
+                continue
+            per_layer = backward_ms[s.name] / len(keys)
+            for i, key in enumerate(keys):  # layer i's backward ends (len - 1 - i) layers before the slice's end
+                if key:
                     per_key[key].append((len(uses), s.ranks))
-                top = max(top, *s.ranks)
-                uses.append((done_ms[s.name], w.index, s.name))
+                    uses.append((done - per_layer * (len(keys) - 1 - i), w.index, s.name))
     order = sorted(range(len(uses)), key=uses.__getitem__)
     rank_of = np.empty(len(uses), dtype=np.int64)
     rank_of[order] = np.arange(len(uses))

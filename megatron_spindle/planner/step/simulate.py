@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..workload.cluster import Cluster
-from ..workload.recompute import FORWARD_SHARE  # noqa: F401 - re-exported
+from ..workload.recompute import FORWARD_SHARE
 from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
@@ -284,7 +284,8 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
                                 cross_island_bytes=sum(x for a, b, x in f if a // g != b // g)))
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends)
     free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends, transfers=False)
-    buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size)
+    buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
+                               backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
     posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
     posted.sort(key=lambda rb: (rb[0], rb[1].ranks))
     spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
