@@ -33,7 +33,8 @@ posts during the backward, overlap compute:
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
    bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`.plan.ParamGroup`) gradient
-   is complete when the last backward, in execution order, of a slice holding it on one of its ranks ends;
+   is complete when the last backward, in execution order, of a slice holding it on one of its ranks has
+   passed its layer (a slice's layers complete one by one, last layer first, its backward time split evenly);
    a bucket is ready when its last group is; a frozen weight's group is in none (no gradient). Each bucket is one ring all-reduce of
    :data:`GRAD_BYTES_PER_PARAM` (fp32, Megatron's default for bf16 training) or 2 (bf16, ``grad_bytes=2``)
    bytes per parameter. A ring over ``n`` devices sends and receives ``2(n-1)/n · S`` bytes per member::
