@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
-from launch_path import (BAD_INPUTS, EXAMPLE, Result, bare_torchrun, base_env, free_port, launch,  # noqa: E402
-                         losses, make_inputs, run_processes, spindle, start, substitute)
+from launch_path import (BAD_INPUTS, Result, bare_torchrun, base_env, flip_bit, free_port,  # noqa: E402
+                         launch, losses, make_inputs, run_processes, spindle, start, substitute)
 
 SCRIPT = "`run_multitask_clip.sh`"
 TORCHRUN = "bare `torchrun`"
@@ -239,13 +239,7 @@ def issue12(w: str):
               launch(["--load", ck], w, TRAIN_ITERS=2).wait(300))
     bit = os.path.join(w, "ck-bit")
     shutil.copytree(ck, bit)
-    it = os.path.join(bit, "iter_0000003")
-    shard = os.path.join(it, sorted(x for x in os.listdir(it) if x.endswith(".distcp"))[0])
-    with open(shard, "r+b") as fh:
-        fh.seek(os.path.getsize(shard) // 2)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 0x40]))
+    flip_bit(os.path.join(bit, "iter_0000003"))
     yield row("12.1", "resume from a shard with one flipped bit", SCRIPT,
               launch(["--load", bit], w, TRAIN_ITERS=4).wait(300))
     pick = os.path.join(w, "ck-pickle")

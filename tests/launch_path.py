@@ -170,6 +170,17 @@ def run_processes(marker: str) -> list[str]:
     return out
 
 
+def flip_bit(iter_dir: str) -> str:
+    """Flip one exponent bit in the middle of the first ``.distcp`` shard of a checkpoint iteration; its path."""
+    shard = os.path.join(iter_dir, sorted(x for x in os.listdir(iter_dir) if x.endswith(".distcp"))[0])
+    with open(shard, "r+b") as fh:
+        fh.seek(os.path.getsize(shard) // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x40]))
+    return shard
+
+
 def losses(out: str) -> dict[int, str]:
     """{iteration: the loss fields of its progress line}"""
     got = {}

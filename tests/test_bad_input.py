@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from launch_path import flip_bit
 from mp_harness import free_port
 
 TRAIN = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--train-iters", "3",
@@ -178,13 +179,7 @@ def test_a_flipped_bit_is_refused_with_one_line(nan_run, tmp_path):
     import shutil
     d = str(tmp_path / "ck")
     shutil.copytree(nan_run[1], d)  # iteration 2 of the --lr 1e6 run: finite, complete
-    it_dir = os.path.join(d, "iter_0000002")
-    shard = os.path.join(it_dir, sorted(f for f in os.listdir(it_dir) if f.endswith(".distcp"))[0])
-    with open(shard, "r+b") as fh:
-        fh.seek(os.path.getsize(shard) // 2)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 0x40]))  # an exponent bit of some float
+    shard = flip_bit(os.path.join(d, "iter_0000002"))  # an exponent bit of some float
     line = same_line_on_every_rank(train_ranks(TRAIN + ["--spindle", "--load", d]),
                                    "is corrupt", os.path.basename(shard))
     assert "does not match its checksum" in line

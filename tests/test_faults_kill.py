@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from launch_path import losses, run_processes  # every process a run started carries its marker
 from mp_harness import free_port
 
 ITERS = 4
@@ -27,28 +28,6 @@ TRAIN = ["--spindle", "--spindle-size", "tiny", "--spindle-tasks", "4", "--micro
          "--spindle-predict-interval", "0", "--spindle-timeout", "60"]
 SEED = int(os.environ.get("SPINDLE_FAULT_SEED", "12"))
 
-
-def run_processes(marker: str) -> list[str]:
-    """Processes alive whose environment carries ``SPINDLE_RUN_MARK=marker`` (every process a run started
-    inherits it, whatever session or parent it ends up with): pid and command line."""
-    out = []
-    needle = f"SPINDLE_RUN_MARK={marker}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if needle not in fh.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-            out.append(f"{pid} {cmd[:120]}")
-        except (OSError, IndexError):
-            continue
-    return out
 
 
 def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None, torchrun_args=()):
@@ -88,15 +67,6 @@ def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None, torchrun_arg
             pass
     return p.returncode, out, left
 
-
-def losses(out: str) -> dict[int, str]:
-    """{iteration: the loss fields of its progress line}"""
-    got = {}
-    for line in out.splitlines():
-        if line.startswith("iteration ") and "| loss " in line:
-            it = int(line.split()[1].split("/")[0])
-            got[it] = line.split("| loss ")[1].split(" | step")[0]
-    return got
 
 
 def scenarios(seed: int):
