@@ -47,7 +47,10 @@ import queue
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+try:  # megatron-core 0.16: rank 0 writes common.pt through this strategy, before the sharded save's collectives
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+except ImportError:  # megatron-core 0.19: torch_dist writes the non-tensor state inside DCP's own collective save
+    TorchCommonSaveStrategy = None
 from torch.distributed.checkpoint import filesystem
 
 from .. import comm
@@ -242,8 +245,12 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 @contextlib.contextmanager
 def in_process_writes():
     """Within the block, megatron.core's checkpoint writer writes in this process: no forked writers and no
-    multiprocessing manager that a killed rank would leave behind."""
+    multiprocessing manager that a killed rank would leave behind. megatron-core 0.19 writes with threads
+    (``write_preloaded_data_multithread``): nothing to replace there."""
     cls = fa.FileSystemWriterAsync
+    if "write_preloaded_data_multiproc" not in cls.__dict__:
+        yield
+        return
     saved = cls.__dict__["write_preloaded_data_multiproc"], fa._get_write_results_queue
     cls.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
     fa._get_write_results_queue = queue.Queue
@@ -257,8 +264,12 @@ def in_process_writes():
 def deferred_common_save_error(errors: list):
     """Within the block, a failure of megatron.core's ``save_common`` (rank 0 writing ``common.pt``) is put in
     ``errors`` instead of raised, so that rank 0 still takes part in the sharded save's collectives (see 4.
-    above); the caller raises it on every rank afterwards."""
+    above); the caller raises it on every rank afterwards. Without that strategy (megatron-core 0.19) there is
+    no separate common save to defer: a failure is DCP's, raised inside its collective save."""
     cls = TorchCommonSaveStrategy
+    if cls is None:
+        yield
+        return
     original = cls.__dict__["save_common"]
 
     def save_common(self, common_state_dict, checkpoint_dir):
