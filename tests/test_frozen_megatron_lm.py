@@ -23,6 +23,7 @@ pytest.importorskip("megatron.training.training", reason="megatron.training need
                     "(Python >= 3.12): run `make test-megatron-lm`")
 
 from mp_harness import run_ranks  # noqa: E402
+from test_megatron_lm import _loop_run  # noqa: E402 - the built-in trainer's losses on the same flags
 
 FLAGS = ["--spindle", "--spindle-model", "multitask-clip", "--spindle-size", "tiny", "--spindle-tasks", "4",
          "--spindle-freeze", "vision,text.layers", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -82,26 +83,6 @@ def _megatron_run(argv: list[str]) -> dict:
         hooks._BUILT.clear()
         mt.destroy_global_state()
     return {**seen, "final": final, "requires_grad": grad, "counts": counts}
-
-
-def _loop_run(argv: list[str]) -> list[dict]:
-    from megatron_spindle.megatron.flags import fallback_args
-    from megatron_spindle.megatron.trainer import Trainer, pretrain
-
-    got, original = [], Trainer.train_step
-
-    def train_step(self, it):
-        out = original(self, it)
-        got.append(out[0])
-        return out
-
-    Trainer.train_step = train_step
-    try:
-        args, _ = fallback_args(argv)
-        pretrain(args)
-    finally:
-        Trainer.train_step = original
-    return got
 
 
 def _rank(rank: int, world: int, tmp: str) -> dict:

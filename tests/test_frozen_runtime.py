@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from mp_harness import run_ranks
+from test_runtime_exec import _plan_posts  # the plan's messages a rank posts in one step
 
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.manual import plan_from_waves
@@ -236,21 +237,6 @@ def test_executor_with_frozen_modules_equals_single_process(results, case):
             seen.add((key, name))
         assert not [n for n in got["groups"] if n.startswith("param/") and n.split("/")[1] in frozen]
     assert seen == set(final)
-
-
-def _plan_posts(plan, rank: int) -> list[tuple[str, int, int, int]]:
-    """The plan's stored messages ``rank`` sends or receives in one step (``test_runtime_exec.py``'s rule)."""
-    tag, ops = 0, []
-    for backward in (False, True):
-        for w in range(len(plan.waves)):
-            for t in (t for t in plan.transfers if t.wave == w):
-                for m in (t.backward if backward else t.forward):
-                    tag += 1
-                    if m.src == rank != m.dst:
-                        ops.append(("send", m.dst, tag, m.stop - m.start))
-                    elif m.dst == rank != m.src:
-                        ops.append(("recv", m.src, tag, m.stop - m.start))
-    return ops
 
 
 def test_executor_posts_exactly_the_plans_messages_and_none_back_to_forward_only_slices(results):

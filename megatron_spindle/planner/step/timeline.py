@@ -59,38 +59,32 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         cost_f = {k: boundary_time_ms(v, cluster) for k, v in flows_f.items()}
         cost_b = {k: boundary_time_ms(v, cluster) for k, v in flows_b.items()}
     waves = {w.index: w for w in plan.waves}
+
+    def run(wi: int, edges, peer, done: dict, cost: dict, batch_wave, share: float) -> None:
+        """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
+        slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
+        ``share`` of its time long."""
+        at_boundary = list(free)
+        for s in waves[wi].slices:
+            ready = 0.0
+            for t in edges[s.name]:
+                p = peer(t)
+                if not transfers:
+                    ready = max(ready, done[p])
+                elif early_sends:
+                    ready = max(ready, done[p] + cost[(p, wi)])
+                else:
+                    both = max(at_boundary[r] for r in (*ranks[p], *s.ranks))
+                    ready = max(ready, max(done[p], both) + cost[("wave", batch_wave(t))])
+            start = max(ready, max(free[r] for r in s.ranks))
+            e = done[s.name] = start + share * slice_ms[s.name]
+            for r in s.ranks:
+                free[r] = e
+
     for phase in plan.phases:
-        for wi in phase:
-            at_boundary = list(free)
-            for s in waves[wi].slices:
-                ready = 0.0
-                for t in into[s.name]:
-                    if not transfers:
-                        ready = max(ready, fwd_end[t.src])
-                    elif early_sends:
-                        ready = max(ready, fwd_end[t.src] + cost_f[(t.src, wi)])
-                    else:
-                        both = max(at_boundary[r] for r in (*ranks[t.src], *s.ranks))
-                        ready = max(ready, max(fwd_end[t.src], both) + cost_f[("wave", wi)])
-                start = max(ready, max(free[r] for r in s.ranks))
-                end = fwd_end[s.name] = start + FORWARD_SHARE * slice_ms[s.name]
-                for r in s.ranks:
-                    free[r] = end
-        for wi in reversed(phase):
-            at_boundary = list(free)
-            for s in waves[wi].slices:
-                ready = 0.0
-                for t in back_to[s.name]:
-                    dst_wave = SliceRef.from_str(t.dst).wave
-                    if not transfers:
-                        ready = max(ready, bwd_end[t.dst])
-                    elif early_sends:
-                        ready = max(ready, bwd_end[t.dst] + cost_b[(t.dst, wi)])
-                    else:
-                        both = max(at_boundary[r] for r in (*ranks[t.dst], *s.ranks))
-                        ready = max(ready, max(bwd_end[t.dst], both) + cost_b[("wave", dst_wave)])
-                start = max(ready, max(free[r] for r in s.ranks))
-                end = bwd_end[s.name] = start + (1 - FORWARD_SHARE) * slice_ms[s.name]
-                for r in s.ranks:
-                    free[r] = end
+        for wi in phase:  # forward: inputs from producers, the consumer's wave's batch
+            run(wi, into, lambda t: t.src, fwd_end, cost_f, lambda t: t.wave, FORWARD_SHARE)
+        for wi in reversed(phase):  # backward: gradients from consumers, the consumer's wave's batch
+            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, lambda t: SliceRef.from_str(t.dst).wave,
+                1 - FORWARD_SHARE)
     return max(free, default=0.0), bwd_end
