@@ -47,7 +47,7 @@ from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
 from .placement import NODE_BUDGET, place, sequential_placement
 from .plan import Plan
-from .simulate import simulate
+from .simulate import step_time_ms
 from ..level.waves import Wave, WaveSlice, schedule_level
 
 #: Levels shorter than this share of the makespan keep their shortest-span waves (candidate 1').
@@ -57,7 +57,7 @@ MIN_LEVEL_SHARE = 0.05
 def step_ms(plan: Plan, cluster: Cluster, passes: int | None = None) -> float:
     """The simulated step of ``plan`` on ``cluster``, ``passes`` passes per step (default the plan's; memory not
     checked)."""
-    return simulate(plan, cluster, check_memory=False, passes=passes).step_ms
+    return step_time_ms(plan, cluster, passes=passes)
 
 
 def _fits(plan: Plan, cluster: Cluster) -> bool:

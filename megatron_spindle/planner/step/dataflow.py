@@ -101,7 +101,7 @@ def slice_layout(m: MetaOp, ranks: Sequence[int]) -> Layout:
 
 #: Layouts and message lists kept for reuse: the placement search and every whole-step candidate's plan
 #: (:mod:`.choose`) ask for the same ones again (each a pure function of its arguments).
-CACHE_SIZE = 1024
+CACHE_SIZE = 4096
 
 
 def clear_caches() -> None:

@@ -243,6 +243,40 @@ def transfer_flows(plan: Plan, cluster: Cluster, *,
     return out
 
 
+def _check_args(passes, grad_bytes: int) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive integer, got {passes!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    return passes
+
+
+def _pass_and_sync(plan: Plan, cluster: Cluster, *, grad_bytes: int, overlap_sync: bool, compute_scale: float,
+                   early_sends: bool, bucket_size: int | None) -> tuple[dict[str, float], float, list, list]:
+    """``(slice ms, pass ms, posted buckets as (post time, bucket), their (start, end))``: items 1-4 of the
+    module docstring, what the step's time needs (the breakdown's parts are :func:`simulate`'s)."""
+    curves = dict(plan.curves)
+    slice_ms = {s.name: compute_scale * _slice_time(s, curves) for w in plan.waves for s in w.slices}
+    pass_ms, done = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends)
+    buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
+                               backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
+    posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
+    posted.sort(key=lambda rb: (rb[0], rb[1].ranks))
+    spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
+    return slice_ms, pass_ms, posted, spans
+
+
+def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
+                 grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+    """:func:`simulate`'s ``step_ms`` without the breakdown (the whole-step choice times many candidates;
+    memory not checked): the same numbers, half the work."""
+    passes = _check_args(passes if passes is not None else plan.passes, grad_bytes)
+    check_fits(plan, cluster, check_memory=False)
+    _, pass_ms, _, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes, overlap_sync=True,
+                                          compute_scale=1.0, early_sends=False, bucket_size=None)
+    return passes * pass_ms + (max([end for _, end in spans] + [pass_ms]) - pass_ms)
+
+
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
              grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
              compute_scale: float = 1.0, early_sends: bool = False,
@@ -259,21 +293,17 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     boundary (NCCL, the default here); ``bucket_size``: parameters per gradient bucket (default
     megatron.core's, :mod:`.grad_buckets`).
     """
-    passes = plan.passes if passes is None else passes
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"passes must be a positive integer, got {passes!r}")
-    if grad_bytes not in (2, 4):
-        raise ValueError(f"grad_bytes must be 2 (bf16) or 4 (fp32), got {grad_bytes!r}")
+    passes = _check_args(passes if passes is not None else plan.passes, grad_bytes)
     check_fits(plan, cluster, check_memory=check_memory)
     N = plan.world_size
-    curves = dict(plan.curves)
     flows = transfer_flows(plan, cluster)
     back = transfer_flows(plan, cluster, backward=True)
+    slice_ms, pass_ms, posted, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes,
+                                                      overlap_sync=overlap_sync, compute_scale=compute_scale,
+                                                      early_sends=early_sends, bucket_size=bucket_size)
     waves = []
-    slice_ms: dict[str, float] = {}
     for w in plan.waves:
-        times = [compute_scale * _slice_time(s, curves) for s in w.slices]
-        slice_ms.update((s.name, t) for s, t in zip(w.slices, times))
+        times = [slice_ms[s.name] for s in w.slices]
         duration = max(times, default=0.0)
         busy = sum(t * len(s.ranks) for t, s in zip(times, w.slices)) / N
         f = flows.get(w.index, [])
@@ -283,13 +313,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
         waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f if a // g != b // g)))
-    pass_ms, done = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends)
     free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends, transfers=False)
-    buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
-                               backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
-    posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
-    posted.sort(key=lambda rb: (rb[0], rb[1].ranks))
-    spans = schedule_collectives(((b.ranks, b.bytes, r) for r, b in posted), cluster)
     colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
                              wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)
                   for (r, b), (start, end) in zip(posted, spans))

@@ -32,7 +32,7 @@ from .build import grouped_schedule, make_plan
 from .placement import PlacementError, place
 from .execution import Execution, configure, task_groups
 from .plan import Plan
-from .simulate import simulate
+from .simulate import simulate, step_time_ms
 from .tuning import Trial, Tuned, Workload, _first_fit, _fits, _peak, note_over_memory
 
 #: Spindle configurations given the full search (the rest are ranked by the paper's pipeline alone).
@@ -176,7 +176,7 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
     for ex in dict.fromkeys(candidates):
         p = fast(ex)
         if isinstance(p, Plan):
-            t = simulate(p, cluster, check_memory=False).step_ms
+            t = step_time_ms(p, cluster)
             out.tried.append(Trial(ex, t, _peak(p) / 2**30, _fits(p, cluster), "paper's pipeline"))
             ranked.append((t, ex))
     ranked.sort(key=lambda r: r[0])
