@@ -12,7 +12,8 @@ from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
 from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.step.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
-                                               allreduce_time_ms, boundary_time_ms, simulate, sync_time_ms)
+                                               allreduce_time_ms, boundary_time_ms, simulate, step_time_ms,
+                                               sync_time_ms)
 from megatron_spindle.planner.step.validate import check_plan
 from megatron_spindle.planner.level.waves import Wave, WaveSlice
 from megatron_spindle.planner.workload.workloads import build_graph
@@ -271,6 +272,23 @@ def test_gradient_accumulation_syncs_once():
             simulate(plan, c, check_memory=False, passes=bad)
     with pytest.raises(ValueError, match="grad_bytes"):
         simulate(plan, c, check_memory=False, grad_bytes=3)
+    assert step_time_ms(plan, c, passes=4) == four.step_ms
+    with pytest.raises(ValueError, match="passes"):
+        step_time_ms(plan, c, passes=0)
+
+
+def test_step_time_is_the_simulated_step():
+    """The whole-step choice's shortcut (no breakdown) gives the simulator's step, bit for bit, on every
+    system's plan at two sizes and with gradient accumulation."""
+    from megatron_spindle.planner.step.build import plan_system
+    for gpus in (8, 64):
+        c = load_cluster(None, num_devices=gpus)
+        g = build_graph("multitask-clip", tasks=4)
+        for system in ("spindle", "sequential", "task-level", "intra-task"):
+            plan = plan_system(system, g, c, validate=False)
+            for passes in (1, 3):
+                assert step_time_ms(plan, c, passes=passes) == simulate(plan, c, check_memory=False,
+                                                                         passes=passes).step_ms
 
 
 def test_step_adds_up_on_a_real_plan():
