@@ -119,3 +119,19 @@ def test_every_system_is_known():
     assert SYSTEMS[0] == "spindle" and set(BASELINES) < set(SYSTEMS)
     with pytest.raises(ValueError, match="unknown system 'megatron'"):
         plan_system("megatron", build_graph("ofasys", size="tiny"), load_cluster(None, num_devices=8))
+
+
+def test_a_groups_time_changes_only_at_its_steps():
+    """The share searches (task-level's marginal gain, intra-task's and the grids' finish-together) visit only
+    the valid counts of a group's MetaOps: between two of them the group's time must not change."""
+    from megatron_spindle.planner.step.shares import group_time, min_share, share_steps
+    for model, tasks, N in (("multitask-clip", 4, 48), ("ofasys", 4, 40), ("qwen-val", 3, 24)):
+        c = load_cluster(None, num_devices=N)
+        ms = make_metaops(build_graph(model, tasks=tasks), c)
+        curves = build_curves(ms, N)
+        for t in sorted({m.task for m in ms}):
+            g = [m for m in ms if m.task == t]
+            steps = share_steps(g, N)
+            for n in range(min_share(g, N), N + 1):
+                at = max(s for s in steps if s <= n)
+                assert group_time(g, curves, n, N) == group_time(g, curves, at, N), (model, t, n, at)

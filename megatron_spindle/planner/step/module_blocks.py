@@ -20,7 +20,8 @@ from typing import Sequence
 from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.metaops import levels
-from .baselines import Lane, _blocks, _Builder, _finish, finish_together_shares, min_share
+from .baselines import Lane, _blocks, _Builder, _finish
+from .shares import finish_together_shares, min_share
 from .plan import Plan
 from .static_grids import module_stages
 

@@ -6,7 +6,7 @@ pipelines micro-batches from the encoders' grids into the consuming module's gri
 
 1. **Grids.** One grid per module of the spec (``MetaOp.module``: ``vision``, ``text``, ``llm``, ``loss`` ...);
    a module shared by several tasks is one grid that runs every task's MetaOps of it. Shares are sized to
-   balance the modules' work per micro-batch (:func:`.baselines.finish_together_shares`: the slowest grid as
+   balance the modules' work per micro-batch (:func:`.shares.finish_together_shares`: the slowest grid as
    fast as it can be with the devices there are, then the fewest devices), contiguous blocks from device 0.
    Inside its grid a MetaOp runs on its best valid count (as the sequential baseline does on the cluster).
 2. **Pipeline.** A grid's stage is its depth in the module graph (encoders 0, the module consuming them 1,
@@ -38,7 +38,7 @@ from ..workload.curves import ScalingCurve
 from ..workload.memory import layer_state_bytes, slice_activation_bytes
 from ..workload.metaops import MetaOp
 from ..workload.recompute import FORWARD_SHARE
-from .baselines import best_count, finish_together_shares, min_share
+from .shares import best_count, finish_together_shares, min_share
 from .grad_buckets import bucket_params
 from .link_costs import boundary_time_ms, schedule_collectives
 from .simulate import GRAD_BYTES_PER_PARAM, Breakdown, StepSimulation
