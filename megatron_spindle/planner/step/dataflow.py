@@ -118,8 +118,11 @@ def _layout(ranks: tuple[int, ...], tp: int, batch: int) -> Layout:
 def _pick(holders: Sequence[int], dst: int, position: int, island_of: Callable[[int], int] | None) -> int:
     if dst in holders:
         return dst
+    if len(holders) == 1:  # the only holder is what the rules below pick too
+        return holders[0]
     if island_of is not None:
-        same = [h for h in holders if island_of(h) == island_of(dst)]
+        home = island_of(dst)
+        same = [h for h in holders if island_of(h) == home]
         if same:
             return same[position % len(same)]
     return holders[position % len(holders)]
@@ -131,15 +134,17 @@ def messages(src: Layout, dst: Layout, *, island_of: Callable[[int], int] | None
     if src.batch != dst.batch:
         raise ValueError(f"global batch differs between layouts: {src.batch} vs {dst.batch}")
     out: list[Message] = []
-    per = src.batch // src.dp
+    per, dper = src.batch // src.dp, dst.batch // dst.dp  # samples per replica (Layout.samples)
+    stp, dtp, sranks, dranks = src.tp, dst.tp, src.ranks, dst.ranks
     for j in range(dst.dp):
-        a, b = dst.samples(j)
-        for pos, d in enumerate(dst.replica(j)):
-            for i in range(a // per, (b - 1) // per + 1):  # the source replicas overlapping [a, b)
-                s0, s1 = src.samples(i)
-                lo, hi = max(a, s0), min(b, s1)
+        a, b = j * dper, (j + 1) * dper
+        overlapping = range(a // per, (b - 1) // per + 1)  # the source replicas overlapping [a, b)
+        for pos in range(dtp):
+            d = dranks[j * dtp + pos]
+            for i in overlapping:
+                lo, hi = max(a, i * per), min(b, (i + 1) * per)
                 if lo < hi:
-                    out.append(Message(src=_pick(src.replica(i), d, j * dst.tp + pos, island_of), dst=d,
+                    out.append(Message(src=_pick(sranks[i * stp:(i + 1) * stp], d, j * dtp + pos, island_of), dst=d,
                                        start=lo, stop=hi, bytes=(hi - lo) * bytes_per_sample))
     return out
 
