@@ -65,6 +65,14 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
         ``share`` of its time long."""
         at_boundary = list(free)
+        reached: dict[str, float] = {}  # a slice's devices' latest arrival at this boundary
+
+        def arrived(name: str) -> float:
+            got = reached.get(name)
+            if got is None:
+                got = reached[name] = max((at_boundary[r] for r in ranks[name]), default=0.0)
+            return got
+
         for s in waves[wi].slices:
             ready = 0.0
             for t in edges[s.name]:
@@ -74,7 +82,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                 elif early_sends:
                     ready = max(ready, done[p] + cost[(p, wi)])
                 else:
-                    both = max(at_boundary[r] for r in (*ranks[p], *s.ranks))
+                    both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[("wave", batch_wave(t))])
             start = max(ready, max(free[r] for r in s.ranks))
             e = done[s.name] = start + share * slice_ms[s.name]
