@@ -58,6 +58,7 @@ R_END = 0.0005
 #: Runs of the ruin-and-recreate search, each from the annealing's best with its own seed (a run mostly
 #: finds its best early or not at all: several short ones reach more than one long one).
 REBUILD_STARTS = 6
+_heapify, _heapreplace = heapq.heapify, heapq.heapreplace
 
 
 class _Level:
@@ -90,16 +91,27 @@ class _Level:
         got = self.cache.get(x)
         if got is not None:
             return x, got[0]
+        return x, self.plus_new(w, m, x)
+
+    def plus_new(self, w: tuple, m: int, x: tuple) -> float:
+        """:meth:`plus`'s duration of ``x`` (``w`` with one layer more of ``m``) when ``x`` is not cached."""
         d, k = self.fit(w)
         if w[m]:
             if x[m] * self.T[m][k[m]] <= d:
                 self.cache[x] = (d, k)
-                return x, d
-        elif (self.T[m][0] <= d
-              and sum(self.counts[i][k[i]] for i, a in enumerate(w) if a) + self.counts[m][0] <= self.N):
-            self.cache[x] = (d, k)
-            return x, d
-        return x, self.fit(x)[0]
+                return d
+        elif self.T[m][0] <= d:
+            counts = self.counts
+            used = 0
+            i = 0
+            for a in w:
+                if a:
+                    used += counts[i][k[i]]
+                i += 1
+            if used + counts[m][0] <= self.N:
+                self.cache[x] = (d, k)
+                return d
+        return self.fit(x)[0]
 
 
 def fast_counts(counts: Sequence[int], times: Sequence[float]) -> tuple[list[int], list[float]]:
@@ -117,21 +129,30 @@ def fit_wave(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
     """``(shortest duration, count index per MetaOp)`` of a wave of ``w[m]`` layers of each MetaOp on at most
     ``N`` devices, over the counts of :func:`fast_counts` (module docstring: greedy)."""
     k = [0] * len(w)
-    heap = [(-a * T[m][0], m) for m, a in enumerate(w) if a]
+    heap = []
+    used = 0
+    m = 0
+    for a in w:
+        if a:
+            heap.append((-a * T[m][0], m))
+            used += counts[m][0]
+        m += 1
     if not heap:
         return 0.0, tuple(k)
-    used = sum(counts[m][0] for _, m in heap)
     if used > N:
         return math.inf, tuple(k)
-    heapq.heapify(heap)
+    _heapify(heap)
     while True:
         t, m = heap[0]
+        cm = counts[m]
         i = k[m] + 1
-        if i == len(counts[m]) or used + counts[m][i] - counts[m][i - 1] > N:
+        if i == len(cm):
             return -t, tuple(k)
-        used += counts[m][i] - counts[m][i - 1]
+        used += cm[i] - cm[i - 1]
+        if used > N:
+            return -t, tuple(k)
         k[m] = i
-        heapq.heapreplace(heap, (-w[m] * T[m][i], m))
+        _heapreplace(heap, (-w[m] * T[m][i], m))
 
 
 def _ending(lv: _Level, w: tuple, d: float) -> list[int]:
@@ -269,6 +290,7 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
     table = [tuple(r) for r in table if any(r)]
     cur = sum(lv.fit(r)[0] for r in table)
     best, best_table, span, done = cur, list(table), cur, 0
+    get, plus_new = lv.cache.get, lv.plus_new
     while done < work:
         temp = span * R_START * (R_END / R_START) ** (done / work)
         done += 1
@@ -282,7 +304,9 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
             cost, j = math.inf, -1
             for i, r in enumerate(rows):  # the first wave it does not lengthen, else the least lengthened
                 done += 1
-                x, d = lv.plus(r, m)
+                x = r[:m] + (r[m] + 1,) + r[m + 1:]  # lv.plus(r, m), its cached case inline
+                got = get(x)
+                d = got[0] if got is not None else plus_new(r, m, x)
                 if d - D[i] < cost:
                     cost, j, best_x, best_d = d - D[i], i, x, d
                     if cost <= 0:
