@@ -33,13 +33,22 @@ _EPS = 1e-9
 
 
 def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
-           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None, *,
+           memo: dict | None = None) -> list[Wave]:
     """A schedule of the same level no longer than ``waves`` (the input is not changed; fewer than two waves
-    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`."""
+    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`. ``memo``: the
+    result's slices by the input's, for a caller that polishes many schedules of one level (same MetaOps,
+    devices and times), which then polishes each distinct input once."""
     if len(waves) < 2:
         return list(waves)
     N = num_devices
     order = [m.name for m in metaops]
+    key = None
+    if memo is not None and times is not None:  # the polished slices depend only on each wave's (MetaOp, devices, layers) in order
+        key = tuple(tuple([(s.metaop, s.devices, s.layers) for s in w.slices]) for w in waves)
+        got = memo.get(key)
+        if got is not None:
+            return build_waves(waves[0].level, got, times, waves[0].start_ms)
     valid = {m.name: m.valid_counts(N) for m in metaops}
     T = times if times is not None else {n: {c: curves[n].count_time(c) for c in valid[n]} for n in order}
     # state: per wave, MetaOp -> [devices, layers]
@@ -58,12 +67,10 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     for _ in range(MAX_MOVES):
         if not _move(state, D, F, T, valid, sum(D) * _EPS, dur):
             break
-    return _assemble([w for w in state if w], order, T, waves[0].level, waves[0].start_ms)
-
-
-def _assemble(state, order, T, level: int, start_ms: float) -> list[Wave]:
-    """Waves from per-wave ``{MetaOp: [devices, layers]}``, in the given order, layers numbered in it."""
-    return build_waves(level, [[(n, *w[n]) for n in order if n in w] for w in state], T, start_ms)
+    choices = [[(n, *w[n]) for n in order if n in w] for w in state if w]
+    if key is not None:
+        memo[key] = choices
+    return build_waves(waves[0].level, choices, T, waves[0].start_ms)
 
 
 def _move(state, D, F, T, valid, eps, dur) -> bool:

@@ -248,6 +248,13 @@ def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
     return merge_waves(out)
 
 
+def copy_waves(waves: Sequence[Wave]) -> list[Wave]:
+    """New objects with the same fields (for a caller that hands out the same schedule twice)."""
+    return [Wave(w.level, w.start_ms, w.duration_ms,
+                 [WaveSlice(s.metaop, s.layer_start, s.layers, s.devices, s.time_ms) for s in w.slices], w.phase)
+            for w in waves]
+
+
 def merge_waves(waves: list[Wave]) -> list[Wave]:
     """Merge consecutive waves whose MetaOps and device counts are identical and whose layers continue."""
     out: list[Wave] = []
