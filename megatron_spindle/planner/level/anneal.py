@@ -300,23 +300,30 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
         removed.sort(key=lambda m: -lv.T[m][0] * (0.8 + 0.4 * rng.random()))
         rows = [r for r in rows if r != empty]
         D = [lv.fit(r)[0] for r in rows]
+        tried = [{} for _ in rows]  # per row while it is unchanged: MetaOp -> (row plus a layer, its d, cost)
         for m in removed:
             cost, j = math.inf, -1
             for i, r in enumerate(rows):  # the first wave it does not lengthen, else the least lengthened
                 done += 1
-                x = r[:m] + (r[m] + 1,) + r[m + 1:]  # lv.plus(r, m), its cached case inline
-                got = get(x)
-                d = got[0] if got is not None else plus_new(r, m, x)
-                if d - D[i] < cost:
-                    cost, j, best_x, best_d = d - D[i], i, x, d
+                e = tried[i].get(m)
+                if e is None:  # lv.plus(r, m), its cached case inline (a second ask is always cached)
+                    x = r[:m] + (r[m] + 1,) + r[m + 1:]
+                    got = get(x)
+                    d = got[0] if got is not None else plus_new(r, m, x)
+                    e = tried[i][m] = (x, d, d - D[i])
+                if e[2] < cost:
+                    best_x, best_d, cost = e
+                    j = i
                     if cost <= 0:
                         break
             one = empty[:m] + (1,) + empty[m + 1:]
             if lv.fit(one)[0] < cost:
                 rows.append(one)
                 D.append(lv.fit(one)[0])
+                tried.append({})
             else:
                 rows[j], D[j] = best_x, best_d
+                tried[j] = {}
         new = sum(D)
         if new < cur - 1e-12 * span or rng.random() < math.exp(-(new - cur) / temp):
             table, cur = rows, new

@@ -88,7 +88,10 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         else:
             heads = [n for n in order if queue[n]]
         # remaining work (all of a MetaOp's tuples) does not change before the commit step
-        work = {n: sum(l * table[n][d] for d, l in queue[n]) for n in heads}
+        work = {}
+        for n in heads:
+            tn = table[n]
+            work[n] = sum([l * tn[d] for d, l in queue[n]])
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
@@ -99,7 +102,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                     cand[n], pick[n] = d, 0
                     free -= d
         else:
-            by_work = sorted(heads, key=lambda n: -work[n])
+            by_work = sorted(heads, key=work.__getitem__, reverse=True)  # stable: as by -work
             for n in by_work:
                 q = queue[n]
                 i = 0  # the first tuple with the fewest devices
@@ -110,7 +113,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
-            for n in (by_work if len(cand) == len(by_work) else sorted(cand, key=lambda n: -work[n])):
+            for n in (by_work if len(cand) == len(by_work) else sorted(cand, key=work.__getitem__, reverse=True)):
                 q = queue[n]
                 i = 0  # the first tuple with the most devices
                 for j in range(1, len(q)):
@@ -120,14 +123,19 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d > cand[n] and d - cand[n] <= free:
                     free -= d - cand[n]
                     cand[n], pick[n] = d, i
-        # (b) extend
+        # (b) extend: the largest (work, name) that can, as max() of those pairs
         while free > 0:
-            ext = [(work[n], n) for n in cand if nextv[n][cand[n]] <= cand[n] + free]
-            if ext:
-                _, n = max(ext)
-                v = nextv[n][cand[n]]
-                free -= v - cand[n]
-                cand[n] = v
+            bn = None
+            for n, c in cand.items():
+                if nextv[n][c] <= c + free:
+                    w = work[n]
+                    if bn is None or w > bw or (w == bw and n > bn):
+                        bw, bn = w, n
+            if bn is not None:
+                c = cand[bn]
+                v = nextv[bn][c]
+                free -= v - c
+                cand[bn] = v
                 continue
             fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
             if not fill:
@@ -137,8 +145,8 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             cand[n], pick[n] = v, 0
             free -= v
         # (c) align
-        layers = _align({n: (table[n][cand[n]], queue[n][pick[n]][1], cand[n]) for n in cand}, N,
-                        shortest_only=(align == "shortest"))
+        layers = _align_items([(n, table[n][c], queue[n][pick[n]][1], c) for n, c in cand.items()], N,
+                              align == "shortest")
         # (d) commit
         if across_levels:
             level = max([level] + [by_name[n].level for n in layers])
@@ -199,36 +207,52 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
     choice with the least idle device-time per unit of work done (ties: the shortest wave).
     """
-    items = [(n, t1, left, d) for n, (t1, left, d) in cands.items()]
+    return _align_items([(n, t1, left, d) for n, (t1, left, d) in cands.items()], num_devices, shortest_only)
+
+
+def _align_items(items: Sequence[tuple[str, float, int, int]], num_devices: int,
+                 shortest_only: bool) -> dict[str, int]:
+    """:func:`_align` of ``(name, time per layer, layers left, devices)`` items: each span's key first, the
+    layers of the best span (the first of equal keys) after."""
     spans = [t1 * left for _, t1, left, _ in items]
     shortest = min(spans)
-    best_key, best_layers = None, None
+    slack = 1 + ALIGN_SLACK
+    best_r = best_dur = best_span = None
     tried = set()
     for span in spans:
         # candidates finishing at the same span give the same wave: try each span once
         if (shortest_only and span > shortest) or span in tried:
             continue
         tried.add(span)
-        hi = span * (1 + ALIGN_SLACK)
-        layers = {}
+        hi = span * slack
         dur = 0.0
         work = 0.0
-        for n, t1, left, d in items:
+        for _, t1, left, d in items:
             k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
             if k >= left:
                 k = left
             elif (k + 1) * t1 <= hi:
                 k += 1
             if k > 0:
-                layers[n] = k
                 t = k * t1
                 if t > dur:
                     dur = t
                 work += t * d
-        key = ((num_devices * dur - work) / work, dur)
-        if best_key is None or key < best_key:
-            best_key, best_layers = key, layers
-    return best_layers
+        r = (num_devices * dur - work) / work  # the key (r, dur), compared as that pair
+        if best_r is None or r < best_r or (r == best_r and dur < best_dur):
+            best_r, best_dur, best_span = r, dur, span
+    span = best_span
+    hi = span * slack
+    layers = {}
+    for n, t1, left, _ in items:
+        k = int(span / t1 * (1 + 1e-9))
+        if k >= left:
+            k = left
+        elif (k + 1) * t1 <= hi:
+            k += 1
+        if k > 0:
+            layers[n] = k
+    return layers
 
 
 def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
