@@ -77,12 +77,22 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
     """Make the first improving move (waves longest first); whether one was made. ``D``, ``F``: each wave's
     duration and free devices, kept up to date."""
     W = len(state)
-    for w1 in sorted(range(W), key=lambda i: (-D[i], i)):
+    for w1 in sorted(range(W), key=D.__getitem__, reverse=True):  # stable: as by (-D[i], i)
         w = state[w1]
         if not w:
             continue
         d1 = D[w1] * (1 - 1e-12)
-        crit = [n for n, (c, k) in w.items() if k * T[n][c] >= d1]
+        crit = []
+        new1 = 0.0  # the wave's duration once every slice in crit gives up a layer (dur of t1 below)
+        for n, (c, k) in w.items():
+            t = k * T[n][c]
+            if t >= d1:
+                crit.append(n)
+                if k == 1:
+                    continue
+                t = (k - 1) * T[n][c]
+            if t > new1:
+                new1 = t
         # widen: a single slice ends the wave and free devices let it run faster
         if len(crit) == 1 and F[w1] > 0:
             n = crit[0]
@@ -97,6 +107,9 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
                         return True
                     w[n] = [c, k]
         # shed: every slice ending the wave gives up one layer to the wave where it costs least
+        gain = D[w1] - new1
+        if gain <= eps:
+            continue
         t1 = dict(w)
         f1 = F[w1]
         for n in crit:
@@ -106,10 +119,6 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
                 f1 += c
             else:
                 t1[n] = [c, k - 1]
-        new1 = dur(t1)
-        gain = D[w1] - new1
-        if gain <= eps:
-            continue
         changed: dict[int, dict] = {}  # destination waves, changed copies
         tD, tF = {}, {}
         for n in crit:

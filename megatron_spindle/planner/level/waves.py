@@ -77,6 +77,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     clock = start_ms
     left = sum(1 for n in order if queue[n])  # MetaOps with layers to schedule
     guard = 0
+    works: dict[str, float] = {}
     while left:
         guard += 1
         if guard > 100 * (len(order) + 1) * 4:
@@ -87,11 +88,15 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
         else:
             heads = [n for n in order if queue[n]]
-        # remaining work (all of a MetaOp's tuples) does not change before the commit step
+        # remaining work (all of a MetaOp's tuples) does not change before the commit step (kept in
+        # ``works`` until a commit changes that MetaOp's queue)
         work = {}
         for n in heads:
-            tn = table[n]
-            work[n] = sum([l * tn[d] for d, l in queue[n]])
+            w = works.get(n)
+            if w is None:
+                tn = table[n]
+                w = works[n] = sum([l * tn[d] for d, l in queue[n]])
+            work[n] = w
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
@@ -150,8 +155,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
         # (d) commit
         if across_levels:
             level = max([level] + [by_name[n].level for n in layers])
-        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
-        slices = wave.slices
+        slices = []
         dur = 0.0
         for n in order:
             k = layers.get(n)
@@ -159,19 +163,20 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 continue
             d = cand[n]
             t = k * table[n][d]
-            slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
+            first = next_layer[n]
+            slices.append(WaveSlice(n, first, k, d, t))
             if t > dur:
                 dur = t
-            next_layer[n] += k
+            next_layer[n] = first + k
+            del works[n]
             q = queue[n]
             q[pick[n]][1] -= k
             if q[pick[n]][1] == 0:
                 q.pop(pick[n])
                 if not q:
                     left -= 1
-        wave.duration_ms = dur
+        waves.append(Wave(level, clock, dur, slices))
         clock += dur
-        waves.append(wave)
     return merge_waves(waves)
 
 
@@ -261,14 +266,16 @@ def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
     slices in the given order), each MetaOp's layers numbered from 0 in time order; merged (:func:`merge_waves`)."""
     out, nxt, clock = [], {}, start_ms
     for ch in choices:
-        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        slices, dur = [], 0.0
         for n, c, k in ch:
             t = k * times[n][c]
-            wave.slices.append(WaveSlice(metaop=n, layer_start=nxt.get(n, 0), layers=k, devices=c, time_ms=t))
-            nxt[n] = nxt.get(n, 0) + k
-            wave.duration_ms = max(wave.duration_ms, t)
-        clock += wave.duration_ms
-        out.append(wave)
+            first = nxt.get(n, 0)
+            slices.append(WaveSlice(n, first, k, c, t))
+            nxt[n] = first + k
+            if t > dur:  # max(dur, t)
+                dur = t
+        out.append(Wave(level, clock, dur, slices))
+        clock += dur
     return merge_waves(out)
 
 
