@@ -177,18 +177,6 @@ class _Pool:
         gains = pi[i] * self.layers[i][rows]                                        # (R, K)
         return np.concatenate([value[:, None, :], shifted + gains[:, :, None]], axis=1)
 
-    def _stacked(self, i: int, pi: np.ndarray, rows, value: np.ndarray) -> np.ndarray:
-        """:meth:`_options` (the same sums) as ``(1 + counts, R, N + 1)``, by slices: ``-inf`` where a count
-        does not fit."""
-        R, W = value.shape
-        gains = pi[i] * self.layers[i][rows]  # (R, K)
-        counts = self.counts[i]
-        out = np.full((len(counts) + 1, R, W), -np.inf)
-        out[0] = value
-        for k, c in enumerate(counts):
-            np.add(value[:, :W - c], gains[:, k:k + 1], out=out[k + 1, :, c:])
-        return out
-
     def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]`` (the recurrence of
         :meth:`_options`, one count at a time: over every duration the stacked form moves 3x the memory). The
@@ -214,11 +202,18 @@ class _Pool:
         value = np.zeros((R, N + 1))
         picks = []
         active = self._active(pi)
-        for i in active:  # :meth:`_options`'s maximum and first argmax (left out wins every tie, then the
-            opts = self._stacked(i, pi, rows, value)  # smallest count)
-            pick = opts.argmax(axis=0)
-            value = opts.max(axis=0)
-            picks.append(pick - 1)  # -1: left out
+        W = N + 1
+        for i in active:  # :meth:`_options`'s maximum and first argmax, one count at a time
+            gains = pi[i] * self.layers[i][rows]               # (R, K)
+            best = value.copy()
+            pick = np.full((R, W), -1, dtype=np.int64)         # -1: left out (it wins every tie)
+            for k, c in enumerate(self.counts[i]):
+                cand = value[:, :W - c] + gains[:, k:k + 1]
+                better = cand > best[:, c:]                    # strictly: the smallest count wins a tie
+                np.copyto(best[:, c:], cand, where=better)
+                np.copyto(pick[:, c:], k, where=better)
+            value = best
+            picks.append(pick)
         out = []
         # backtracked in Python lists (the same floats; numpy scalars are slow to index one by one)
         back = [(i, pick.tolist(), self.layers[i][rows].tolist(), self.T[i].tolist(), self.counts[i])
