@@ -64,8 +64,9 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
 
     D = [dur(w) for w in state]
     F = [N - sum(c for c, _ in w.values()) for w in state]
+    scanned: dict[int, tuple] = {}
     for _ in range(MAX_MOVES):
-        if not _move(state, D, F, T, valid, sum(D) * _EPS, dur):
+        if not _move(state, D, F, T, valid, sum(D) * _EPS, dur, scanned):
             break
     choices = [[(n, *w[n]) for n in order if n in w] for w in state if w]
     if key is not None:
@@ -73,39 +74,57 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     return build_waves(waves[0].level, choices, T, waves[0].start_ms)
 
 
-def _move(state, D, F, T, valid, eps, dur) -> bool:
+def _scan(w, d: float, T) -> tuple[list[str], float]:
+    """The slices that end wave ``w`` of duration ``d`` and its duration once each gives up a layer."""
+    d1 = d * (1 - 1e-12)
+    crit = []
+    new1 = 0.0  # the wave's duration once every slice in crit gives up a layer (dur of t1 below)
+    for n, (c, k) in w.items():
+        t = k * T[n][c]
+        if t >= d1:
+            crit.append(n)
+            if k == 1:
+                continue
+            t = (k - 1) * T[n][c]
+        if t > new1:
+            new1 = t
+    return crit, new1
+
+
+def _widen(w, w1, crit, D, F, T, valid, eps, dur) -> bool:
+    """Widen: a single slice ends the wave and free devices let it run faster; whether it did."""
+    n = crit[0]
+    c, k = w[n]
+    for c2 in valid[n]:
+        if c < c2 <= c + F[w1] and T[n][c2] < T[n][c]:
+            w[n] = [c2, k]
+            d = dur(w)
+            if d < D[w1] - eps:
+                D[w1] = d
+                F[w1] -= c2 - c
+                return True
+            w[n] = [c, k]
+    return False
+
+
+def _move(state, D, F, T, valid, eps, dur, scanned: dict[int, tuple]) -> bool:
     """Make the first improving move (waves longest first); whether one was made. ``D``, ``F``: each wave's
-    duration and free devices, kept up to date."""
+    duration and free devices, kept up to date. ``scanned``: per wave, :func:`_scan`'s result from an earlier
+    call, with the wave's dict and ``D`` it holds for (a wave changes by a new dict, or in place by a
+    widening, which changes ``D``)."""
     W = len(state)
     for w1 in sorted(range(W), key=D.__getitem__, reverse=True):  # stable: as by (-D[i], i)
         w = state[w1]
         if not w:
             continue
-        d1 = D[w1] * (1 - 1e-12)
-        crit = []
-        new1 = 0.0  # the wave's duration once every slice in crit gives up a layer (dur of t1 below)
-        for n, (c, k) in w.items():
-            t = k * T[n][c]
-            if t >= d1:
-                crit.append(n)
-                if k == 1:
-                    continue
-                t = (k - 1) * T[n][c]
-            if t > new1:
-                new1 = t
-        # widen: a single slice ends the wave and free devices let it run faster
-        if len(crit) == 1 and F[w1] > 0:
-            n = crit[0]
-            c, k = w[n]
-            for c2 in valid[n]:
-                if c < c2 <= c + F[w1] and T[n][c2] < T[n][c]:
-                    w[n] = [c2, k]
-                    d = dur(w)
-                    if d < D[w1] - eps:
-                        D[w1] = d
-                        F[w1] -= c2 - c
-                        return True
-                    w[n] = [c, k]
+        got = scanned.get(w1)
+        if got is not None and got[0] is w and got[1] == D[w1]:
+            crit, new1 = got[2], got[3]
+        else:
+            crit, new1 = _scan(w, D[w1], T)
+            scanned[w1] = (w, D[w1], crit, new1)
+        if len(crit) == 1 and F[w1] > 0 and _widen(w, w1, crit, D, F, T, valid, eps, dur):
+            return True
         # shed: every slice ending the wave gives up one layer to the wave where it costs least
         gain = D[w1] - new1
         if gain <= eps:
@@ -125,6 +144,7 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
             # the least (cost, count, wave): waves come in order, so a later one wins only on cost or count
             bc, bw, bcount, bk = math.inf, -1, 0, 0
             Tn, vn = T[n], valid[n]
+            vmin = vn[0]  # every slice runs on a valid count, so none is smaller
             for w2 in range(W):
                 if w2 == w1:
                     continue
@@ -147,6 +167,10 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
                             cost = 0.0
                         if cost < bc or (cost == bc and c2 < bcount):
                             bc, bw, bcount, bk = cost, w2, c2, 1
+                        if cost == 0.0:  # a larger count here costs no less and is larger: never wins
+                            break
+                if bc == 0.0 and bcount <= vmin:  # no later wave beats cost 0 on the smallest count
+                    break
             if bw < 0:
                 gain = -1.0
                 break
