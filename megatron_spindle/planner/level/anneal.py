@@ -74,13 +74,18 @@ class _Level:
             self.counts.append(cs)
             self.T.append(ts)
         self.cache: dict[tuple, tuple[float, tuple]] = {}
+        # for :func:`_fit`: per MetaOp the devices each count adds to the one below (then N + 1: no count
+        # after the last) and the counts' times negated
+        self.steps = [[0] + [b - a for a, b in zip(cs, cs[1:])] + [N + 1] for cs in self.counts]
+        self.neg_T = [[-t for t in ts] for ts in self.T]
+        self.first = [cs[0] for cs in self.counts]
 
     def fit(self, w: tuple) -> tuple[float, tuple]:
         """``(shortest duration, device count per MetaOp)`` of a wave running ``w[m]`` layers of each MetaOp
         (``inf`` when its MetaOps do not fit the devices even on their smallest counts)."""
         got = self.cache.get(w)
         if got is None:
-            got = self.cache[w] = fit_wave(w, self.counts, self.T, self.N)
+            got = self.cache[w] = _fit(w, self.first, self.steps, self.neg_T, self.N)
         return got
 
     def plus(self, w: tuple, m: int) -> tuple[tuple, float]:
@@ -153,6 +158,34 @@ def fit_wave(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
             return -t, tuple(k)
         k[m] = i
         _heapreplace(heap, (-w[m] * T[m][i], m))
+
+
+def _fit(w: tuple, first, steps, neg_T, N: int) -> tuple[float, tuple]:
+    """:func:`fit_wave` (the same heap, ties and result) over per-count steps: ``steps[m][i]`` devices
+    added by count ``i`` (more than ``N`` past the last one, so one test ends the search either way) and the
+    times negated (``a * -T`` is ``-a * T`` exactly)."""
+    k = [0] * len(w)
+    heap = []
+    used = 0
+    m = 0
+    for a in w:
+        if a:
+            heap.append((a * neg_T[m][0], m))
+            used += first[m]
+        m += 1
+    if not heap:
+        return 0.0, tuple(k)
+    if used > N:
+        return math.inf, tuple(k)
+    _heapify(heap)
+    while True:
+        t, m = heap[0]
+        i = k[m] + 1
+        used += steps[m][i]
+        if used > N:
+            return -t, tuple(k)
+        k[m] = i
+        _heapreplace(heap, (w[m] * neg_T[m][i], m))
 
 
 def _ending(lv: _Level, w: tuple, d: float) -> list[int]:
