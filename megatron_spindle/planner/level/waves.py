@@ -128,20 +128,19 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d > cand[n] and d - cand[n] <= free:
                     free -= d - cand[n]
                     cand[n], pick[n] = d, i
-        # (b) extend: the largest (work, name) that can, as max() of those pairs
+        # (b) extend: the largest (work, name) that can, again and again. Work is fixed here and the free
+        # devices only shrink, so one that cannot stays so: the candidates are gone through once, largest
+        # first, each extended while it can. A waiting MetaOp filling the rest takes the largest count that
+        # fits, so no candidate can extend after it.
+        if free > 0:
+            for n in sorted(cand, key=lambda n: (work[n], n), reverse=True):
+                c = cand[n]
+                v = nextv[n][c]
+                while v <= c + free:
+                    free -= v - c
+                    cand[n] = c = v
+                    v = nextv[n][c]
         while free > 0:
-            bn = None
-            for n, c in cand.items():
-                if nextv[n][c] <= c + free:
-                    w = work[n]
-                    if bn is None or w > bw or (w == bw and n > bn):
-                        bw, bn = w, n
-            if bn is not None:
-                c = cand[bn]
-                v = nextv[bn][c]
-                free -= v - c
-                cand[bn] = v
-                continue
             fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
             if not fill:
                 break
@@ -219,7 +218,8 @@ def _align_items(items: Sequence[tuple[str, float, int, int]], num_devices: int,
                  shortest_only: bool) -> dict[str, int]:
     """:func:`_align` of ``(name, time per layer, layers left, devices)`` items: each span's key first, the
     layers of the best span (the first of equal keys) after."""
-    spans = [t1 * left for _, t1, left, _ in items]
+    rest = [(t1, left, d, t1 * left) for _, t1, left, d in items]  # ... and the time of all layers left
+    spans = [e[3] for e in rest]
     shortest = min(spans)
     slack = 1 + ALIGN_SLACK
     best_r = best_dur = best_span = None
@@ -232,17 +232,21 @@ def _align_items(items: Sequence[tuple[str, float, int, int]], num_devices: int,
         hi = span * slack
         dur = 0.0
         work = 0.0
-        for _, t1, left, d in items:
-            k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
-            if k >= left:
-                k = left
-            elif (k + 1) * t1 <= hi:
-                k += 1
-            if k > 0:
+        for t1, left, d, whole in rest:
+            if span >= whole:  # all its layers fit (the floor below is then at least ``left``)
+                t = whole
+            else:
+                k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
+                if k >= left:
+                    k = left
+                elif (k + 1) * t1 <= hi:
+                    k += 1
+                if k == 0:
+                    continue
                 t = k * t1
-                if t > dur:
-                    dur = t
-                work += t * d
+            if t > dur:
+                dur = t
+            work += t * d
         r = (num_devices * dur - work) / work  # the key (r, dur), compared as that pair
         if best_r is None or r < best_r or (r == best_r and dur < best_dur):
             best_r, best_dur, best_span = r, dur, span
