@@ -324,6 +324,7 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
     cur = sum(lv.fit(r)[0] for r in table)
     best, best_table, span, done = cur, list(table), cur, 0
     get, plus_new = lv.cache.get, lv.plus_new
+    ones: dict[int, tuple] = {}  # MetaOp -> (one layer of it alone, that wave's duration)
     while done < work:
         temp = span * R_START * (R_END / R_START) ** (done / work)
         done += 1
@@ -349,10 +350,14 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
                     j = i
                     if cost <= 0:
                         break
-            one = empty[:m] + (1,) + empty[m + 1:]
-            if lv.fit(one)[0] < cost:
+            got = ones.get(m)
+            if got is None:  # a layer of m alone, and its wave's duration (lv.fit, once per MetaOp)
+                one = empty[:m] + (1,) + empty[m + 1:]
+                got = ones[m] = (one, lv.fit(one)[0])
+            one, d_one = got
+            if d_one < cost:
                 rows.append(one)
-                D.append(lv.fit(one)[0])
+                D.append(d_one)
                 tried.append({})
             else:
                 rows[j], D[j] = best_x, best_d
