@@ -44,7 +44,7 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
     N = num_devices
     order = [m.name for m in metaops]
     key = None
-    if memo is not None and times is not None:  # the polished slices depend only on each wave's (MetaOp, devices, layers) in order
+    if memo is not None and times is not None:  # the result depends on each wave's (MetaOp, devices, layers)
         key = tuple(tuple([(s.metaop, s.devices, s.layers) for s in w.slices]) for w in waves)
         got = memo.get(key)
         if got is not None:

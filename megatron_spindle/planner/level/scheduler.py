@@ -269,7 +269,8 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     ms = list(metaops)
     index = {m.name: i for i, m in enumerate(ms)}
     parts = list(_tuple_key(metaops, tuples))  # the key of ``tuples``, one part per MetaOp
-    seen.setdefault((propose, align, polished, tuple(parts)), best.span_ms)
+    best_span = best.span_ms  # the same sum each time it is asked for: asked once per best
+    seen.setdefault((propose, align, polished, tuple(parts)), best_span)
     for _ in range(steps):
         m = rng.choice(ms)
         valid = m.valid_counts(N)
@@ -290,7 +291,7 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
         trial_parts = parts.copy()
         trial_parts[index[m.name]] = tuple((t.devices, t.layers) for t in choice)
         key = (propose, align, polished, tuple(trial_parts))
-        if seen.get(key, -1.0) >= best.span_ms * (1 - 1e-12):
+        if seen.get(key, -1.0) >= best_span * (1 - 1e-12):
             continue
         got = built.get(key[:2] + key[3:])
         if got is None:
@@ -301,8 +302,9 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
         if polished:
             waves = polish(waves, metaops, curves, N, times, memo=pmemo)
         span = seen[key] = sum(w.duration_ms for w in waves)
-        if span < best.span_ms * (1 - 1e-12):
+        if span < best_span * (1 - 1e-12):
             tuples, parts = trial, trial_parts
             best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,
                                  variant=best.variant.split(tag)[0] + tag)
+            best_span = best.span_ms
     return best
