@@ -58,6 +58,7 @@ R_END = 0.0005
 #: Runs of the ruin-and-recreate search, each from the annealing's best with its own seed (a run mostly
 #: finds its best early or not at all: several short ones reach more than one long one).
 REBUILD_STARTS = 6
+_heapify, _heapreplace = heapq.heapify, heapq.heapreplace
 
 
 class _Level:
@@ -73,13 +74,18 @@ class _Level:
             self.counts.append(cs)
             self.T.append(ts)
         self.cache: dict[tuple, tuple[float, tuple]] = {}
+        # for :func:`_fit`: per MetaOp the devices each count adds to the one below (then N + 1: no count
+        # after the last) and the counts' times negated
+        self.steps = [[0] + [b - a for a, b in zip(cs, cs[1:])] + [N + 1] for cs in self.counts]
+        self.neg_T = [[-t for t in ts] for ts in self.T]
+        self.first = [cs[0] for cs in self.counts]
 
     def fit(self, w: tuple) -> tuple[float, tuple]:
         """``(shortest duration, device count per MetaOp)`` of a wave running ``w[m]`` layers of each MetaOp
         (``inf`` when its MetaOps do not fit the devices even on their smallest counts)."""
         got = self.cache.get(w)
         if got is None:
-            got = self.cache[w] = fit_wave(w, self.counts, self.T, self.N)
+            got = self.cache[w] = _fit(w, self.first, self.steps, self.neg_T, self.N)
         return got
 
     def plus(self, w: tuple, m: int) -> tuple[tuple, float]:
@@ -90,16 +96,27 @@ class _Level:
         got = self.cache.get(x)
         if got is not None:
             return x, got[0]
+        return x, self.plus_new(w, m, x)
+
+    def plus_new(self, w: tuple, m: int, x: tuple) -> float:
+        """:meth:`plus`'s duration of ``x`` (``w`` with one layer more of ``m``) when ``x`` is not cached."""
         d, k = self.fit(w)
         if w[m]:
             if x[m] * self.T[m][k[m]] <= d:
                 self.cache[x] = (d, k)
-                return x, d
-        elif (self.T[m][0] <= d
-              and sum(self.counts[i][k[i]] for i, a in enumerate(w) if a) + self.counts[m][0] <= self.N):
-            self.cache[x] = (d, k)
-            return x, d
-        return x, self.fit(x)[0]
+                return d
+        elif self.T[m][0] <= d:
+            counts = self.counts
+            used = 0
+            i = 0
+            for a in w:
+                if a:
+                    used += counts[i][k[i]]
+                i += 1
+            if used + counts[m][0] <= self.N:
+                self.cache[x] = (d, k)
+                return d
+        return self.fit(x)[0]
 
 
 def fast_counts(counts: Sequence[int], times: Sequence[float]) -> tuple[list[int], list[float]]:
@@ -117,21 +134,58 @@ def fit_wave(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
     """``(shortest duration, count index per MetaOp)`` of a wave of ``w[m]`` layers of each MetaOp on at most
     ``N`` devices, over the counts of :func:`fast_counts` (module docstring: greedy)."""
     k = [0] * len(w)
-    heap = [(-a * T[m][0], m) for m, a in enumerate(w) if a]
+    heap = []
+    used = 0
+    m = 0
+    for a in w:
+        if a:
+            heap.append((-a * T[m][0], m))
+            used += counts[m][0]
+        m += 1
     if not heap:
         return 0.0, tuple(k)
-    used = sum(counts[m][0] for _, m in heap)
     if used > N:
         return math.inf, tuple(k)
-    heapq.heapify(heap)
+    _heapify(heap)
+    while True:
+        t, m = heap[0]
+        cm = counts[m]
+        i = k[m] + 1
+        if i == len(cm):
+            return -t, tuple(k)
+        used += cm[i] - cm[i - 1]
+        if used > N:
+            return -t, tuple(k)
+        k[m] = i
+        _heapreplace(heap, (-w[m] * T[m][i], m))
+
+
+def _fit(w: tuple, first, steps, neg_T, N: int) -> tuple[float, tuple]:
+    """:func:`fit_wave` (the same heap, ties and result) over per-count steps: ``steps[m][i]`` devices
+    added by count ``i`` (more than ``N`` past the last one, so one test ends the search either way) and the
+    times negated (``a * -T`` is ``-a * T`` exactly)."""
+    k = [0] * len(w)
+    heap = []
+    used = 0
+    m = 0
+    for a in w:
+        if a:
+            heap.append((a * neg_T[m][0], m))
+            used += first[m]
+        m += 1
+    if not heap:
+        return 0.0, tuple(k)
+    if used > N:
+        return math.inf, tuple(k)
+    _heapify(heap)
     while True:
         t, m = heap[0]
         i = k[m] + 1
-        if i == len(counts[m]) or used + counts[m][i] - counts[m][i - 1] > N:
+        used += steps[m][i]
+        if used > N:
             return -t, tuple(k)
-        used += counts[m][i] - counts[m][i - 1]
         k[m] = i
-        heapq.heapreplace(heap, (-w[m] * T[m][i], m))
+        _heapreplace(heap, (w[m] * neg_T[m][i], m))
 
 
 def _ending(lv: _Level, w: tuple, d: float) -> list[int]:
@@ -269,6 +323,8 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
     table = [tuple(r) for r in table if any(r)]
     cur = sum(lv.fit(r)[0] for r in table)
     best, best_table, span, done = cur, list(table), cur, 0
+    get, plus_new = lv.cache.get, lv.plus_new
+    ones: dict[int, tuple] = {}  # MetaOp -> (one layer of it alone, that wave's duration)
     while done < work:
         temp = span * R_START * (R_END / R_START) ** (done / work)
         done += 1
@@ -278,21 +334,34 @@ def rebuild(table: Sequence[tuple], lv: _Level, work: int, rng: random.Random) -
         removed.sort(key=lambda m: -lv.T[m][0] * (0.8 + 0.4 * rng.random()))
         rows = [r for r in rows if r != empty]
         D = [lv.fit(r)[0] for r in rows]
+        tried = [{} for _ in rows]  # per row while it is unchanged: MetaOp -> (row plus a layer, its d, cost)
         for m in removed:
             cost, j = math.inf, -1
             for i, r in enumerate(rows):  # the first wave it does not lengthen, else the least lengthened
                 done += 1
-                x, d = lv.plus(r, m)
-                if d - D[i] < cost:
-                    cost, j, best_x, best_d = d - D[i], i, x, d
+                e = tried[i].get(m)
+                if e is None:  # lv.plus(r, m), its cached case inline (a second ask is always cached)
+                    x = r[:m] + (r[m] + 1,) + r[m + 1:]
+                    got = get(x)
+                    d = got[0] if got is not None else plus_new(r, m, x)
+                    e = tried[i][m] = (x, d, d - D[i])
+                if e[2] < cost:
+                    best_x, best_d, cost = e
+                    j = i
                     if cost <= 0:
                         break
-            one = empty[:m] + (1,) + empty[m + 1:]
-            if lv.fit(one)[0] < cost:
+            got = ones.get(m)
+            if got is None:  # a layer of m alone, and its wave's duration (lv.fit, once per MetaOp)
+                one = empty[:m] + (1,) + empty[m + 1:]
+                got = ones[m] = (one, lv.fit(one)[0])
+            one, d_one = got
+            if d_one < cost:
                 rows.append(one)
-                D.append(lv.fit(one)[0])
+                D.append(d_one)
+                tried.append({})
             else:
                 rows[j], D[j] = best_x, best_d
+                tried[j] = {}
         new = sum(D)
         if new < cur - 1e-12 * span or rng.random() < math.exp(-(new - cur) / temp):
             table, cur = rows, new

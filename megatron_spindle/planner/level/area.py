@@ -60,10 +60,16 @@ def area_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     """The exact optimum of the area model of the level, less :data:`MARGIN` (ms); 0 for no MetaOps."""
     N = num_devices
     fronts = []
+    seen: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # MetaOps alike (same layers, times) share one
     for m in metaops:
         counts = m.valid_counts(N)
         times = [curves[m.name].count_time(c) for c in counts]
-        fronts.append(frontier(m.num_layers, times, [c * t for c, t in zip(counts, times)]))
+        areas = [c * t for c, t in zip(counts, times)]
+        key = (m.num_layers, tuple(times), tuple(areas))
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = frontier(m.num_layers, times, areas)
+        fronts.append(got)
     if not fronts:
         return 0.0
     start = max(float(t[0]) for t, _ in fronts)

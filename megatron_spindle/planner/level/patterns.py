@@ -214,22 +214,19 @@ class _Pool:
                 np.copyto(pick[:, c:], k, where=better)
             value = best
             picks.append(pick)
-        out = []
-        # backtracked in Python lists (the same floats; numpy scalars are slow to index one by one)
-        back = [(i, pick.tolist(), self.layers[i][rows].tolist(), self.T[i].tolist(), self.counts[i])
-                for i, pick in zip(reversed(active), reversed(picks))]
-        for r in range(R):
-            a, kk, n, dur = [0.0] * self.M, [-1] * self.M, N, 0.0
-            for i, pick, layers, T, counts in back:
-                k = pick[r][n]
-                if k >= 0:
-                    a[i], kk[i] = layers[r][k], k
-                    if a[i] > 0:
-                        dur = max(dur, a[i] * T[k])
-                    n -= counts[k]
-            if any(a):
-                out.append((dur, np.array(a), np.array(kk)))
-        return out
+        # backtracked for every duration at once (the same products and maxima as one by one)
+        rr = np.arange(R)
+        n = np.full(R, N)
+        A, K, dur = np.zeros((R, self.M)), np.full((R, self.M), -1, dtype=np.int64), np.zeros(R)
+        for i, pick in zip(reversed(active), reversed(picks)):
+            k = pick[rr, n]
+            has = k >= 0
+            kc = np.where(has, k, 0)
+            a = np.where(has, self.layers[i][rows, kc], 0.0)
+            A[:, i], K[:, i] = a, k
+            dur = np.maximum(dur, np.where(a > 0, a * self.T[i][kc], 0.0))
+            n = n - np.where(has, np.asarray(self.counts[i])[kc], 0)
+        return [(float(dur[r]), A[r].copy(), K[r].copy()) for r in range(R) if A[r].any()]
 
     def generate(self, rounds: int) -> tuple[float, float, np.ndarray] | None:
         """Column generation on the layers left (module docstring): ``(best Farley bound, last restricted

@@ -33,13 +33,22 @@ _EPS = 1e-9
 
 
 def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
-           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None) -> list[Wave]:
+           num_devices: int, times: Mapping[str, Mapping[int, float]] | None = None, *,
+           memo: dict | None = None) -> list[Wave]:
     """A schedule of the same level no longer than ``waves`` (the input is not changed; fewer than two waves
-    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`."""
+    come back as they are, more as new objects); ``times`` as for :func:`.waves.schedule_level`. ``memo``: the
+    result's slices by the input's, for a caller that polishes many schedules of one level (same MetaOps,
+    devices and times), which then polishes each distinct input once."""
     if len(waves) < 2:
         return list(waves)
     N = num_devices
     order = [m.name for m in metaops]
+    key = None
+    if memo is not None and times is not None:  # the result depends on each wave's (MetaOp, devices, layers)
+        key = tuple(tuple([(s.metaop, s.devices, s.layers) for s in w.slices]) for w in waves)
+        got = memo.get(key)
+        if got is not None:
+            return build_waves(waves[0].level, got, times, waves[0].start_ms)
     valid = {m.name: m.valid_counts(N) for m in metaops}
     T = times if times is not None else {n: {c: curves[n].count_time(c) for c in valid[n]} for n in order}
     # state: per wave, MetaOp -> [devices, layers]
@@ -55,41 +64,71 @@ def polish(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
 
     D = [dur(w) for w in state]
     F = [N - sum(c for c, _ in w.values()) for w in state]
+    scanned: dict[int, tuple] = {}
     for _ in range(MAX_MOVES):
-        if not _move(state, D, F, T, valid, sum(D) * _EPS, dur):
+        if not _move(state, D, F, T, valid, sum(D) * _EPS, dur, scanned):
             break
-    return _assemble([w for w in state if w], order, T, waves[0].level, waves[0].start_ms)
+    choices = [[(n, *w[n]) for n in order if n in w] for w in state if w]
+    if key is not None:
+        memo[key] = choices
+    return build_waves(waves[0].level, choices, T, waves[0].start_ms)
 
 
-def _assemble(state, order, T, level: int, start_ms: float) -> list[Wave]:
-    """Waves from per-wave ``{MetaOp: [devices, layers]}``, in the given order, layers numbered in it."""
-    return build_waves(level, [[(n, *w[n]) for n in order if n in w] for w in state], T, start_ms)
+def _scan(w, d: float, T) -> tuple[list[str], float]:
+    """The slices that end wave ``w`` of duration ``d`` and its duration once each gives up a layer."""
+    d1 = d * (1 - 1e-12)
+    crit = []
+    new1 = 0.0  # the wave's duration once every slice in crit gives up a layer (dur of t1 below)
+    for n, (c, k) in w.items():
+        t = k * T[n][c]
+        if t >= d1:
+            crit.append(n)
+            if k == 1:
+                continue
+            t = (k - 1) * T[n][c]
+        if t > new1:
+            new1 = t
+    return crit, new1
 
 
-def _move(state, D, F, T, valid, eps, dur) -> bool:
+def _widen(w, w1, crit, D, F, T, valid, eps, dur) -> bool:
+    """Widen: a single slice ends the wave and free devices let it run faster; whether it did."""
+    n = crit[0]
+    c, k = w[n]
+    for c2 in valid[n]:
+        if c < c2 <= c + F[w1] and T[n][c2] < T[n][c]:
+            w[n] = [c2, k]
+            d = dur(w)
+            if d < D[w1] - eps:
+                D[w1] = d
+                F[w1] -= c2 - c
+                return True
+            w[n] = [c, k]
+    return False
+
+
+def _move(state, D, F, T, valid, eps, dur, scanned: dict[int, tuple]) -> bool:
     """Make the first improving move (waves longest first); whether one was made. ``D``, ``F``: each wave's
-    duration and free devices, kept up to date."""
+    duration and free devices, kept up to date. ``scanned``: per wave, :func:`_scan`'s result from an earlier
+    call, with the wave's dict and ``D`` it holds for (a wave changes by a new dict, or in place by a
+    widening, which changes ``D``)."""
     W = len(state)
-    for w1 in sorted(range(W), key=lambda i: (-D[i], i)):
+    for w1 in sorted(range(W), key=D.__getitem__, reverse=True):  # stable: as by (-D[i], i)
         w = state[w1]
         if not w:
             continue
-        d1 = D[w1] * (1 - 1e-12)
-        crit = [n for n, (c, k) in w.items() if k * T[n][c] >= d1]
-        # widen: a single slice ends the wave and free devices let it run faster
-        if len(crit) == 1 and F[w1] > 0:
-            n = crit[0]
-            c, k = w[n]
-            for c2 in valid[n]:
-                if c < c2 <= c + F[w1] and T[n][c2] < T[n][c]:
-                    w[n] = [c2, k]
-                    d = dur(w)
-                    if d < D[w1] - eps:
-                        D[w1] = d
-                        F[w1] -= c2 - c
-                        return True
-                    w[n] = [c, k]
+        got = scanned.get(w1)
+        if got is not None and got[0] is w and got[1] == D[w1]:
+            crit, new1 = got[2], got[3]
+        else:
+            crit, new1 = _scan(w, D[w1], T)
+            scanned[w1] = (w, D[w1], crit, new1)
+        if len(crit) == 1 and F[w1] > 0 and _widen(w, w1, crit, D, F, T, valid, eps, dur):
+            return True
         # shed: every slice ending the wave gives up one layer to the wave where it costs least
+        gain = D[w1] - new1
+        if gain <= eps:
+            continue
         t1 = dict(w)
         f1 = F[w1]
         for n in crit:
@@ -99,16 +138,13 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
                 f1 += c
             else:
                 t1[n] = [c, k - 1]
-        new1 = dur(t1)
-        gain = D[w1] - new1
-        if gain <= eps:
-            continue
         changed: dict[int, dict] = {}  # destination waves, changed copies
         tD, tF = {}, {}
         for n in crit:
             # the least (cost, count, wave): waves come in order, so a later one wins only on cost or count
             bc, bw, bcount, bk = math.inf, -1, 0, 0
             Tn, vn = T[n], valid[n]
+            vmin = vn[0]  # every slice runs on a valid count, so none is smaller
             for w2 in range(W):
                 if w2 == w1:
                     continue
@@ -131,6 +167,10 @@ def _move(state, D, F, T, valid, eps, dur) -> bool:
                             cost = 0.0
                         if cost < bc or (cost == bc and c2 < bcount):
                             bc, bw, bcount, bk = cost, w2, c2, 1
+                        if cost == 0.0:  # a larger count here costs no less and is larger: never wins
+                            break
+                if bc == 0.0 and bcount <= vmin:  # no later wave beats cost 0 on the smallest count
+                    break
             if bw < 0:
                 gain = -1.0
                 break

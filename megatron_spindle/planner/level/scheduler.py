@@ -52,7 +52,7 @@ from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 from .knapsack import throughput_waves, tuples_of
 from .polish import polish
-from .waves import Wave, schedule_level
+from .waves import Wave, copy_waves, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
 LOCAL_SEARCH_STEPS = 60
@@ -144,14 +144,16 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     best: LevelSchedule | None = None
     cands: list[LevelSchedule] = []
     seen: dict[tuple, float] = {}  # a schedule is a function of its tuples and variant: build each once
+    built: dict[tuple, list[Wave]] = {}  # ... and its waves by (propose, align, tuples), for the searches
+    pmemo: dict = {}  # polished slices by slices (:func:`.polish.polish`'s memo, this level's)
     for tag, tuples in variants:
         for propose in (PROPOSE if search else ("paper",)):
             for align in (ALIGN if search else ("shortest",)):
                 key = (propose, align, False, _tuple_key(metaops, tuples))
                 if key in seen:  # the same waves as an earlier candidate, which wins every tie
                     continue
-                waves = schedule_level(level, metaops, tuples, curves, N, start_ms, propose=propose, align=align,
-                                       times=times)
+                waves = built[key[:2] + key[3:]] = schedule_level(level, metaops, tuples, curves, N, start_ms,
+                                                         propose=propose, align=align, times=times)
                 cand = LevelSchedule(level=level, allocation=alloc, tuples=tuples, waves=waves,
                                      variant=f"{tag}/{propose}/{align}")
                 cands.append(cand)
@@ -162,10 +164,10 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
         return best
     searched = _local_search(metaops, curves, N, start_ms, best, seen,
                              LOCAL_SEARCH_STEPS if len(metaops) > SMALL_LEVEL else LOCAL_SEARCH_STEPS_SMALL,
-                             times=times)
+                             times=times, built=built)
     raw = searched
     # the same on polished spans, from the POLISH_STARTS candidates whose polished waves are shortest
-    starts = sorted((dataclasses.replace(c, waves=polish(c.waves, metaops, curves, N, times),
+    starts = sorted((dataclasses.replace(c, waves=polish(c.waves, metaops, curves, N, times, memo=pmemo),
                                          variant=c.variant + "+polish") for c in cands),
                     key=lambda c: c.span_ms)[:POLISH_STARTS]
     small = len(metaops) <= SMALL_LEVEL
@@ -173,16 +175,16 @@ def plan_level(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     for start in starts:
         r = _local_search(metaops, curves, N, start_ms, start, seen,
                           (POLISH_SEARCH_STEPS if small else POLISH_SEARCH_STEPS_LARGE) // len(starts),
-                          polished=True, times=times)
+                          polished=True, times=times, built=built, pmemo=pmemo)
         if polished is None or r.span_ms < polished.span_ms * (1 - 1e-12):
             polished = r
-    final = polish(searched.waves, metaops, curves, N, times)  # the first search's result, polished
+    final = polish(searched.waves, metaops, curves, N, times, memo=pmemo)  # the first search's result, polished
     if sum(w.duration_ms for w in final) < searched.span_ms * (1 - 1e-12):
         searched = dataclasses.replace(searched, waves=final, variant=searched.variant + "+polish")
     # ... and from there, with finer moves
     searched = _local_search(metaops, curves, N, start_ms, searched, seen,
                              POLISH_SEARCH_STEPS_2 if small else POLISH_SEARCH_STEPS_2_LARGE,
-                             polished=True, fine=True, times=times)
+                             polished=True, fine=True, times=times, built=built, pmemo=pmemo)
     if polished.span_ms < searched.span_ms * (1 - 1e-12):
         searched = polished
     for max_durations, finishing, most in KNAPSACK_VARIANTS:  # throughput waves (:mod:`.knapsack`), polished
@@ -248,14 +250,17 @@ def _solve(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int
 
 def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], N: int, start_ms: float,
                   best: LevelSchedule, seen: dict[tuple, float], steps: int, polished: bool = False,
-                  fine: bool = False, times: Mapping[str, Mapping[int, float]] | None = None) -> LevelSchedule:
+                  fine: bool = False, times: Mapping[str, Mapping[int, float]] | None = None,
+                  built: dict | None = None, pmemo: dict | None = None) -> LevelSchedule:
     """``steps`` random changes of one MetaOp's tuples, each kept when it shortens the level; ``polished``:
     every trial's waves are polished (:func:`.polish.polish`) and the polished span is what counts.
 
     ``fine``: :func:`_fine_moves` are among the changes too. ``seen``: spans already known by ``(propose,
     align, polished, tuples)``; a known trial no shorter than the best is not scheduled again (the same
     decision as scheduling it). ``best.waves`` must be Algorithm 1's waves of
-    ``best.tuples`` (polished, when ``polished``)."""
+    ``best.tuples`` (polished, when ``polished``). ``built``: Algorithm 1's waves by ``(propose, align,
+    tuples)`` (each built once, handed out as copies); ``pmemo``: :func:`.polish.polish`'s memo."""
+    built = {} if built is None else built
     rng = random.Random(1000 + best.level)
     _, propose, align = best.variant.split("/")
     align = align.split("+")[0]
@@ -264,7 +269,8 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
     ms = list(metaops)
     index = {m.name: i for i, m in enumerate(ms)}
     parts = list(_tuple_key(metaops, tuples))  # the key of ``tuples``, one part per MetaOp
-    seen.setdefault((propose, align, polished, tuple(parts)), best.span_ms)
+    best_span = best.span_ms  # the same sum each time it is asked for: asked once per best
+    seen.setdefault((propose, align, polished, tuple(parts)), best_span)
     for _ in range(steps):
         m = rng.choice(ms)
         valid = m.valid_counts(N)
@@ -285,15 +291,20 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
         trial_parts = parts.copy()
         trial_parts[index[m.name]] = tuple((t.devices, t.layers) for t in choice)
         key = (propose, align, polished, tuple(trial_parts))
-        if seen.get(key, -1.0) >= best.span_ms * (1 - 1e-12):
+        if seen.get(key, -1.0) >= best_span * (1 - 1e-12):
             continue
-        waves = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose, align=align,
-                               times=times)
+        got = built.get(key[:2] + key[3:])
+        if got is None:
+            waves = built[key[:2] + key[3:]] = schedule_level(best.level, metaops, trial, curves, N, start_ms,
+                                                     propose=propose, align=align, times=times)
+        else:
+            waves = copy_waves(got)
         if polished:
-            waves = polish(waves, metaops, curves, N, times)
+            waves = polish(waves, metaops, curves, N, times, memo=pmemo)
         span = seen[key] = sum(w.duration_ms for w in waves)
-        if span < best.span_ms * (1 - 1e-12):
+        if span < best_span * (1 - 1e-12):
             tuples, parts = trial, trial_parts
             best = LevelSchedule(level=best.level, allocation=best.allocation, tuples=trial, waves=waves,
                                  variant=best.variant.split(tag)[0] + tag)
+            best_span = best.span_ms
     return best

@@ -77,6 +77,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
     clock = start_ms
     left = sum(1 for n in order if queue[n])  # MetaOps with layers to schedule
     guard = 0
+    works: dict[str, float] = {}
     while left:
         guard += 1
         if guard > 100 * (len(order) + 1) * 4:
@@ -87,8 +88,15 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             heads = [n for n in order if queue[n] and not any(queue[p] for p in producers[n])]
         else:
             heads = [n for n in order if queue[n]]
-        # remaining work (all of a MetaOp's tuples) does not change before the commit step
-        work = {n: sum(l * table[n][d] for d, l in queue[n]) for n in heads}
+        # remaining work (all of a MetaOp's tuples) does not change before the commit step (kept in
+        # ``works`` until a commit changes that MetaOp's queue)
+        work = {}
+        for n in heads:
+            w = works.get(n)
+            if w is None:
+                tn = table[n]
+                w = works[n] = sum([l * tn[d] for d, l in queue[n]])
+            work[n] = w
         free = N
         cand: dict[str, int] = {}
         pick: dict[str, int] = {}
@@ -99,7 +107,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                     cand[n], pick[n] = d, 0
                     free -= d
         else:
-            by_work = sorted(heads, key=lambda n: -work[n])
+            by_work = sorted(heads, key=work.__getitem__, reverse=True)  # stable: as by -work
             for n in by_work:
                 q = queue[n]
                 i = 0  # the first tuple with the fewest devices
@@ -110,7 +118,7 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d <= free:
                     cand[n], pick[n] = d, i
                     free -= d
-            for n in (by_work if len(cand) == len(by_work) else sorted(cand, key=lambda n: -work[n])):
+            for n in (by_work if len(cand) == len(by_work) else sorted(cand, key=work.__getitem__, reverse=True)):
                 q = queue[n]
                 i = 0  # the first tuple with the most devices
                 for j in range(1, len(q)):
@@ -120,15 +128,19 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 if d > cand[n] and d - cand[n] <= free:
                     free -= d - cand[n]
                     cand[n], pick[n] = d, i
-        # (b) extend
+        # (b) extend: the largest (work, name) that can, again and again. Work is fixed here and the free
+        # devices only shrink, so one that cannot stays so: the candidates are gone through once, largest
+        # first, each extended while it can. A waiting MetaOp filling the rest takes the largest count that
+        # fits, so no candidate can extend after it.
+        if free > 0:
+            for n in sorted(cand, key=lambda n: (work[n], n), reverse=True):
+                c = cand[n]
+                v = nextv[n][c]
+                while v <= c + free:
+                    free -= v - c
+                    cand[n] = c = v
+                    v = nextv[n][c]
         while free > 0:
-            ext = [(work[n], n) for n in cand if nextv[n][cand[n]] <= cand[n] + free]
-            if ext:
-                _, n = max(ext)
-                v = nextv[n][cand[n]]
-                free -= v - cand[n]
-                cand[n] = v
-                continue
             fill = [(work[n], n) for n in heads if n not in cand and valid[n] and valid[n][0] <= free]
             if not fill:
                 break
@@ -137,13 +149,12 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
             cand[n], pick[n] = v, 0
             free -= v
         # (c) align
-        layers = _align({n: (table[n][cand[n]], queue[n][pick[n]][1], cand[n]) for n in cand}, N,
-                        shortest_only=(align == "shortest"))
+        layers = _align_items([(n, table[n][c], queue[n][pick[n]][1], c) for n, c in cand.items()], N,
+                              align == "shortest")
         # (d) commit
         if across_levels:
             level = max([level] + [by_name[n].level for n in layers])
-        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
-        slices = wave.slices
+        slices = []
         dur = 0.0
         for n in order:
             k = layers.get(n)
@@ -151,19 +162,20 @@ def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, l
                 continue
             d = cand[n]
             t = k * table[n][d]
-            slices.append(WaveSlice(metaop=n, layer_start=next_layer[n], layers=k, devices=d, time_ms=t))
+            first = next_layer[n]
+            slices.append(WaveSlice(n, first, k, d, t))
             if t > dur:
                 dur = t
-            next_layer[n] += k
+            next_layer[n] = first + k
+            del works[n]
             q = queue[n]
             q[pick[n]][1] -= k
             if q[pick[n]][1] == 0:
                 q.pop(pick[n])
                 if not q:
                     left -= 1
-        wave.duration_ms = dur
+        waves.append(Wave(level, clock, dur, slices))
         clock += dur
-        waves.append(wave)
     return merge_waves(waves)
 
 
@@ -199,36 +211,57 @@ def _align(cands: Mapping[str, tuple[float, int, int]], num_devices: int, *,
     that span (rounded down, or up when the overshoot is within ``ALIGN_SLACK`` of a layer), and keep the
     choice with the least idle device-time per unit of work done (ties: the shortest wave).
     """
-    items = [(n, t1, left, d) for n, (t1, left, d) in cands.items()]
-    spans = [t1 * left for _, t1, left, _ in items]
+    return _align_items([(n, t1, left, d) for n, (t1, left, d) in cands.items()], num_devices, shortest_only)
+
+
+def _align_items(items: Sequence[tuple[str, float, int, int]], num_devices: int,
+                 shortest_only: bool) -> dict[str, int]:
+    """:func:`_align` of ``(name, time per layer, layers left, devices)`` items: each span's key first, the
+    layers of the best span (the first of equal keys) after."""
+    rest = [(t1, left, d, t1 * left) for _, t1, left, d in items]  # ... and the time of all layers left
+    spans = [e[3] for e in rest]
     shortest = min(spans)
-    best_key, best_layers = None, None
+    slack = 1 + ALIGN_SLACK
+    best_r = best_dur = best_span = None
     tried = set()
     for span in spans:
         # candidates finishing at the same span give the same wave: try each span once
         if (shortest_only and span > shortest) or span in tried:
             continue
         tried.add(span)
-        hi = span * (1 + ALIGN_SLACK)
-        layers = {}
+        hi = span * slack
         dur = 0.0
         work = 0.0
-        for n, t1, left, d in items:
-            k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
-            if k >= left:
-                k = left
-            elif (k + 1) * t1 <= hi:
-                k += 1
-            if k > 0:
-                layers[n] = k
+        for t1, left, d, whole in rest:
+            if span >= whole:  # all its layers fit (the floor below is then at least ``left``)
+                t = whole
+            else:
+                k = int(span / t1 * (1 + 1e-9))  # floor: the quotient is not negative
+                if k >= left:
+                    k = left
+                elif (k + 1) * t1 <= hi:
+                    k += 1
+                if k == 0:
+                    continue
                 t = k * t1
-                if t > dur:
-                    dur = t
-                work += t * d
-        key = ((num_devices * dur - work) / work, dur)
-        if best_key is None or key < best_key:
-            best_key, best_layers = key, layers
-    return best_layers
+            if t > dur:
+                dur = t
+            work += t * d
+        r = (num_devices * dur - work) / work  # the key (r, dur), compared as that pair
+        if best_r is None or r < best_r or (r == best_r and dur < best_dur):
+            best_r, best_dur, best_span = r, dur, span
+    span = best_span
+    hi = span * slack
+    layers = {}
+    for n, t1, left, _ in items:
+        k = int(span / t1 * (1 + 1e-9))
+        if k >= left:
+            k = left
+        elif (k + 1) * t1 <= hi:
+            k += 1
+        if k > 0:
+            layers[n] = k
+    return layers
 
 
 def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
@@ -237,15 +270,24 @@ def build_waves(level: int, choices: Sequence[Sequence[tuple[str, int, int]]],
     slices in the given order), each MetaOp's layers numbered from 0 in time order; merged (:func:`merge_waves`)."""
     out, nxt, clock = [], {}, start_ms
     for ch in choices:
-        wave = Wave(level=level, start_ms=clock, duration_ms=0.0)
+        slices, dur = [], 0.0
         for n, c, k in ch:
             t = k * times[n][c]
-            wave.slices.append(WaveSlice(metaop=n, layer_start=nxt.get(n, 0), layers=k, devices=c, time_ms=t))
-            nxt[n] = nxt.get(n, 0) + k
-            wave.duration_ms = max(wave.duration_ms, t)
-        clock += wave.duration_ms
-        out.append(wave)
+            first = nxt.get(n, 0)
+            slices.append(WaveSlice(n, first, k, c, t))
+            nxt[n] = first + k
+            if t > dur:  # max(dur, t)
+                dur = t
+        out.append(Wave(level, clock, dur, slices))
+        clock += dur
     return merge_waves(out)
+
+
+def copy_waves(waves: Sequence[Wave]) -> list[Wave]:
+    """New objects with the same fields (for a caller that hands out the same schedule twice)."""
+    return [Wave(w.level, w.start_ms, w.duration_ms,
+                 [WaveSlice(s.metaop, s.layer_start, s.layers, s.devices, s.time_ms) for s in w.slices], w.phase)
+            for w in waves]
 
 
 def merge_waves(waves: list[Wave]) -> list[Wave]:
