@@ -27,7 +27,8 @@ lengthens least; kept by the same rule at a higher temperature. On the big encod
 schedules the one-layer moves do not (Multitask-CLIP-10 / 32 GPUs: 83.81 -> 83.44 ms). A run mostly finds
 its best early or not at all, so :data:`REBUILD_STARTS` short runs with their own seeds start from the
 annealing's best, until one reaches the caller's goal (:mod:`.assemble` asks for the span that certifies
-the plan within 3%, and for none on a plan already that close).
+the plan within 3%, and for none on a plan already that close) or :data:`REBUILD_FRUITLESS` runs in a row
+find nothing shorter than the best so far (issue 21: such a level rarely yields to the next runs either).
 
 Every table found shorter than the input (the annealing's best, each run's best) is returned as waves,
 polished (:mod:`.polish`, which sometimes takes a near-best table below the best), and the shortest is kept.
@@ -58,6 +59,9 @@ R_END = 0.0005
 #: Runs of the ruin-and-recreate search, each from the annealing's best with its own seed (a run mostly
 #: finds its best early or not at all: several short ones reach more than one long one).
 REBUILD_STARTS = 6
+#: ... and no more after this many runs in a row found nothing shorter than the best so far (where the first
+#: two find nothing the others rarely do: Multitask-CLIP-10 / 64 GPUs and OFASys-7 / 32, 6 of 6 fruitless).
+REBUILD_FRUITLESS = 2
 _heapify, _heapreplace = heapq.heapify, heapq.heapreplace
 
 
@@ -289,10 +293,12 @@ def anneal(waves: Sequence[Wave], metaops: Sequence[MetaOp], curves: Mapping[str
             best, best_table = sum(D), list(table)
     start = best_table or [w for w in table if w != empty]
     tables = [best_table] if best_table is not None else []
+    fruitless = 0  # runs in a row that found nothing shorter than the best so far
     for r in range(REBUILD_STARTS if rebuild_work > 0 else 0):  # each from the annealing's best, own seed
-        if best <= rebuild_goal_ms:
+        if best <= rebuild_goal_ms or fruitless >= REBUILD_FRUITLESS:
             break
         got = rebuild(start, lv, rebuild_work // REBUILD_STARTS, random.Random(1000 * r + level))
+        fruitless = 0 if got[0] < best * (1 - 1e-9) else fruitless + 1
         if got[0] < span * (1 - 1e-9) and got[1] not in tables:
             tables.append(got[1])
             best = min(best, got[0])

@@ -55,22 +55,26 @@ from .polish import polish
 from .waves import Wave, copy_waves, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
-LOCAL_SEARCH_STEPS = 60
+#: The local searches' steps are half of issue 14's (issue 21, planning time): on the 24 rows of
+#: ``scripts/bench_planner.py`` and 10-task Multitask-CLIP on 256 and 1024 devices the halved searches gave the
+#: same plan's simulated step on every row but one (Multitask-CLIP-10 / 8 GPUs, 0.35% shorter) and moved the
+#: levels' span over its bound by at most 0.001 (Multitask-CLIP-4 / 64 GPUs).
+LOCAL_SEARCH_STEPS = 30
 #: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer (the larger ones, 14 and 20
 #: encoders in Multitask-CLIP-7 and -10, leave the time to the pattern LP's dives, :mod:`.patterns`).
 SMALL_LEVEL = 12
 #: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
 ALT_SLACK = 0.03
-LOCAL_SEARCH_STEPS_SMALL = 200
+LOCAL_SEARCH_STEPS_SMALL = 100
 #: Steps of the second local search, on polished spans (:mod:`.polish`).
-POLISH_SEARCH_STEPS = 300
+POLISH_SEARCH_STEPS = 150
 #: ... on levels of more than :data:`SMALL_LEVEL` MetaOps (each step costs more there).
-POLISH_SEARCH_STEPS_LARGE = 100
+POLISH_SEARCH_STEPS_LARGE = 50
 #: The second search's steps are shared among the candidates with the shortest polished waves, at most this many.
 POLISH_STARTS = 4
 #: Steps of a third one, on polished spans with finer moves, from the first one's result.
-POLISH_SEARCH_STEPS_2 = 200
-POLISH_SEARCH_STEPS_2_LARGE = 50
+POLISH_SEARCH_STEPS_2 = 100
+POLISH_SEARCH_STEPS_2_LARGE = 25
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
