@@ -39,6 +39,11 @@ from megatron_spindle.planner.workload.workloads import build_graph
 WORLD, STEPS = 2, 3
 LR, MOMENTUM = 0.05, 0.9
 TOL = 1e-5
+#: Weights after AdamW steps: its per-element normalization (m / (sqrt(v) + 1e-8)) turns the float32 rounding of
+#: a near-zero gradient into a larger share of the step, and that rounding depends on the CPU's torch kernels
+#: (seen: under 1e-5 on one machine; 1.14e-5 of a bias's largest entry, about 3e-8 absolute, on another with the
+#: same plan and pins, 2026-12-02); losses keep TOL.
+ADAM_TOL = 5e-5
 FREEZE = ["vision", "text.layers"]
 TRAIN = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--lr", "1e-3",
          "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "7",
@@ -287,7 +292,7 @@ def test_builtin_trainer_with_spindle_freeze_equals_single_process(results):
                 assert np.array_equal(value, t["init"][(key, shard, name)]) and (key, name) not in t["in_optimizer"]
             if name.endswith("linear_qkv.bias"):  # per head [q, k, v]: leave out the key rows (see the doc)
                 value, want = (np.delete(x.reshape(heads[key], 3, -1), 1, axis=1) for x in (value, want))
-            assert _err(value, want) < TOL, (r, key, name)
+            assert _err(value, want) < ADAM_TOL, (r, key, name)
             if key not in frozen:
                 assert (key, name) in t["in_optimizer"]
 

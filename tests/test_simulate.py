@@ -166,7 +166,8 @@ def test_early_sends_hide_what_the_runtime_on_gloo_hides():
     plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cl)
     blocking, early = simulate(plan, slow), simulate(plan, slow, early_sends=True)
     assert 0 < early.breakdown.transfer_ms < blocking.breakdown.transfer_ms
-    assert early.pass_ms == pytest.approx(early.makespan_ms + early.breakdown.transfer_ms)
+    # lanes run at their own pace: with free links the pass is at most the waves' durations end to end
+    assert early.pass_ms <= early.makespan_ms + early.breakdown.transfer_ms + 1e-9
     assert all(e.transfer_fwd_ms <= b.transfer_fwd_ms + 1e-9 for e, b in zip(early.waves, blocking.waves))
     # free links: nothing is exposed
     free = Cluster(**{**cl.to_json(), "intra_latency_us": 1e-9, "intra_bandwidth_gbps": 1e12})
