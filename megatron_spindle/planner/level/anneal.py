@@ -80,18 +80,14 @@ class _Level:
             self.counts.append(cs)
             self.T.append(ts)
         self.cache: dict[tuple, tuple[float, tuple]] = {}
-        # for :func:`_fit`: per MetaOp the devices each count adds to the one below (then N + 1: no count
-        # after the last) and the counts' times negated
-        self.steps = [[0] + [b - a for a, b in zip(cs, cs[1:])] + [N + 1] for cs in self.counts]
-        self.neg_T = [[-t for t in ts] for ts in self.T]
-        self.first = [cs[0] for cs in self.counts]
+        self.tables = fit_tables(self.counts, self.T, N)
 
     def fit(self, w: tuple) -> tuple[float, tuple]:
         """``(shortest duration, device count per MetaOp)`` of a wave running ``w[m]`` layers of each MetaOp
         (``inf`` when its MetaOps do not fit the devices even on their smallest counts)."""
         got = self.cache.get(w)
         if got is None:
-            got = self.cache[w] = _fit(w, self.first, self.steps, self.neg_T, self.N)
+            got = self.cache[w] = fit_wave(w, self.tables, self.N)
         return got
 
     def plus(self, w: tuple, m: int) -> tuple[tuple, float]:
@@ -136,40 +132,19 @@ def fast_counts(counts: Sequence[int], times: Sequence[float]) -> tuple[list[int
     return cs, ts
 
 
-def fit_wave(w: tuple, counts, T, N: int) -> tuple[float, tuple]:
+def fit_tables(counts: Sequence[Sequence[int]], T: Sequence[Sequence[float]], N: int) -> tuple:
+    """What :func:`fit_wave` reads of per-MetaOp ascending ``counts`` (those of :func:`fast_counts`) and their
+    times ``T``: each MetaOp's smallest count, the devices each count adds to the one below (then ``N + 1``:
+    no count after the last, so one test ends the search either way) and the times negated."""
+    return ([cs[0] for cs in counts], [[0] + [b - a for a, b in zip(cs, cs[1:])] + [N + 1] for cs in counts],
+            [[-t for t in ts] for ts in T])
+
+
+def fit_wave(w: tuple, tables: tuple, N: int) -> tuple[float, tuple]:
     """``(shortest duration, count index per MetaOp)`` of a wave of ``w[m]`` layers of each MetaOp on at most
-    ``N`` devices, over the counts of :func:`fast_counts` (module docstring: greedy)."""
-    k = [0] * len(w)
-    heap = []
-    used = 0
-    m = 0
-    for a in w:
-        if a:
-            heap.append((-a * T[m][0], m))
-            used += counts[m][0]
-        m += 1
-    if not heap:
-        return 0.0, tuple(k)
-    if used > N:
-        return math.inf, tuple(k)
-    _heapify(heap)
-    while True:
-        t, m = heap[0]
-        cm = counts[m]
-        i = k[m] + 1
-        if i == len(cm):
-            return -t, tuple(k)
-        used += cm[i] - cm[i - 1]
-        if used > N:
-            return -t, tuple(k)
-        k[m] = i
-        _heapreplace(heap, (-w[m] * T[m][i], m))
-
-
-def _fit(w: tuple, first, steps, neg_T, N: int) -> tuple[float, tuple]:
-    """:func:`fit_wave` (the same heap, ties and result) over per-count steps: ``steps[m][i]`` devices
-    added by count ``i`` (more than ``N`` past the last one, so one test ends the search either way) and the
-    times negated (``a * -T`` is ``-a * T`` exactly)."""
+    ``N`` devices, over :func:`fit_tables` of the counts of :func:`fast_counts` (module docstring: greedy;
+    ``a * -T`` is ``-a * T`` exactly)."""
+    first, steps, neg_T = tables
     k = [0] * len(w)
     heap = []
     used = 0

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .anneal import fast_counts, fit_wave
+from .anneal import fast_counts, fit_tables, fit_wave
 from ..exact import SOLVER_SAFETY_S, dot, note_safety_limit
 from ..workload.metaops import MetaOp
 
@@ -115,6 +115,7 @@ def _near(pool, pi: np.ndarray, counts, T, tables, delta: float, limit: int) -> 
     MetaOps not yet chosen cannot bring the value within ``delta`` of the duration (:func:`_tables`)."""
     M, N, Ds = pool.M, pool.N, pool.Ds
     order, suffix, most = tables
+    fits = fit_tables(counts, T, N)
     found: dict[tuple, float] = {}
     a = [0] * M
     for r in np.nonzero(suffix[0][:, N] > Ds - delta - 1e-9 * Ds)[0]:
@@ -126,7 +127,7 @@ def _near(pool, pi: np.ndarray, counts, T, tables, delta: float, limit: int) -> 
             if i == M:
                 key = tuple(a)
                 if any(key) and key not in found:
-                    dur = fit_wave(key, counts, T, N)[0]
+                    dur = fit_wave(key, fits, N)[0]
                     found[key] = dur - dot(pi, key)
                     if len(found) > limit:
                         return False

@@ -297,10 +297,11 @@ def _local_search(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
         key = (propose, align, polished, tuple(trial_parts))
         if seen.get(key, -1.0) >= best_span * (1 - 1e-12):
             continue
-        got = built.get(key[:2] + key[3:])
+        bkey = key[:2] + key[3:]  # (propose, align, tuples): polished or not, Algorithm 1's waves are these
+        got = built.get(bkey)
         if got is None:
-            waves = built[key[:2] + key[3:]] = schedule_level(best.level, metaops, trial, curves, N, start_ms,
-                                                     propose=propose, align=align, times=times)
+            waves = built[bkey] = schedule_level(best.level, metaops, trial, curves, N, start_ms, propose=propose,
+                                                 align=align, times=times)
         else:
             waves = copy_waves(got)
         if polished:
