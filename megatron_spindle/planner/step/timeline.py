@@ -60,10 +60,11 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         cost_b = {k: boundary_time_ms(v, cluster) for k, v in flows_b.items()}
     waves = {w.index: w for w in plan.waves}
 
-    def run(wi: int, edges, peer, done: dict, cost: dict, batch_wave, share: float) -> None:
+    def run(wi: int, edges, peer, done: dict, cost: dict, share: float) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
-        ``share`` of its time long."""
+        ``share`` of its time long. Both directions move an edge's messages in the batch of its consumer's
+        wave (``t.wave``)."""
         at_boundary = list(free)
         reached: dict[str, float] = {}  # a slice's devices' latest arrival at this boundary
 
@@ -83,7 +84,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                     ready = max(ready, done[p] + cost[(p, wi)])
                 else:
                     both = max(arrived(p), arrived(s.name))
-                    ready = max(ready, max(done[p], both) + cost[("wave", batch_wave(t))])
+                    ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
             start = max(ready, max(free[r] for r in s.ranks))
             e = done[s.name] = start + share * slice_ms[s.name]
             for r in s.ranks:
@@ -91,8 +92,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
 
     for phase in plan.phases:
         for wi in phase:  # forward: inputs from producers, the consumer's wave's batch
-            run(wi, into, lambda t: t.src, fwd_end, cost_f, lambda t: t.wave, FORWARD_SHARE)
+            run(wi, into, lambda t: t.src, fwd_end, cost_f, FORWARD_SHARE)
         for wi in reversed(phase):  # backward: gradients from consumers, the consumer's wave's batch
-            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, lambda t: SliceRef.from_str(t.dst).wave,
-                1 - FORWARD_SHARE)
+            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE)
     return max(free, default=0.0), bwd_end
