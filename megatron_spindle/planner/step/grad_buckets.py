@@ -26,8 +26,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
-import numpy as np
-
 from .plan import Plan
 
 #: megatron.core DDP's default bucket size, parameters (``max(40e6, 1e6 × dp)``).
@@ -66,13 +64,11 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
     # every slice's use (end of its backward, wave, name), ranked; per weight and device the last use's rank
     uses: list[tuple[float, int, str]] = []
     per_key: dict[str, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
-    top = 0
     for w in plan.waves:
         for s in w.slices:
             keys = metaops[s.metaop].param_keys[s.layer_start:s.layer_stop]
             if not any(keys) or not s.ranks:
                 continue
-            top = max(top, *s.ranks)
             done = done_ms[s.name]
             if backward_ms is None:
                 for key in keys:
@@ -86,22 +82,24 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
                     per_key[key].append((len(uses), s.ranks))
                     uses.append((done - per_layer * (len(keys) - 1 - i), w.index, s.name))
     order = sorted(range(len(uses)), key=uses.__getitem__)
-    rank_of = np.empty(len(uses), dtype=np.int64)
-    rank_of[order] = np.arange(len(uses))
-    top = max([top] + [r for g in plan.param_groups for r in g.ranks])
-    last: dict[str, np.ndarray] = {}
+    rank_of = [0] * len(uses)
+    for pos, i in enumerate(order):
+        rank_of[i] = pos
+    last: dict[str, dict[int, int]] = {}  # weight -> device -> rank of its last use there
     for key, held in per_key.items():
-        a = last[key] = np.full(top + 1, -1, dtype=np.int64)
+        a = last[key] = {}
         for i, ranks in held:
-            idx = list(ranks)
-            a[idx] = np.maximum(a[idx], rank_of[i])
+            r = rank_of[i]
+            for d in ranks:
+                if a.get(d, -1) < r:
+                    a[d] = r
     by_ranks: dict[tuple[int, ...], list[tuple[float, int, int, str]]] = defaultdict(list)
     for g in plan.param_groups:
         if g.param_key in frozen:
             continue
         ranks = tuple(sorted(g.ranks))
         a = last.get(g.param_key)
-        best = int(a[list(ranks)].max()) if a is not None and ranks else -1
+        best = max([a.get(d, -1) for d in ranks], default=-1) if a is not None else -1
         ready, wave = uses[order[best]][:2] if best >= 0 else (pass_ms, None)
         by_ranks[ranks].append((ready, -1 if wave is None else wave, g.params, g.param_key))
     out = []

@@ -56,6 +56,19 @@ class _State:
         self._a: list[float] = [0.0] * N
         self._dirty: set[int] = set()
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._phase_act: dict[int, np.ndarray] = {}  # phase -> mem_act[d].get(phase, 0.0) of every device
+
+    def add_act(self, d: int, phase: int, b: float) -> None:
+        """``b`` more (or, negative, less) stashed on ``d`` in ``phase``: the same float as in the dict."""
+        self.touch(d)
+        v = self.mem_act[d][phase] = self.mem_act[d].get(phase, 0.0) + b
+        self.phase_act(phase)[d] = v
+
+    def phase_act(self, phase: int) -> np.ndarray:
+        got = self._phase_act.get(phase)
+        if got is None:
+            got = self._phase_act[phase] = np.array([a.get(phase, 0.0) for a in self.mem_act], dtype=float)
+        return got
 
     def touch(self, d: int) -> None:
         """``d``'s activations or states are about to change."""
@@ -142,6 +155,9 @@ class Placer:
                         self.cols[(k, shard)] = len(self.cols)
                         self.key_cols.setdefault(k, []).append(self.cols[(k, shard)])
         self.island_of = np.arange(self.N) // cluster.gpus_per_node
+        self.island_count = np.zeros(int(self.island_of[-1]) + 1 if self.N else 0, dtype=np.int64)
+        self._new_arrays: dict[tuple[str, int, int], np.ndarray] = {}
+        self._terms: dict[tuple, tuple[float, ...]] = {}  # an edge's transfer times (:meth:`_edge_terms`)
 
     # -- flows ----------------------------------------------------------------------------------------
     def producers(self, wi: int, si: int) -> list[tuple[int, int, float]]:
@@ -174,12 +190,23 @@ class Placer:
             per_sample = nbytes / self.m[s.metaop].batch  # producer and consumer share the task's batch
             # the forward messages of the edge, as the plan will store them (bytes: the plan's own)
             plan_bytes = float(ACTIVATION_BYTES * self.m[self.waves[pw].slices[ps].metaop].out_elems_per_sample)
-            for msg in island_messages(src, dst, self.cluster.gpus_per_node, plan_bytes):
-                if msg.src == msg.dst:
-                    continue
-                bw, lat = self.cluster.link(msg.src, msg.dst)
-                total += (msg.stop - msg.start) * per_sample / (bw * 1e9) * 1e3 + lat * 1e-3
+            key = (src, dst, plan_bytes, per_sample)
+            terms = self._terms.get(key)
+            if terms is None:
+                terms = self._terms[key] = self._edge_terms(src, dst, plan_bytes, per_sample)
+            for t in terms:  # added one by one to the slice's total, as before
+                total += t
         return total
+
+    def _edge_terms(self, src: Layout, dst: Layout, plan_bytes: float, per_sample: float) -> tuple[float, ...]:
+        """Each message's transfer time (ms) of one edge, in message order (local copies are free)."""
+        out = []
+        for msg in island_messages(src, dst, self.cluster.gpus_per_node, plan_bytes):
+            if msg.src == msg.dst:
+                continue
+            bw, lat = self.cluster.link(msg.src, msg.dst)
+            out.append((msg.stop - msg.start) * per_sample / (bw * 1e9) * 1e3 + lat * 1e-3)
+        return tuple(out)
 
     # -- candidates -----------------------------------------------------------------------------------
     def _chunks(self, prefer: Sequence[int], tp: int) -> list[tuple[int, ...]]:
@@ -258,8 +285,12 @@ class Placer:
                 src_islands.append(isl(d))
         keys = set(slice_param_keys(m, s.layer_start, s.layers))
         prefs: dict[str, list[int]] = {}
-        in_src_isl = np.isin(self.island_of[by_mem_a], np.array(src_islands, dtype=np.int64))
-        not_src = ~np.isin(by_mem_a, np.array(src_devs, dtype=np.int64))
+        mask = np.zeros(max(self.N, len(self.island_count)), dtype=bool)  # np.isin by lookup
+        mask[src_islands] = True
+        in_src_isl = mask[self.island_of[by_mem_a]]
+        mask[:] = True
+        mask[src_devs] = False
+        not_src = mask[by_mem_a]
         prefs["affine"] = ([d for d in src_devs if d in free] + by_mem_a[not_src & in_src_isl].tolist()
                            + by_mem_a[~in_src_isl].tolist())
         klist = sorted(keys)
@@ -272,7 +303,7 @@ class Placer:
                 bounds = np.cumsum([0] + sizes)
                 shared = sum(held[:, a:b].any(axis=1).astype(np.int64) for a, b in zip(bounds[:-1], bounds[1:]))
             prefs["colocate"] = F[np.lexsort((F, mem, -shared))].tolist()
-        counts = np.bincount(self.island_of[F], minlength=int(self.island_of[-1]) + 1)
+        counts = np.bincount(self.island_of[F], minlength=len(self.island_count))
         present = np.nonzero(counts)[0].tolist()  # islands with free devices, best fit first
         fit = sorted(present, key=lambda i: (counts[i] < n, counts[i] if counts[i] >= n else -counts[i], i))
         rank = np.zeros(len(counts), dtype=np.int64)
@@ -282,8 +313,8 @@ class Placer:
         ph = self.waves[wi].phase
         # _mem_after(d, 0, ...) of every free device
         lacking = len(klist) - (st.has[np.ix_(F, [self.cols[(k, 0)] for k in klist])].sum(axis=1) if klist else 0)
-        new = np.array([self._new_bytes(m, n, j) for j in range(len(klist) + 1)], dtype=float)
-        phase_act = np.array([st.mem_act[d].get(ph, 0.0) for d in F.tolist()], dtype=float)
+        new = self._new_array(m, n, len(klist))
+        phase_act = st.phase_act(ph)[F]
         after = (Hf + new[lacking]) + np.maximum(Af, phase_act + act)
         prefs["emptiest"] = F[np.lexsort((F, after))].tolist()
         seen, out = set(), []
@@ -294,10 +325,11 @@ class Placer:
             if len(chunks) * tp < n:
                 continue
             chosen = chunks[:n // tp]
-            ranks = self._order_replicas(wi, si, chosen, st)
-            if frozenset(ranks) in seen:
+            devs = frozenset(d for c in chosen for d in c)  # the replicas' order moves no device in or out
+            if devs in seen:
                 continue
-            seen.add(frozenset(ranks))
+            seen.add(devs)
+            ranks = self._order_replicas(wi, si, chosen, st)
             worst = float(self._after(ranks, klist, m, act, st, ph, n).max())
             self.worst[ranks] = worst
             score = self.comm_ms(wi, si, ranks, st) + MEMORY_WEIGHT_MS * worst / self.limit
@@ -315,8 +347,8 @@ class Placer:
             lacking = len(klist) - st.has[R[:, None], cols[np.arange(len(R)) % m.tp]].sum(axis=1)
         else:
             lacking = np.zeros(len(R), dtype=np.int64)
-        new = np.array([self._new_bytes(m, devices, j) for j in range(len(klist) + 1)], dtype=float)
-        phase_act = np.array([st.mem_act[d].get(phase, 0.0) for d in ranks], dtype=float)
+        new = self._new_array(m, devices, len(klist))
+        phase_act = st.phase_act(phase)[R]
         return (H[R] + new[lacking]) + np.maximum(A[R], phase_act + act)
 
     def _state_bytes(self, m: MetaOp, devices: int) -> float:
@@ -336,6 +368,15 @@ class Placer:
         if got is None:
             one = self._state_bytes(m, devices)
             got = self._layers_states[key] = sum(one for _ in range(n))
+        return got
+
+    def _new_array(self, m: MetaOp, devices: int, keys: int) -> np.ndarray:
+        """``[_new_bytes(m, devices, j) for j in 0..keys]`` as an array (kept: read only)."""
+        key = (m.name, devices, keys)
+        got = self._new_arrays.get(key)
+        if got is None:
+            got = self._new_arrays[key] = np.array([self._new_bytes(m, devices, j) for j in range(keys + 1)],
+                                                   dtype=float)
         return got
 
     def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: _State, phase: int,
@@ -376,8 +417,7 @@ class Placer:
             added = {d: [(k2, pos % m.tp) for k2 in keys if (k2, pos % m.tp) not in st.held[d]]
                      for pos, d in enumerate(ranks)}
             for d in ranks:
-                st.touch(d)
-                st.mem_act[d][ph] = st.mem_act[d].get(ph, 0.0) + act
+                st.add_act(d, ph, act)
                 for k2 in added[d]:
                     st.hold(d, k2, self._state_bytes(m, s.devices))
             st.placed[(wi, si)] = ranks
@@ -388,8 +428,7 @@ class Placer:
             used[wi].difference_update(ranks)
             del st.placed[(wi, si)]
             for d in ranks:
-                st.touch(d)
-                st.mem_act[d][ph] -= act
+                st.add_act(d, ph, -act)  # x + (-a) is x - a, bit for bit
                 for k2 in added[d]:
                     st.drop(d, k2)
             fail_wave = max(fail_wave, fw)
