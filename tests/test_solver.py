@@ -186,6 +186,37 @@ def test_pattern_dives_shorten_the_big_levels(model, tasks, devices, level):
     assert bound <= span < heuristic.span_ms * (1 - 1e-3)
 
 
+@pytest.mark.parametrize("model, tasks, devices", [("multitask-clip", 10, 16), ("ofasys", 7, 32)])
+def test_patterns_backtracked_from_the_pricing_tables_are_the_repriced_ones(model, tasks, devices):
+    """:meth:`.patterns._Pool.backtrack` (the best patterns read from the tables the last pricing kept)
+    gives the same patterns, bit for bit, as :meth:`.patterns._Pool.patterns` pricing those durations
+    again, for random duals over every duration and over a subset."""
+    import numpy as np
+    from megatron_spindle.planner.workload.analytic import build_curves
+    from megatron_spindle.planner.step.assemble import make_metaops
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.metaops import levels
+    from megatron_spindle.planner.workload.workloads import build_graph
+    metaops = make_metaops(build_graph(model, tasks=tasks), load_cluster(None, num_devices=devices))
+    curves = build_curves(metaops, devices)
+    lv = levels(metaops)[1]
+    heuristic = plan_level(lv, curves, devices)
+    pool = patterns._pool(lv, curves, devices, heuristic.waves, heuristic.span_ms)
+    rng = np.random.default_rng(7)
+    for trial in range(6):
+        pi = rng.random(len(lv)) * (rng.random(len(lv)) < 0.8)  # some MetaOps without a dual
+        D = len(pool.Ds)
+        rows = np.arange(D) if trial % 2 == 0 else np.sort(rng.choice(D, min(D, 128), replace=False))
+        pool.price(pi, rows)
+        positions = [int(d) for d in rng.choice(len(rows), 24, replace=False)]
+        got = pool.backtrack(pi, rows, positions)
+        want = pool.patterns(pi, [int(rows[d]) for d in positions])
+        assert got is not None and len(got) == len(want)
+        for (d1, a1, k1), (d2, a2, k2) in zip(got, want):
+            assert d1 == d2 and a1.tolist() == a2.tolist() and k1.tolist() == k2.tolist()
+    assert pool.backtrack(pi.copy(), rows, positions) is None  # other duals than the last pricing's
+
+
 def test_planner_levels_carry_a_certified_bound():
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import load_cluster

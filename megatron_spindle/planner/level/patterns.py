@@ -71,6 +71,9 @@ PARTIAL = 128
 #: pricing (table cells × valid counts of all MetaOps) worth spending rounds on.
 MAX_CELLS = 400_000
 MAX_ROUND_WORK = 8_000_000
+#: Most table cells (durations × (devices + 1) × (MetaOps + 1)) a pricing keeps for :meth:`_Pool.backtrack`
+#: (8 bytes each: 32 MiB); a larger one is priced again by :meth:`_Pool.patterns`.
+MAX_KEPT = 4_000_000
 #: Dives from the root LP (:func:`improve`): one from each of its DIVES most used patterns, then up to
 #: RANDOM_DIVES that sometimes take the LP's second or third pattern; column-generation rounds per dive step.
 DIVES = 8
@@ -101,6 +104,7 @@ class _Pool:
         L = np.array([m.num_layers for m in metaops], dtype=float)
         self.max_span = max_span
         self.rounds_run = 0
+        self._priced = None
         inf = highspy.kHighsInf
         self.h = highspy.Highs()
         self.h.setOptionValue("output_flag", False)
@@ -184,15 +188,54 @@ class _Pool:
         the same maximum of the same sums as in any layout."""
         R, W = len(rows), self.N + 1
         full = R == len(self.Ds) and bool((rows == np.arange(R)).all())  # every duration, in order: no gather
-        value, new, tmp = np.zeros((W, R)), np.empty((W, R)), np.empty((W, R))
-        for i in self._active(pi):
+        value, tmp = np.zeros((W, R)), np.empty((W, R))
+        active = self._active(pi)
+        keep = R * W * (len(active) + 1) <= MAX_KEPT
+        tables = [value] if keep else None
+        for i in active:
             gains = pi[i] * (self.layers[i] if full else self.layers[i][rows])  # (R, counts)
-            new[...] = value
+            new = value.copy()
             for k, c in enumerate(self.counts[i]):
                 np.add(value[:W - c], gains[:, k], out=tmp[:W - c])
                 np.maximum(new[c:], tmp[:W - c], out=new[c:])
-            value, new = new, value
+            value = new
+            if keep:
+                tables.append(value)
+        self._priced = (pi, rows, active, tables) if keep else None
         return value[self.N].copy()
+
+    def backtrack(self, pi: np.ndarray, rows: np.ndarray, positions: Sequence[int]
+                  ) -> list[tuple[float, np.ndarray, np.ndarray]] | None:
+        """:meth:`patterns` of the durations ``Ds[rows[positions]]`` read from the tables the last
+        :meth:`price` of ``(pi, rows)`` kept (``None`` when it kept none): each MetaOp's choice is the first
+        of (left out, its counts in order) whose sum is the largest, the same sums and the same tie rule as
+        :meth:`patterns`' table, so the same patterns."""
+        got = self._priced
+        if got is None or got[0] is not pi or got[1] is not rows:
+            return None
+        _, _, active, tables = got
+        pos = np.asarray(positions, dtype=np.int64)
+        R, N = len(pos), self.N
+        sel = rows[pos]
+        n = np.full(R, N)
+        A, K, dur = np.zeros((R, self.M)), np.full((R, self.M), -1, dtype=np.int64), np.zeros(R)
+        for j in range(len(active) - 1, -1, -1):
+            i, before = active[j], tables[j]          # the table before MetaOp i was added
+            counts = np.asarray(self.counts[i])
+            gains = pi[i] * self.layers[i][sel]       # (R, counts)
+            left = n[:, None] - counts[None, :]
+            ok = left >= 0
+            opts = np.empty((R, len(counts) + 1))
+            opts[:, 0] = before[n, pos]
+            opts[:, 1:] = np.where(ok, before[np.where(ok, left, 0), pos[:, None]] + gains, -np.inf)
+            k = opts.argmax(axis=1) - 1               # the first largest: left out, then the smallest count
+            has = k >= 0
+            kc = np.where(has, k, 0)
+            a = np.where(has, self.layers[i][sel, kc], 0.0)
+            A[:, i], K[:, i] = a, k
+            dur = np.maximum(dur, np.where(a > 0, a * self.T[i][kc], 0.0))
+            n = n - np.where(has, counts[kc], 0)
+        return [(float(dur[r]), A[r].copy(), K[r].copy()) for r in range(R) if A[r].any()]
 
     def patterns(self, pi: np.ndarray, rows: Sequence[int]) -> list[tuple[float, np.ndarray, np.ndarray]]:
         """The knapsack's best pattern for each duration ``Ds[rows]``, backtracked, each with its own
@@ -257,8 +300,9 @@ class _Pool:
                     break
                 subset = None  # nothing among the partial durations: price them all next round
                 continue
-            top = [int(rows[d]) for d in np.argsort(-gain, kind="stable")[:COLUMNS] if gain[d] > tol]
-            self.add(self.patterns(pi, top))
+            best_d = [int(d) for d in np.argsort(-gain, kind="stable")[:COLUMNS] if gain[d] > tol]
+            found = self.backtrack(pi, rows, best_d)
+            self.add(found if found is not None else self.patterns(pi, [int(rows[d]) for d in best_d]))
         z, _, x = got
         return best, z, np.concatenate([x, np.zeros(len(self.cols) - len(x))])
 
