@@ -28,6 +28,7 @@ from .dataflow import ACTIVATION_BYTES, Layout, island_messages, slice_layout
 from ..workload.memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
 from ..workload.metaops import MetaOp
 from ..level.waves import Wave, WaveSlice
+from .placement_state import PlacementState
 
 BACKTRACK_WAVES = 2
 NODE_BUDGET = 20000
@@ -36,80 +37,6 @@ MEMORY_WEIGHT_MS = 1e-3  # score units (ms) per unit of the fullest chosen devic
 
 class PlacementError(ValueError):
     """No placement fits in memory; the message names the wave, the slice, the device and the bytes."""
-
-
-class _State:
-    """The search's memory state: per device its stashed activations per phase and the weight shards it
-    holds, with what every candidate reads of them kept ready: per device ``Σ`` held bytes and its largest
-    phase's activations (recomputed from the dicts, in their order, after a device changes, so every value is
-    the same float as summing the dicts on the spot), and which ``(weight, shard)`` it holds (a boolean
-    matrix, so a slice's candidates rank all free devices at once in numpy: elementwise additions and maxima
-    only, the same IEEE operations as Python's)."""
-
-    def __init__(self, N: int, cols: dict[tuple[str, int], int]) -> None:
-        self.mem_act: list[dict[int, float]] = [{} for _ in range(N)]  # device -> {phase: activation bytes}
-        self.held: list[dict[tuple[str, int], float]] = [{} for _ in range(N)]  # device -> {(key, shard): bytes}
-        self.placed: dict[tuple[int, int], tuple[int, ...]] = {}  # (wave, slot) -> ranks
-        self.cols = cols
-        self.has = np.zeros((N, len(cols)), dtype=bool)
-        self._h: list[float] = [0.0] * N
-        self._a: list[float] = [0.0] * N
-        self._dirty: set[int] = set()
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._phase_act: dict[int, np.ndarray] = {}  # phase -> mem_act[d].get(phase, 0.0) of every device
-
-    def add_act(self, d: int, phase: int, b: float) -> None:
-        """``b`` more (or, negative, less) stashed on ``d`` in ``phase``: the same float as in the dict."""
-        self.touch(d)
-        v = self.mem_act[d][phase] = self.mem_act[d].get(phase, 0.0) + b
-        self.phase_act(phase)[d] = v
-
-    def phase_act(self, phase: int) -> np.ndarray:
-        got = self._phase_act.get(phase)
-        if got is None:
-            got = self._phase_act[phase] = np.array([a.get(phase, 0.0) for a in self.mem_act], dtype=float)
-        return got
-
-    def touch(self, d: int) -> None:
-        """``d``'s activations or states are about to change."""
-        self._dirty.add(d)
-        self._arrays = None
-
-    def hold(self, d: int, key: tuple[str, int], b: float) -> None:
-        self.held[d][key] = b
-        self.has[d, self.cols[key]] = True
-
-    def drop(self, d: int, key: tuple[str, int]) -> None:
-        del self.held[d][key]
-        self.has[d, self.cols[key]] = False
-
-    def _refresh(self) -> None:
-        for d in self._dirty:
-            self._h[d] = sum(self.held[d].values())
-            self._a[d] = max(self.mem_act[d].values(), default=0.0)
-        self._dirty.clear()
-
-    def sums(self, d: int) -> tuple[float, float]:
-        """``(Σ held bytes, largest phase's activations)`` of device ``d``."""
-        if self._dirty:
-            self._refresh()
-        return self._h[d], self._a[d]
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`sums` of every device, as two arrays."""
-        if self._dirty:
-            self._refresh()
-        if self._arrays is None:
-            self._arrays = (np.array(self._h, dtype=float), np.array(self._a, dtype=float))
-        return self._arrays
-
-    def mem(self, d: int) -> float:
-        h, a = self.sums(d)
-        return a + h
-
-    def act_after(self, d: int, phase: int, act: float) -> float:
-        """The device's largest phase's activations once ``act`` more is stashed in ``phase``."""
-        return max(self.sums(d)[1], self.mem_act[d].get(phase, 0.0) + act)
 
 
 def _gib(b: float) -> str:
@@ -181,7 +108,7 @@ class Placer:
     def layout(self, wi: int, si: int, ranks: Sequence[int]) -> Layout:
         return slice_layout(self.m[self.waves[wi].slices[si].metaop], ranks)
 
-    def comm_ms(self, wi: int, si: int, ranks: Sequence[int], st: _State) -> float:
+    def comm_ms(self, wi: int, si: int, ranks: Sequence[int], st: PlacementState) -> float:
         s = self.waves[wi].slices[si]
         dst = self.layout(wi, si, ranks)
         total = 0.0
@@ -227,7 +154,7 @@ class Placer:
         chunks.sort(key=lambda c: first[c])
         return chunks
 
-    def _order_replicas(self, wi: int, si: int, chunks: list[tuple[int, ...]], st: _State) -> tuple[int, ...]:
+    def _order_replicas(self, wi: int, si: int, chunks: list[tuple[int, ...]], st: PlacementState) -> tuple[int, ...]:
         """Order replicas so that replica j sits where the main producer keeps samples of replica j."""
         prods = self.producers(wi, si)
         if not prods:
@@ -260,7 +187,7 @@ class Placer:
             out.extend(slot[j] if j in slot else next(rest))
         return tuple(out)
 
-    def candidates(self, wi: int, si: int, free: set[int], st: _State) -> list[tuple[float, tuple[int, ...]]]:
+    def candidates(self, wi: int, si: int, free: set[int], st: PlacementState) -> list[tuple[float, tuple[int, ...]]]:
         s = self.waves[wi].slices[si]
         m = self.m[s.metaop]
         n, tp = s.devices, m.tp
@@ -337,7 +264,7 @@ class Placer:
         out.sort(key=lambda x: x[0])
         return out
 
-    def _after(self, ranks: tuple[int, ...], klist: list[str], m: MetaOp, act: float, st: _State, phase: int,
+    def _after(self, ranks: tuple[int, ...], klist: list[str], m: MetaOp, act: float, st: PlacementState, phase: int,
                devices: int) -> np.ndarray:
         """:meth:`_mem_after` of every rank of a candidate (its TP shard ``pos % tp``), at once."""
         R = np.array(ranks, dtype=np.int64)
@@ -379,7 +306,7 @@ class Placer:
                                                    dtype=float)
         return got
 
-    def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: _State, phase: int,
+    def _mem_after(self, d: int, shard: int, keys: set[str], m: MetaOp, act: float, st: PlacementState, phase: int,
                    devices: int) -> float:
         held = st.held[d]
         h, a = st.sums(d)
@@ -388,13 +315,13 @@ class Placer:
 
     # -- search ---------------------------------------------------------------------------------------
     def run(self) -> dict[tuple[int, int], tuple[int, ...]]:
-        st = _State(self.N, self.cols)
+        st = PlacementState(self.N, self.cols)
         ok, _ = self._dfs(0, st, {})
         if not ok:
             raise PlacementError(self.deepest[1])
         return dict(st.placed)
 
-    def _dfs(self, i: int, st: _State, used: dict[int, set[int]]) -> tuple[bool, int]:
+    def _dfs(self, i: int, st: PlacementState, used: dict[int, set[int]]) -> tuple[bool, int]:
         if i == len(self.order):
             return True, -1
         self.nodes += 1
@@ -436,7 +363,7 @@ class Placer:
                 break
         return False, fail_wave
 
-    def _record_failure(self, i, wi, s: WaveSlice, m: MetaOp, free, keys, act, st: _State) -> None:
+    def _record_failure(self, i, wi, s: WaveSlice, m: MetaOp, free, keys, act, st: PlacementState) -> None:
         if i <= self.deepest[0]:
             return
         if not free or len(free) < s.devices:
