@@ -60,6 +60,22 @@ def step_ms(plan: Plan, cluster: Cluster, passes: int | None = None) -> float:
     return step_time_ms(plan, cluster, passes=passes)
 
 
+class _Steps:
+    """:func:`step_ms` of each plan object timed once (the whole-step choice meets some plans twice: the naive
+    layout of Spindle's own waves is the per-level search's starting point, and the search's best trial is
+    one of its candidates)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._memo: dict[int, tuple[Plan, float]] = {}  # id -> (the plan, kept alive so its id stays its own)
+
+    def __call__(self, plan: Plan) -> float:
+        got = self._memo.get(id(plan))
+        if got is None:
+            got = self._memo[id(plan)] = (plan, step_ms(plan, self.cluster))
+        return got[1]
+
+
 def _fits(plan: Plan, cluster: Cluster) -> bool:
     return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
 
@@ -173,12 +189,16 @@ def _restart(waves: Sequence[Wave]) -> list[Wave]:
 
 def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
-                      budget: int = NODE_BUDGET) -> list[tuple[str, Plan]]:
+                      budget: int = NODE_BUDGET, *, naive: Plan | None = None,
+                      steps: Callable[[Plan], float] | None = None) -> list[tuple[str, Plan]]:
     """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
     on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
-    combination beats the levels' shortest spans, it is returned placed both ways."""
+    combination beats the levels' shortest spans, it is returned placed both ways. ``naive``: ``own``'s waves
+    with the naive placement when the caller has that plan already (the search's start); ``steps``: how a
+    plan is timed (default :func:`step_ms`)."""
     if not any(ls.alternatives for ls in level_schedules):
         return []
+    steps = steps or (lambda p: step_ms(p, cluster))
     pick = [ls for ls in level_schedules]
 
     def plan_of(choice, ranks_fn):
@@ -188,19 +208,21 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
         return assemble_plan(graph, cluster, metaops, curves, levels, waves, ranks_fn(waves), system="spindle",
                              passes=own.passes, distributed_optimizer=own.distributed_optimizer)
 
-    best = step_ms(plan_of(pick, sequential_placement), cluster)
+    best_plan = naive if naive is not None else plan_of(pick, sequential_placement)
+    best = steps(best_plan)
     total = sum(ls.span_ms for ls in level_schedules)
     for i, ls in enumerate(level_schedules):
         if ls.span_ms < MIN_LEVEL_SHARE * total:  # a short level moves the step little: not worth a trial
             continue
         for alt in ls.alternatives:
             trial = pick[:i] + [alt] + pick[i + 1:]
-            t = step_ms(plan_of(trial, sequential_placement), cluster)
+            p = plan_of(trial, sequential_placement)
+            t = steps(p)
             if t < best * (1 - 1e-9):
-                best, pick = t, trial
+                best, pick, best_plan = t, trial, p
     if all(a is b for a, b in zip(pick, level_schedules)):
         return []
-    out = [("spindle, per-level by step, naive placement", plan_of(pick, sequential_placement))]
+    out = [("spindle, per-level by step, naive placement", best_plan)]  # plan_of(pick, sequential_placement)
     try:
         out.insert(0, ("spindle, per-level by step", plan_of(pick, lambda w: place(
             metaops, w, cluster, distributed_optimizer=own.distributed_optimizer, node_budget=budget))))
@@ -222,22 +244,25 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
     gradient sync (gradient accumulation).
     """
     one_phase = len({w.phase for w in plans[0][1].waves}) <= 1
+    steps = _Steps(cluster)
     if level_schedules is not None and baselines:
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
         b = placement_budget
-        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, b) \
+        naive = dict(plans).get("spindle, naive placement")  # own waves, naive placement (from make_plan)
+        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, b,
+                                                naive=naive, steps=steps) \
             + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b) \
             + (_cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples, b) if one_phase else [])
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
-        scored.append((step_ms(p, cluster), i, name, p))
+        scored.append((steps(p), i, name, p))
     extra = whole_step_candidates(graph, cluster, metaops, curves, execution) if baselines else []
     for j, (name, build) in enumerate(extra):
         try:
             p = build()
         except ValueError:  # that baseline has no schedule here (too few devices for its shares)
             continue
-        scored.append((step_ms(p, cluster), len(plans) + j, name, p))
+        scored.append((steps(p), len(plans) + j, name, p))
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
     t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     if best.system == "spindle":

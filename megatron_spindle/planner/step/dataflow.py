@@ -73,6 +73,10 @@ class Layout:
                              f"(ranks {list(r)}, tp={self.tp})")
         object.__setattr__(self, "_per", self.batch // dp)
         object.__setattr__(self, "_pos", {x: i for i, x in enumerate(r)})
+        object.__setattr__(self, "_hash", hash((r, self.tp, self.batch)))
+
+    def __hash__(self) -> int:  # the dataclass's own hash of the fields, computed once (layouts key caches)
+        return self._hash
 
     @property
     def dp(self) -> int:
@@ -108,6 +112,7 @@ def clear_caches() -> None:
     """Forget the remembered layouts and message lists (a benchmark's rows each start cold)."""
     _layout.cache_clear()
     island_messages.cache_clear()
+    _forward.cache_clear()
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -186,17 +191,24 @@ def frozen_param_keys(metaops: Iterable[MetaOp]) -> set[str]:
 def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node: int) -> list[Transfer]:
     """Every slice-to-slice edge with its forward and backward messages (items 2-5)."""
     by_name = {m.name: m for m in metaops}
-    island = lambda r: r // gpus_per_node  # noqa: E731
     out = []
     for idx, src, dst in _edges(by_name, slices):
         p = by_name[src.metaop]
         a, b = slice_layout(p, src.ranks), slice_layout(by_name[dst.metaop], dst.ranks)
         per_sample = float(ACTIVATION_BYTES * p.out_elems_per_sample)
-        fwd = island_messages(a, b, gpus_per_node, per_sample)
+        fwd, cross = _forward(a, b, gpus_per_node, per_sample)
         bwd = island_messages(b, a, gpus_per_node, per_sample) if needs_output_grad(p) else ()
         out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=fwd, backward=bwd,
-                            cross_island_bytes=sum(x.bytes for x in fwd if island(x.src) != island(x.dst))))
+                            cross_island_bytes=cross))
     return out
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _forward(src: Layout, dst: Layout, gpus_per_node: int, bytes_per_sample: float
+             ) -> tuple[tuple[Message, ...], float]:
+    """An edge's forward messages and the bytes of those that cross islands (summed in message order)."""
+    fwd = island_messages(src, dst, gpus_per_node, bytes_per_sample)
+    return fwd, sum(x.bytes for x in fwd if x.src // gpus_per_node != x.dst // gpus_per_node)
 
 
 def plan_transfers(plan: Plan) -> list[Transfer]:
