@@ -31,6 +31,7 @@ def _best_wave(todo: Mapping[str, int], valid, T, a_min, N: int, durations: Sequ
     useful work within ``D``, every duration at once in numpy); ``()`` if none runs a layer."""
     D = np.asarray(durations, dtype=float)[:, None]
     R = len(D)
+    D1 = D[:, 0] * (1 + 1e-9)
     value = np.zeros((R, N + 1))           # most useful work with at most n devices
     length = np.zeros((R, N + 1))          # ... and the longest slice of that choice
     picks = []
@@ -38,13 +39,13 @@ def _best_wave(todo: Mapping[str, int], valid, T, a_min, N: int, durations: Sequ
         new_v, new_l = value.copy(), length.copy()
         pick = np.full((R, N + 1), -1, dtype=np.int32)
         for ci, c in enumerate(valid[n]):
-            k = np.minimum(r, np.floor(D[:, 0] * (1 + 1e-9) / T[n][c]))
+            k = np.minimum(r, np.floor(D1 / T[n][c]))
             ok = (k >= 1)[:, None]
             cand = value[:, :-c] + (k * a_min[n])[:, None]
             better = ok & (cand > new_v[:, c:] * (1 + 1e-12))
-            new_v[:, c:] = np.where(better, cand, new_v[:, c:])
-            new_l[:, c:] = np.where(better, np.maximum(length[:, :-c], (k * T[n][c])[:, None]), new_l[:, c:])
-            pick[:, c:] = np.where(better, ci, pick[:, c:])
+            np.copyto(new_v[:, c:], cand, where=better)   # the same entries as np.where, in place
+            np.copyto(new_l[:, c:], np.maximum(length[:, :-c], (k * T[n][c])[:, None]), where=better)
+            np.copyto(pick[:, c:], ci, where=better)
         picks.append((n, r, pick))
         value, length = new_v, new_l
     work, dur = value[:, N], length[:, N]
