@@ -66,15 +66,19 @@ SMALL_LEVEL = 12
 #: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
 ALT_SLACK = 0.03
 LOCAL_SEARCH_STEPS_SMALL = 100
-#: Steps of the second local search, on polished spans (:mod:`.polish`).
-POLISH_SEARCH_STEPS = 150
+#: Steps of the second local search, on polished spans (:mod:`.polish`). A sixth of issue 14's since issue 21
+#: (planning time; with the third search's below): on the 24 rows of ``scripts/bench_planner.py`` and 10-task
+#: Multitask-CLIP on 256 and 1024 devices no plan's simulated step got longer (Multitask-CLIP-10 / 8 GPUs' 0.3%
+#: shorter) and a level-by-level makespan moved by at most 0.17% (OFASys-7 / 8 GPUs, longer; 0.6% shorter on
+#: Multitask-CLIP-4 / 16); the same results from 25 to 75 steps here and 10 to 35 on large levels.
+POLISH_SEARCH_STEPS = 25
 #: ... on levels of more than :data:`SMALL_LEVEL` MetaOps (each step costs more there).
-POLISH_SEARCH_STEPS_LARGE = 50
+POLISH_SEARCH_STEPS_LARGE = 10
 #: The second search's steps are shared among the candidates with the shortest polished waves, at most this many.
 POLISH_STARTS = 4
 #: Steps of a third one, on polished spans with finer moves, from the first one's result.
-POLISH_SEARCH_STEPS_2 = 100
-POLISH_SEARCH_STEPS_2_LARGE = 25
+POLISH_SEARCH_STEPS_2 = 40
+POLISH_SEARCH_STEPS_2_LARGE = 10
 PROPOSE = ("paper", "all")
 ALIGN = ("shortest", "finisher")
 #: Throughput waves (:mod:`.knapsack`) tried, as ``(max_durations, finishing, most MetaOps × devices)``: each
