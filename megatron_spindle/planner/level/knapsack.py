@@ -38,13 +38,15 @@ def _best_wave(todo: Mapping[str, int], valid, T, a_min, N: int, durations: Sequ
     for n, r in todo.items():
         new_v, new_l = value.copy(), length.copy()
         pick = np.full((R, N + 1), -1, dtype=np.int32)
+        tn = np.array([T[n][c] for c in valid[n]])[:, None]
+        k = np.minimum(r, np.floor(D1[None, :] / tn))       # (counts, R): each count's layers in each duration
+        ok = (k >= 1)[:, :, None]
+        work, slice_ms = (k * a_min[n])[:, :, None], (k * tn)[:, :, None]
         for ci, c in enumerate(valid[n]):
-            k = np.minimum(r, np.floor(D1 / T[n][c]))
-            ok = (k >= 1)[:, None]
-            cand = value[:, :-c] + (k * a_min[n])[:, None]
-            better = ok & (cand > new_v[:, c:] * (1 + 1e-12))
+            cand = value[:, :-c] + work[ci]
+            better = ok[ci] & (cand > new_v[:, c:] * (1 + 1e-12))
             np.copyto(new_v[:, c:], cand, where=better)   # the same entries as np.where, in place
-            np.copyto(new_l[:, c:], np.maximum(length[:, :-c], (k * T[n][c])[:, None]), where=better)
+            np.copyto(new_l[:, c:], np.maximum(length[:, :-c], slice_ms[ci]), where=better)
             np.copyto(pick[:, c:], ci, where=better)
         picks.append((n, r, pick))
         value, length = new_v, new_l
