@@ -180,7 +180,11 @@ def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_de
         phase = (phase_of.get(s.name, phase_of.get(s.wave, 0))) if phase_of else 0
         if phase not in act:
             act[phase] = np.zeros(num_devices)
-        np.add.at(act[phase], list(s.ranks), a)  # in slice order, as one by one
+        idx = list(s.ranks)
+        if len(set(idx)) == len(idx):  # distinct ranks (validation's rule 1): the same sums as np.add.at
+            act[phase][idx] += a
+        else:
+            np.add.at(act[phase], idx, a)  # in slice order, as one by one
         keys = list(slice_param_keys(m, s.layer_start, s.num_layers))
         for shard in range(min(m.tp, len(s.ranks))):  # position p holds shard p % tp: (key, shard) first met
             ranks = s.ranks[shard::m.tp]                 # in the order of positions, then of keys
