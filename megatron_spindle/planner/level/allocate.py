@@ -58,9 +58,29 @@ class LevelAllocation:
     """Relaxed device count per MetaOp."""
 
 
+#: Levels already allocated, by their layers, curve objects, devices and tolerance (the scheduler and every
+#: baseline's relaxed bound ask for the same levels): ``key -> (the curves, kept so their ids stay theirs,
+#: c*, n*)``.
+_DONE: dict[tuple, tuple] = {}
+
+
 def allocate_level(layers: Mapping[str, int], curves: Mapping[str, ScalingCurve], num_devices: int,
                    *, rel_tol: float = 1e-10) -> LevelAllocation:
-    """Bisection for ``C*`` of one level; ``layers`` maps MetaOp name -> number of layers."""
+    """Bisection for ``C*`` of one level; ``layers`` maps MetaOp name -> number of layers (a pure function of
+    its arguments, remembered for the last few levels)."""
+    used = tuple(curves[m] for m in layers)
+    key = (tuple(layers.items()), tuple(map(id, used)), num_devices, rel_tol)
+    got = _DONE.get(key)
+    if got is None:
+        a = _allocate(layers, curves, num_devices, rel_tol)
+        if len(_DONE) >= 256:
+            _DONE.clear()
+        got = _DONE[key] = (used, a.c_star_ms, dict(a.n_star))
+    return LevelAllocation(c_star_ms=got[1], n_star=dict(got[2]))
+
+
+def _allocate(layers: Mapping[str, int], curves: Mapping[str, ScalingCurve], num_devices: int,
+              rel_tol: float) -> LevelAllocation:
     if num_devices <= 0:
         raise ValueError(f"need at least one device, got {num_devices}")
     names = list(layers)
