@@ -54,10 +54,10 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             # early sends: one producer's messages into one wave leave together; else the boundary's batch
             kf = (t.src, t.wave) if early_sends else ("wave", t.wave)
             kb = (t.dst, SliceRef.from_str(t.src).wave) if early_sends else ("wave", t.wave)
-            flows_f[kf].extend((m.src, m.dst, m.bytes) for m in t.forward)
-            flows_b[kb].extend((m.src, m.dst, m.bytes) for m in t.backward)
-        cost_f = {k: boundary_time_ms(v, cluster) for k, v in flows_f.items()}
-        cost_b = {k: boundary_time_ms(v, cluster) for k, v in flows_b.items()}
+            flows_f[kf].append(t.forward)
+            flows_b[kb].append(t.backward)
+        cost_f = {k: _batch_ms(v, cluster) for k, v in flows_f.items()}
+        cost_b = {k: _batch_ms(v, cluster) for k, v in flows_b.items()}
     waves = {w.index: w for w in plan.waves}
 
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float) -> None:
@@ -96,3 +96,23 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         for wi in reversed(phase):  # backward: gradients from consumers, the consumer's wave's batch
             run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE)
     return max(free, default=0.0), bwd_end
+
+
+#: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
+#: kept so their ids stay theirs, ms)``. The data flow hands out the same message tuple objects for the same
+#: edge layouts (:func:`.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
+#: their waves, meet the same batches again.
+_BATCHES: dict[tuple, tuple] = {}
+
+
+def _batch_ms(batch: list, cluster: Cluster) -> float:
+    """:func:`.link_costs.boundary_time_ms` of the messages of ``batch`` (a list of message tuples), in order."""
+    key = (id(cluster), tuple(map(id, batch)))
+    got = _BATCHES.get(key)
+    if got is None:
+        if len(_BATCHES) >= 8192:
+            _BATCHES.clear()
+        ms = boundary_time_ms([(m.src, m.dst, m.bytes) for msgs in batch for m in msgs], cluster)
+        got = _BATCHES[key] = ((cluster, batch), ms)
+    return got[1]
+
