@@ -55,7 +55,7 @@ from .polish import polish
 from .waves import Wave, copy_waves, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
-#: The local searches' steps are half of issue 14's (issue 21, planning time): on the 24 rows of
+#: The first local search's steps are half of issue 14's (issue 21, planning time): on the 24 rows of
 #: ``scripts/bench_planner.py`` and 10-task Multitask-CLIP on 256 and 1024 devices the halved searches gave the
 #: same plan's simulated step on every row but one (Multitask-CLIP-10 / 8 GPUs, 0.35% shorter) and moved the
 #: levels' span over its bound by at most 0.001 (Multitask-CLIP-4 / 64 GPUs).
@@ -70,13 +70,14 @@ LOCAL_SEARCH_STEPS_SMALL = 100
 #: (planning time; with the third search's below): on the 24 rows of ``scripts/bench_planner.py`` and 10-task
 #: Multitask-CLIP on 256 and 1024 devices no plan's simulated step got longer (Multitask-CLIP-10 / 8 GPUs' 0.3%
 #: shorter) and a level-by-level makespan moved by at most 0.17% (OFASys-7 / 8 GPUs, longer; 0.6% shorter on
-#: Multitask-CLIP-4 / 16); the same results from 25 to 75 steps here and 10 to 35 on large levels.
+#: Multitask-CLIP-4 / 16); the same results from 25 to 75 steps here and 10 to 25 on large levels.
 POLISH_SEARCH_STEPS = 25
 #: ... on levels of more than :data:`SMALL_LEVEL` MetaOps (each step costs more there).
 POLISH_SEARCH_STEPS_LARGE = 10
 #: The second search's steps are shared among the candidates with the shortest polished waves, at most this many.
 POLISH_STARTS = 4
-#: Steps of a third one, on polished spans with finer moves, from the first one's result.
+#: Steps of a third one, on polished spans with finer moves, from the first one's result (two fifths of issue
+#: 14's since issue 21, measured with the second's above).
 POLISH_SEARCH_STEPS_2 = 40
 POLISH_SEARCH_STEPS_2_LARGE = 10
 PROPOSE = ("paper", "all")
