@@ -5,8 +5,8 @@
   microbatch that its reduction turns into each task's loss, no gradients under ``forward_only``;
 * the chunk Megatron's optimizer, ``train_step`` and checkpointing use, with megatron.core's real
   optimizer builder and ``dist_checkpointing`` (save, perturb, load);
-* the hooks, installed into a stand-in for ``megatron.training.training`` whose originals record calls;
-* the fallback decision of ``pretrain_spindle``.
+* the hooks, installed into a stand-in for ``megatron.training.training`` whose originals record calls
+  (the fallback decision of ``pretrain_spindle``: ``test_megatron_backend.py``).
 
 The multi-process cases run once, in one 2-rank gloo job (about 10 s, mostly imports); the test functions
 check their part of its results. Megatron's own ``pretrain``/``train_step`` need CUDA and are left to the
@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
-import subprocess
-import sys
 
 import pytest
 
-from megatron_spindle.megatron import flags, hooks, trainer
+from megatron_spindle.megatron import flags
 from megatron_spindle.megatron.chunk import megatron_forward_backward
 from megatron_spindle.megatron.flags import add_spindle_args
 from megatron_spindle.megatron.schedule import spindle_forward_backward
@@ -158,46 +155,6 @@ def test_forward_backward_accepts_train_step_keywords(fn):
     sig.bind(**common, seq_length=1, micro_batch_size=MICRO, decoder_seq_length=None, forward_only=True)  # evaluate
     with pytest.raises(TypeError):
         sig.bind(None, None)  # keyword-only, as Megatron calls it
-
-
-# --------------------------------------------------------------------------------------------------
-# Import and fallback decision (no processes but one interpreter)
-# --------------------------------------------------------------------------------------------------
-def test_hooks_import_without_megatron_training():
-    code = ("import sys; sys.modules['megatron.training'] = None\n"
-            "from megatron_spindle.megatron import hooks\n"
-            "backend, why = hooks.choose_backend()\n"
-            "assert backend == 'loop' and 'megatron.training' in why, why\n"
-            "print('ok')")
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
-
-
-def test_backend_decision():
-    assert hooks.choose_backend(has_training=True, has_cuda=True) == ("megatron", "")
-    backend, why = hooks.choose_backend(has_training=False, has_cuda=True)
-    assert backend == "loop" and "megatron.training" in why
-    backend, why = hooks.choose_backend(has_training=True, has_cuda=False)
-    assert backend == "loop" and "CUDA" in why
-
-
-def test_pretrain_spindle_falls_back_to_the_trainer_with_one_notice(monkeypatch, capsys, caplog):
-    seen = {}
-    monkeypatch.setattr(hooks, "choose_backend", lambda: ("loop", "megatron.training is not importable (test)"))
-    monkeypatch.setattr(trainer, "pretrain", lambda args: seen.setdefault("args", args) and {"steps": 0})
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "0")
-    caplog.set_level("INFO", logger="megatron_spindle")
-    hooks.pretrain_spindle(argv=["--spindle", "--micro-batch-size", "2", "--num-layers", "2", "--train-iters", "3"])
-    notice = [r.getMessage() for r in caplog.records]
-    assert len(notice) == 1 and "built-in megatron.core trainer" in notice[0] and "--num-layers" in notice[0]
-    args = seen["args"]
-    assert args.spindle and args.train_iters == 3
-    assert args.micro_batch_size == 2  # per rank, as in Megatron; model.graph_for multiplies by the world size
-    with pytest.raises(SystemExit):
-        flags.fallback_args(["--spindle-plna", "x"])
-    capsys.readouterr()
 
 
 # --------------------------------------------------------------------------------------------------
