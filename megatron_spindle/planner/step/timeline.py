@@ -103,6 +103,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
 #: edge layouts (:func:`.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
 #: their waves, meet the same batches again.
 _BATCHES: dict[tuple, tuple] = {}
+#: At most this many (a plan has two per wave; the entries keep their message tuples alive).
+BATCHES_KEPT = 1024
 
 
 def _batch_ms(batch: list, cluster: Cluster) -> float:
@@ -110,7 +112,7 @@ def _batch_ms(batch: list, cluster: Cluster) -> float:
     key = (id(cluster), tuple(map(id, batch)))
     got = _BATCHES.get(key)
     if got is None:
-        if len(_BATCHES) >= 8192:
+        if len(_BATCHES) >= BATCHES_KEPT:
             _BATCHES.clear()
         ms = boundary_time_ms([(m.src, m.dst, m.bytes) for msgs in batch for m in msgs], cluster)
         got = _BATCHES[key] = ((cluster, batch), ms)
