@@ -72,7 +72,7 @@ PARTIAL = 128
 MAX_CELLS = 400_000
 MAX_ROUND_WORK = 8_000_000
 #: Most table cells (durations × (devices + 1) × (MetaOps + 1)) a pricing keeps for :meth:`_Pool.backtrack`
-#: (8 bytes each: 32 MiB); a larger one is priced again by :meth:`_Pool.patterns`.
+#: (8 bytes each: 32 MiB); from a larger one, :meth:`_Pool.patterns` prices the durations it needs again.
 MAX_KEPT = 4_000_000
 #: Dives from the root LP (:func:`improve`): one from each of its DIVES most used patterns, then up to
 #: RANDOM_DIVES that sometimes take the LP's second or third pattern; column-generation rounds per dive step.
@@ -181,16 +181,17 @@ class _Pool:
         gains = pi[i] * self.layers[i][rows]                                        # (R, K)
         return np.concatenate([value[:, None, :], shifted + gains[:, :, None]], axis=1)
 
-    def price(self, pi: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def price(self, pi: np.ndarray, rows: np.ndarray, *, keep: bool | None = None) -> np.ndarray:
         """Best ``Σ π·a`` of a pattern of at most ``N`` devices for each duration ``Ds[rows]`` (the recurrence of
         :meth:`_options`, one count at a time: over every duration the stacked form moves 3x the memory). The
         table is kept devices-major (a shift by a count is a contiguous block) in two buffers; every entry is
-        the same maximum of the same sums as in any layout."""
+        the same maximum of the same sums as in any layout. ``keep``: keep every MetaOp's table for
+        :meth:`backtrack` (default: when they hold at most :data:`MAX_KEPT` cells)."""
         R, W = len(rows), self.N + 1
         full = R == len(self.Ds) and bool((rows == np.arange(R)).all())  # every duration, in order: no gather
         value, tmp = np.zeros((W, R)), np.empty((W, R))
         active = self._active(pi)
-        keep = R * W * (len(active) + 1) <= MAX_KEPT
+        keep = R * W * (len(active) + 1) <= MAX_KEPT if keep is None else keep
         tables = [value] if keep else None
         for i in active:
             gains = pi[i] * (self.layers[i] if full else self.layers[i][rows])  # (R, counts)
@@ -206,10 +207,11 @@ class _Pool:
 
     def backtrack(self, pi: np.ndarray, rows: np.ndarray, positions: Sequence[int]
                   ) -> list[tuple[float, np.ndarray, np.ndarray]] | None:
-        """:meth:`patterns` of the durations ``Ds[rows[positions]]`` read from the tables the last
+        """The knapsack's best pattern for each duration ``Ds[rows[positions]]``, read from the tables the last
         :meth:`price` of ``(pi, rows)`` kept (``None`` when it kept none): each MetaOp's choice is the first
-        of (left out, its counts in order) whose sum is the largest, the same sums and the same tie rule as
-        :meth:`patterns`' table, so the same patterns."""
+        of (left out, its counts in order) whose sum is the largest (a tie keeps the fewer devices). A
+        duration's column of the tables does not depend on the other durations priced with it, so the
+        patterns are the same whichever ``rows`` were priced together."""
         got = self._priced
         if got is None or got[0] is not pi or got[1] is not rows:
             return None
@@ -238,38 +240,11 @@ class _Pool:
         return [(float(dur[r]), A[r].copy(), K[r].copy()) for r in range(R) if A[r].any()]
 
     def patterns(self, pi: np.ndarray, rows: Sequence[int]) -> list[tuple[float, np.ndarray, np.ndarray]]:
-        """The knapsack's best pattern for each duration ``Ds[rows]``, backtracked, each with its own
-        duration (its longest slice)."""
-        R, N = len(rows), self.N
-        rows = np.asarray(rows)
-        value = np.zeros((R, N + 1))
-        picks = []
-        active = self._active(pi)
-        W = N + 1
-        for i in active:  # :meth:`_options`'s maximum and first argmax, one count at a time
-            gains = pi[i] * self.layers[i][rows]               # (R, K)
-            best = value.copy()
-            pick = np.full((R, W), -1, dtype=np.int64)         # -1: left out (it wins every tie)
-            for k, c in enumerate(self.counts[i]):
-                cand = value[:, :W - c] + gains[:, k:k + 1]
-                better = cand > best[:, c:]                    # strictly: the smallest count wins a tie
-                np.copyto(best[:, c:], cand, where=better)
-                np.copyto(pick[:, c:], k, where=better)
-            value = best
-            picks.append(pick)
-        # backtracked for every duration at once (the same products and maxima as one by one)
-        rr = np.arange(R)
-        n = np.full(R, N)
-        A, K, dur = np.zeros((R, self.M)), np.full((R, self.M), -1, dtype=np.int64), np.zeros(R)
-        for i, pick in zip(reversed(active), reversed(picks)):
-            k = pick[rr, n]
-            has = k >= 0
-            kc = np.where(has, k, 0)
-            a = np.where(has, self.layers[i][rows, kc], 0.0)
-            A[:, i], K[:, i] = a, k
-            dur = np.maximum(dur, np.where(a > 0, a * self.T[i][kc], 0.0))
-            n = n - np.where(has, np.asarray(self.counts[i])[kc], 0)
-        return [(float(dur[r]), A[r].copy(), K[r].copy()) for r in range(R) if A[r].any()]
+        """The knapsack's best pattern for each duration ``Ds[rows]``, each with its own duration (its longest
+        slice): those durations priced alone, their tables kept, then backtracked (:meth:`backtrack`)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self.price(pi, rows, keep=True)
+        return self.backtrack(pi, rows, range(len(rows)))
 
     def generate(self, rounds: int) -> tuple[float, float, np.ndarray] | None:
         """Column generation on the layers left (module docstring): ``(best Farley bound, last restricted
