@@ -82,7 +82,7 @@ class Placer:
                         self.cols[(k, shard)] = len(self.cols)
                         self.key_cols.setdefault(k, []).append(self.cols[(k, shard)])
         self.island_of = np.arange(self.N) // cluster.gpus_per_node
-        self.island_count = np.zeros(int(self.island_of[-1]) + 1 if self.N else 0, dtype=np.int64)
+        self.num_islands = int(self.island_of[-1]) + 1 if self.N else 0
         self._new_arrays: dict[tuple[str, int, int], np.ndarray] = {}
         self._terms: dict[tuple, tuple[float, ...]] = {}  # an edge's transfer times (:meth:`_edge_terms`)
 
@@ -212,12 +212,12 @@ class Placer:
                 src_islands.append(isl(d))
         keys = set(slice_param_keys(m, s.layer_start, s.layers))
         prefs: dict[str, list[int]] = {}
-        mask = np.zeros(max(self.N, len(self.island_count)), dtype=bool)  # np.isin by lookup
-        mask[src_islands] = True
-        in_src_isl = mask[self.island_of[by_mem_a]]
-        mask[:] = True
-        mask[src_devs] = False
-        not_src = mask[by_mem_a]
+        is_src_isl = np.zeros(self.num_islands, dtype=bool)  # membership by lookup, not np.isin
+        is_src_isl[src_islands] = True
+        in_src_isl = is_src_isl[self.island_of[by_mem_a]]
+        is_src = np.zeros(self.N, dtype=bool)
+        is_src[src_devs] = True
+        not_src = ~is_src[by_mem_a]
         prefs["affine"] = ([d for d in src_devs if d in free] + by_mem_a[not_src & in_src_isl].tolist()
                            + by_mem_a[~in_src_isl].tolist())
         klist = sorted(keys)
@@ -230,7 +230,7 @@ class Placer:
                 bounds = np.cumsum([0] + sizes)
                 shared = sum(held[:, a:b].any(axis=1).astype(np.int64) for a, b in zip(bounds[:-1], bounds[1:]))
             prefs["colocate"] = F[np.lexsort((F, mem, -shared))].tolist()
-        counts = np.bincount(self.island_of[F], minlength=len(self.island_count))
+        counts = np.bincount(self.island_of[F], minlength=self.num_islands)
         present = np.nonzero(counts)[0].tolist()  # islands with free devices, best fit first
         fit = sorted(present, key=lambda i: (counts[i] < n, counts[i] if counts[i] >= n else -counts[i], i))
         rank = np.zeros(len(counts), dtype=np.int64)

@@ -73,7 +73,3 @@ class PlacementState:
     def mem(self, d: int) -> float:
         h, a = self.sums(d)
         return a + h
-
-    def act_after(self, d: int, phase: int, act: float) -> float:
-        """The device's largest phase's activations once ``act`` more is stashed in ``phase``."""
-        return max(self.sums(d)[1], self.mem_act[d].get(phase, 0.0) + act)

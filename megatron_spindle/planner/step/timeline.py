@@ -117,4 +117,3 @@ def _batch_ms(batch: list, cluster: Cluster) -> float:
         ms = boundary_time_ms([(m.src, m.dst, m.bytes) for msgs in batch for m in msgs], cluster)
         got = _BATCHES[key] = ((cluster, batch), ms)
     return got[1]
-
