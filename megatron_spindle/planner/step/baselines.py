@@ -45,8 +45,8 @@ from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp, levels
 from .plan import LevelInfo, Plan
-from .shares import (MAX_COMBINATIONS, best_count, finish_together_shares,  # noqa: F401 - the baselines' API
-                     group_time, marginal_gain_shares, metaop_time, min_share, task_metaops)
+from .shares import (best_count, finish_together_shares, group_time, marginal_gain_shares, metaop_time, min_share,
+                     task_metaops)
 from .validate import check_plan
 from ..level.waves import ALIGN_SLACK, Wave, WaveSlice
 
