@@ -195,10 +195,14 @@ class _Pool:
         tables = [value] if keep else None
         for i in active:
             gains = pi[i] * (self.layers[i] if full else self.layers[i][rows])  # (R, counts)
-            new = value.copy()
+            new = np.empty_like(value)
             for k, c in enumerate(self.counts[i]):
                 np.add(value[:W - c], gains[:, k], out=tmp[:W - c])
-                np.maximum(new[c:], tmp[:W - c], out=new[c:])
+                if k == 0:  # the first count's maximum is taken with the MetaOp left out (``value``)
+                    new[:c] = value[:c]
+                    np.maximum(value[c:], tmp[:W - c], out=new[c:])
+                else:
+                    np.maximum(new[c:], tmp[:W - c], out=new[c:])
             value = new
             if keep:
                 tables.append(value)

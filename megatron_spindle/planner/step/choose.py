@@ -153,11 +153,14 @@ def _cross_level_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: S
 
 def first_search_plans(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                        curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
-                       budget: int = NODE_BUDGET) -> list[tuple[str, Plan]]:
+                       budget: int = NODE_BUDGET, *, picked: Sequence = ()) -> list[tuple[str, Plan]]:
     """Candidate 1'': every level's first-search waves (:attr:`.scheduler.LevelSchedule.first_search`, not
-    polished) together, placed both ways; none when no level has them."""
+    polished) together, placed both ways; none when no level has them, nor when they are ``picked`` (the
+    levels of an earlier candidate placed both ways, :func:`per_level_by_step`'s: the same waves, the same
+    placements and steps, and a tie keeps the earlier candidate)."""
     firsts = [ls.first_search or ls for ls in level_schedules]
-    if all(f is ls for f, ls in zip(firsts, level_schedules)):
+    if all(f is ls for f, ls in zip(firsts, level_schedules)) or \
+            (len(picked) == len(firsts) and all(f is p for f, p in zip(firsts, picked))):
         return []
     waves = _restart([w for f in firsts for w in f.waves])
     levels = tuple(dataclasses.replace(lv, variant=f.variant + ("" if f is ls else " (first search)"))
@@ -190,14 +193,14 @@ def _restart(waves: Sequence[Wave]) -> list[Wave]:
 def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                       curves: Mapping[str, ScalingCurve], level_schedules: Sequence,
                       budget: int = NODE_BUDGET, *, naive: Plan | None = None,
-                      steps: Callable[[Plan], float] | None = None) -> list[tuple[str, Plan]]:
+                      steps: Callable[[Plan], float] | None = None) -> tuple[list[tuple[str, Plan]], list]:
     """Candidate 1': each level's alternatives (:attr:`.scheduler.LevelSchedule.alternatives`) tried in turn
     on the whole step (one pass over the levels, each trial timed with the cheap naive placement); when a
-    combination beats the levels' shortest spans, it is returned placed both ways. ``naive``: ``own``'s waves
-    with the naive placement when the caller has that plan already (the search's start); ``steps``: how a
-    plan is timed (default :func:`step_ms`)."""
+    combination beats the levels' shortest spans, it is returned placed both ways, with the level schedules
+    it picked (else ``([], [])``). ``naive``: ``own``'s waves with the naive placement when the caller has
+    that plan already (the search's start); ``steps``: how a plan is timed (default :func:`step_ms`)."""
     if not any(ls.alternatives for ls in level_schedules):
-        return []
+        return [], []
     steps = steps or (lambda p: step_ms(p, cluster))
     pick = [ls for ls in level_schedules]
 
@@ -221,14 +224,14 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
             if t < best * (1 - 1e-9):
                 best, pick, best_plan = t, trial, p
     if all(a is b for a, b in zip(pick, level_schedules)):
-        return []
+        return [], []
     out = [("spindle, per-level by step, naive placement", best_plan)]  # plan_of(pick, sequential_placement)
     try:
         out.insert(0, ("spindle, per-level by step", plan_of(pick, lambda w: place(
             metaops, w, cluster, distributed_optimizer=own.distributed_optimizer, node_budget=budget))))
     except ValueError:
         pass
-    return out
+    return out, pick
 
 
 def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
@@ -249,9 +252,10 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
         b = placement_budget
         naive = dict(plans).get("spindle, naive placement")  # own waves, naive placement (from make_plan)
-        plans = list(plans) + per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, b,
-                                                naive=naive, steps=steps) \
-            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b) \
+        by_step, picked = per_level_by_step(plans[0][1], graph, cluster, metaops, curves, level_schedules, b,
+                                            naive=naive, steps=steps)
+        plans = list(plans) + by_step \
+            + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b, picked=picked) \
             + (_cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples, b) if one_phase else [])
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
