@@ -195,14 +195,13 @@ class _Pool:
         tables = [value] if keep else None
         for i in active:
             gains = pi[i] * (self.layers[i] if full else self.layers[i][rows])  # (R, counts)
-            new = np.empty_like(value)
-            for k, c in enumerate(self.counts[i]):
+            counts = self.counts[i]
+            new, best = np.empty_like(value), value  # best: the MetaOp left out, then the counts so far
+            new[:counts[0]] = value[:counts[0]]      # (a pool's MetaOps have valid counts: see __init__)
+            for k, c in enumerate(counts):
                 np.add(value[:W - c], gains[:, k], out=tmp[:W - c])
-                if k == 0:  # the first count's maximum is taken with the MetaOp left out (``value``)
-                    new[:c] = value[:c]
-                    np.maximum(value[c:], tmp[:W - c], out=new[c:])
-                else:
-                    np.maximum(new[c:], tmp[:W - c], out=new[c:])
+                np.maximum(best[c:], tmp[:W - c], out=new[c:])
+                best = new
             value = new
             if keep:
                 tables.append(value)
