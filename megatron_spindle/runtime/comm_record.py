@@ -40,6 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 __all__ = ["Recorder", "BatchWork", "install", "uninstall", "recorder"]
 
 _C10D = "torch.distributed.distributed_c10d"
@@ -118,7 +120,6 @@ def _dtype(t) -> str:
 
 
 def _check_device(op: str, tensors) -> None:
-    from .. import comm
     dev = comm.comm_device()
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device != dev:
