@@ -176,6 +176,9 @@ def _collective(name: str, fn: Callable) -> Callable:
 
 
 def _peer(a: dict, key: str, group_key: str) -> int:
+    """The global peer rank of a lone send or receive (-1: a receive from any source)."""
+    if a.get(key) is None and a.get(group_key) is None:
+        return -1
     if a.get(key) is not None:
         return int(a[key])
     return int(dist.get_global_rank(a.get("group"), a[group_key])) if a.get("group") is not None \
