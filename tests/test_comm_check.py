@@ -65,3 +65,14 @@ def test_groups_created_in_another_order_and_foreign_collectives():
     assert errors[0].startswith("new_group #0: rank 1 creates ranks [0, 1, 2], rank 0 creates ranks [0, 1]")
     assert any("rank 2 creates nothing" in e for e in errors)
     assert any("rank 2 stuck" in e for e in check([[coll(A)], [coll(A)], [coll(A)]]))
+
+
+def test_local_groups_need_only_their_members():
+    ok = [[("new_group", (0,), "local"), ("new_group", A), ("new_group", (0, 1), "local")],
+          [("new_group", (1,), "local"), ("new_group", A), ("new_group", (0, 1), "local")]]
+    assert check(ok) == []
+    assert summary(ok)["new_groups"]["per_rank"] == [1, 1]
+    missing = [[("new_group", (0, 1), "local")], [("new_group", A)]]
+    errors = check(missing)
+    assert any(e.startswith("local groups of ranks 0 and 1") for e in errors), errors
+    assert any("rank 0 stuck" in e for e in errors), errors

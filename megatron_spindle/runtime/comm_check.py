@@ -3,7 +3,9 @@
 :func:`check` takes one event list per rank (index = global rank) and returns one line per problem (empty: the
 streams are consistent and cannot deadlock under the model below):
 
-a. ``new_group`` is collective over the world: every rank creates the same groups in the same order;
+a. ``new_group`` is collective over the world: every rank creates the same groups in the same order (a group
+   made with ``use_local_synchronization``, event ``("new_group", ranks, "local")``, only by its members, in
+   one order among the local groups each member makes);
 b. a communicator (a group's rank set) is a stream of kernels: every member issues that communicator's
    collectives in the same order, with the same operation, shape and dtype; only members issue them;
 c. NCCL has no tags: per ordered pair (src, dst) the k-th send src->dst meets the k-th receive at dst from src,
@@ -54,9 +56,26 @@ def _span(ranks: Sequence[int]) -> str:
     return f"ranks {ranks}"
 
 
+def _local(e: Event) -> bool:
+    return e[0] == "new_group" and len(e) > 2 and e[2] == "local"
+
+
 def _check_groups(events_by_rank) -> list[str]:
-    seqs = [[e[1] for e in evs if e[0] == "new_group"] for evs in events_by_rank]
+    seqs = [[e[1] for e in evs if e[0] == "new_group" and not _local(e)] for evs in events_by_rank]
     out = []
+    local: dict[int, list] = {}
+    for r, evs in enumerate(events_by_rank):
+        mine = [tuple(e[1]) for e in evs if _local(e)]
+        for ranks in mine:
+            if r not in ranks:
+                out.append(f"rank {r} creates local group {_span(ranks)} without being in it")
+        local[r] = mine
+    for r, mine in local.items():  # the local groups two ranks share: the same on both, in the same order
+        for q in sorted({q for k in mine for q in k if q > r}):
+            ours, theirs = [k for k in mine if q in k], [k for k in local.get(q, []) if r in k]
+            if ours != theirs:
+                out.append(f"local groups of ranks {r} and {q}: rank {r} creates {[_span(k) for k in ours]}, "
+                           f"rank {q} {[_span(k) for k in theirs]}")
     for r, seq in enumerate(seqs[1:], 1):
         if seq != seqs[0]:
             k = next((i for i, (a, b) in enumerate(zip(seq, seqs[0])) if a != b), min(len(seq), len(seqs[0])))
@@ -158,9 +177,12 @@ def _simulate(events_by_rank, sends, recvs) -> list[str]:
         e = events_by_rank[r][pos[r]]
         if e[0] == "destroy_group":
             return [(r, pos[r])]
+        if _local(e):
+            ok = all(pos[q] < len(events_by_rank[q]) and tuple(events_by_rank[q][pos[q]]) == tuple(e) for q in e[1])
+            return [(q, pos[q]) for q in e[1]] if ok else None
         if e[0] == "new_group":
             ok = all(pos[q] < len(events_by_rank[q]) and events_by_rank[q][pos[q]][0] == "new_group"
-                     and groups_done[q] == groups_done[r] for q in range(world))
+                     and not _local(events_by_rank[q][pos[q]]) and groups_done[q] == groups_done[r] for q in range(world))
             return [(q, pos[q]) for q in range(world)] if ok else None
         if e[0] == "coll":
             key = e[2]
@@ -196,7 +218,7 @@ def _simulate(events_by_rank, sends, recvs) -> list[str]:
         if done is None:
             continue
         for q, i in done:
-            if events_by_rank[q][i][0] == "new_group":
+            if events_by_rank[q][i][0] == "new_group" and not _local(events_by_rank[q][i]):
                 groups_done[q] += 1
             pos[q] = i + 1
             if not queued[q]:
@@ -233,7 +255,7 @@ def summary(events_by_rank: Sequence[Sequence[Event]]) -> dict:
             elif e[0] == "p2p":
                 p2p += len(e[1])
                 peers.update(op[1] for op in e[1])
-            elif e[0] == "new_group":
+            elif e[0] == "new_group" and not _local(e):
                 made += 1
         for key, v in (("groups", len(comms)), ("peers", len(peers)), ("ops", colls + p2p),
                        ("collectives", colls), ("p2p_ops", p2p), ("new_groups", made)):

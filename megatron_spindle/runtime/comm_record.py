@@ -15,7 +15,8 @@ megatron.core's gradient buffer, which keeps its own references to ``all_gather_
 * ``("p2p", ops)``: one ``batch_isend_irecv`` (a lone ``isend``/``irecv``/``send``/``recv`` is a batch of
   one); ``ops`` = ``((kind, peer, shape, dtype, tag), ...)``, ``kind`` ``"send"`` or ``"recv"``, ``peer`` a
   global rank;
-* ``("new_group", ranks)`` and ``("destroy_group", ranks)``.
+* ``("new_group", ranks)`` (collective over the world) or ``("new_group", ranks, "local")``
+  (``use_local_synchronization=True``: only its members take part), and ``("destroy_group", ranks)``.
 
 A collective issued inside ``_coalescing_manager`` (megatron.core's DDP coalesces a bucket group's reductions)
 is recorded once per call, in order: on one communicator that is the same order constraint as the
@@ -235,7 +236,8 @@ def _group_fn(name: str, fn: Callable) -> Callable:
         if name == "new_group":
             ranks = a.get("ranks")
             key = tuple(sorted(int(r) for r in ranks)) if ranks else _world_ranks()
-            _recorder.events.append(("new_group", key))
+            local = a.get("use_local_synchronization") and key != _world_ranks()
+            _recorder.events.append(("new_group", key, "local") if local else ("new_group", key))
         else:
             _recorder.events.append(("destroy_group", _group_ranks(a.get("group"))))
     return _outermost(fn, record)
