@@ -1,0 +1,264 @@
+"""Check every rank's recorded communication (:mod:`.comm_record` events) against NCCL's rules. Pure Python.
+
+:func:`check` takes one event list per rank (index = global rank) and returns one line per problem (empty: the
+streams are consistent and cannot deadlock under the model below):
+
+a. ``new_group`` is collective over the world: every rank creates the same groups in the same order (a group
+   made with ``use_local_synchronization``, event ``("new_group", ranks, "local")``, only by its members, in
+   one order among the local groups each member makes);
+b. a communicator (a group's rank set) is a stream of kernels: every member issues that communicator's
+   collectives in the same order, with the same operation, shape and dtype; only members issue them;
+c. NCCL has no tags: per ordered pair (src, dst) the k-th send src->dst meets the k-th receive at dst from src,
+   and they must agree in shape and dtype; where the tags' order differs from the posting order, gloo (which
+   matches by tag) would pair the messages differently from NCCL, and that is reported too;
+d. no deadlock under NCCL's conservative model: each rank's operations complete in issue order (kernels of
+   one rank may serialize); a collective completes once every member has reached it; ``new_group`` once every
+   rank has; a P2P batch once every operation's matching operation sits in a batch at the head of its rank,
+   closed transitively (the batches complete together, as one group call). The simulation runs until nothing
+   moves; ranks left with operations are reported with the operation they are stuck at (a cycle of waits
+   across communicators, or a message nobody receives).
+
+:func:`summary` counts, per rank: communicators used (distinct groups of its collectives, the default group
+always counted: NCCL keeps one per group), P2P peers, and operations per recorded pass (collectives and P2P
+operations), with their maximum and mean over the ranks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+Event = tuple
+#: at most this many lines per kind of problem (a 1024-rank mismatch would otherwise print thousands)
+MAX_LINES = 8
+
+
+def _capped(lines: list[str], what: str) -> list[str]:
+    if len(lines) <= MAX_LINES:
+        return lines
+    return lines[:MAX_LINES] + [f"... and {len(lines) - MAX_LINES} more {what}"]
+
+
+def _fmt(e: Event) -> str:
+    if e[0] == "coll":
+        return f"{e[1]} over {_span(e[2])} {list(e[3])} {e[4]}"
+    if e[0] == "p2p":
+        return "p2p batch [" + ", ".join(f"{k} {'to' if k == 'send' else 'from'} {p} {list(s)} {d} tag {t}"
+                                         for k, p, s, d, t in e[1]) + "]"
+    return f"{e[0]} {_span(e[1])}"
+
+
+def _span(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) > 6 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}..{ranks[-1]}"
+    if len(ranks) > 6:
+        return f"ranks {ranks[:3]}+{len(ranks) - 3} more"
+    return f"ranks {ranks}"
+
+
+def _local(e: Event) -> bool:
+    return e[0] == "new_group" and len(e) > 2 and e[2] == "local"
+
+
+def _check_groups(events_by_rank) -> list[str]:
+    seqs = [[e[1] for e in evs if e[0] == "new_group" and not _local(e)] for evs in events_by_rank]
+    out = []
+    local: dict[int, list] = {}
+    for r, evs in enumerate(events_by_rank):
+        mine = [tuple(e[1]) for e in evs if _local(e)]
+        for ranks in mine:
+            if r not in ranks:
+                out.append(f"rank {r} creates local group {_span(ranks)} without being in it")
+        local[r] = mine
+    for r, mine in local.items():  # the local groups two ranks share: the same on both, in the same order
+        for q in sorted({q for k in mine for q in k if q > r}):
+            ours, theirs = [k for k in mine if q in k], [k for k in local.get(q, []) if r in k]
+            if ours != theirs:
+                out.append(f"local groups of ranks {r} and {q}: rank {r} creates {[_span(k) for k in ours]}, "
+                           f"rank {q} {[_span(k) for k in theirs]}")
+    for r, seq in enumerate(seqs[1:], 1):
+        if seq != seqs[0]:
+            k = next((i for i, (a, b) in enumerate(zip(seq, seqs[0])) if a != b), min(len(seq), len(seqs[0])))
+            mine = _span(seq[k]) if k < len(seq) else "nothing"
+            theirs = _span(seqs[0][k]) if k < len(seqs[0]) else "nothing"
+            out.append(f"new_group #{k}: rank {r} creates {mine}, rank 0 creates {theirs} "
+                       f"(new_group is collective over the world: same groups, same order on every rank)")
+    return _capped(out, "ranks with another group order")
+
+
+def _check_collectives(events_by_rank) -> list[str]:
+    world = len(events_by_rank)
+    per: dict[tuple, dict[int, list]] = {}
+    out = []
+    for r, evs in enumerate(events_by_rank):
+        for i, e in enumerate(evs):
+            if e[0] != "coll":
+                continue
+            if r not in e[2]:
+                out.append(f"rank {r} event #{i}: {_fmt(e)} on a group it is not in")
+                continue
+            if e[2] and e[2][-1] >= world:
+                out.append(f"rank {r} event #{i}: {_fmt(e)} names ranks beyond the world of {world}")
+                continue
+            per.setdefault(tuple(e[2]), {}).setdefault(r, []).append((e[1], tuple(e[3]), e[4]))
+    for ranks, by_rank in sorted(per.items()):
+        ref_rank = ranks[0]
+        ref = by_rank.get(ref_rank, [])
+        for r in ranks:
+            seq = by_rank.get(r, [])
+            if seq == ref:
+                continue
+            k = next((i for i, (a, b) in enumerate(zip(seq, ref)) if a != b), min(len(seq), len(ref)))
+            mine = " ".join(map(str, seq[k])) if k < len(seq) else "nothing"
+            theirs = " ".join(map(str, ref[k])) if k < len(ref) else "nothing"
+            out.append(f"communicator {_span(ranks)}: collective #{k} is {mine} on rank {r} but {theirs} "
+                       f"on rank {ref_rank}")
+    return _capped(out, "collective mismatches")
+
+
+def _pairs(events_by_rank):
+    """{(src, dst): [(rank, event index, op index, shape, dtype, tag)]} for sends and for receives."""
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for r, evs in enumerate(events_by_rank):
+        for i, e in enumerate(evs):
+            if e[0] != "p2p":
+                continue
+            for j, (kind, peer, shape, dtype, tag) in enumerate(e[1]):
+                if kind == "send":
+                    sends.setdefault((r, peer), []).append((r, i, j, tuple(shape), dtype, tag))
+                else:
+                    recvs.setdefault((peer, r), []).append((r, i, j, tuple(shape), dtype, tag))
+    return sends, recvs
+
+
+def _check_p2p(events_by_rank, sends, recvs) -> list[str]:
+    world = len(events_by_rank)
+    out, tags = [], []
+    for r, evs in enumerate(events_by_rank):
+        for i, e in enumerate(evs):
+            if e[0] == "p2p":
+                for kind, peer, *_ in e[1]:
+                    if not 0 <= peer < world or peer == r:
+                        out.append(f"rank {r} event #{i}: {kind} with peer {peer} (world of {world})")
+    for pair in sorted(set(sends) | set(recvs)):
+        src, dst = pair
+        s, v = sends.get(pair, []), recvs.get(pair, [])
+        for k, (a, b) in enumerate(zip(s, v)):
+            if (a[3], a[4]) != (b[3], b[4]):
+                out.append(f"{src}->{dst} message #{k}: rank {src} sends {list(a[3])} {a[4]} (event #{a[1]}), "
+                           f"rank {dst} receives {list(b[3])} {b[4]} (event #{b[1]})")
+                break
+        if len(s) != len(v):
+            out.append(f"{src}->{dst}: rank {src} posts {len(s)} sends, rank {dst} posts {len(v)} receives")
+        if len(s) == len(v) and [a[5] for a in s] != [b[5] for b in v]:
+            k = next(k for k, (a, b) in enumerate(zip(s, v)) if a[5] != b[5])
+            tags.append(f"{src}->{dst} message #{k}: send tag {s[k][5]}, receive tag {v[k][5]}: gloo matches by "
+                        f"tag, NCCL by posting order, so they pair these messages differently")
+    return _capped(out, "P2P mismatches") + _capped(tags, "tag/posting-order disagreements")
+
+
+def _simulate(events_by_rank, sends, recvs) -> list[str]:
+    world = len(events_by_rank)
+    partners: dict[tuple[int, int], set] = {}
+    unmatched: set[tuple[int, int]] = set()
+    for pair in set(sends) | set(recvs):
+        s, v = sends.get(pair, []), recvs.get(pair, [])
+        for a, b in zip(s, v):
+            partners.setdefault((a[0], a[1]), set()).add((b[0], b[1]))
+            partners.setdefault((b[0], b[1]), set()).add((a[0], a[1]))
+        for x in s[len(v):] + v[len(s):]:
+            unmatched.add((x[0], x[1]))
+    pos = [0] * world
+    groups_done = [0] * world
+
+    def participants(r: int):
+        """Ranks and event indices that complete together with rank r's head, or None when not all there."""
+        e = events_by_rank[r][pos[r]]
+        if e[0] == "destroy_group":
+            return [(r, pos[r])]
+        if _local(e):
+            ok = all(pos[q] < len(events_by_rank[q]) and tuple(events_by_rank[q][pos[q]]) == tuple(e) for q in e[1])
+            return [(q, pos[q]) for q in e[1]] if ok else None
+        if e[0] == "new_group":
+            ok = all(pos[q] < len(events_by_rank[q]) and events_by_rank[q][pos[q]][0] == "new_group"
+                     and not _local(events_by_rank[q][pos[q]]) and groups_done[q] == groups_done[r] for q in range(world))
+            return [(q, pos[q]) for q in range(world)] if ok else None
+        if e[0] == "coll":
+            key = e[2]
+            for q in key:
+                if not (0 <= q < world and pos[q] < len(events_by_rank[q])):
+                    return None
+                h = events_by_rank[q][pos[q]]
+                if h[0] != "coll" or h[2] != key:
+                    return None
+            return [(q, pos[q]) for q in key]
+        # a P2P batch: its matching batches' closure, every one at the head of its rank
+        seen, todo = {(r, pos[r])}, [(r, pos[r])]
+        while todo:
+            node = todo.pop()
+            if node in unmatched:
+                return None
+            for q, i in partners.get(node, ()):
+                if pos[q] != i:
+                    return None
+                if (q, i) not in seen:
+                    seen.add((q, i))
+                    todo.append((q, i))
+        return sorted(seen)
+
+    queue = deque(range(world))
+    queued = [True] * world
+    while queue:
+        r = queue.popleft()
+        queued[r] = False
+        if pos[r] >= len(events_by_rank[r]):
+            continue
+        done = participants(r)
+        if done is None:
+            continue
+        for q, i in done:
+            if events_by_rank[q][i][0] == "new_group" and not _local(events_by_rank[q][i]):
+                groups_done[q] += 1
+            pos[q] = i + 1
+            if not queued[q]:
+                queued[q] = True
+                queue.append(q)
+    stuck = [f"rank {r} stuck at event #{pos[r]} of {len(evs)}: {_fmt(evs[pos[r]])}"
+             for r, evs in enumerate(events_by_rank) if pos[r] < len(evs)]
+    if stuck:
+        stuck.insert(0, f"deadlock under NCCL's in-order model: {len(stuck)} of {world} ranks cannot finish")
+    return _capped(stuck, "stuck ranks")
+
+
+def check(events_by_rank: Sequence[Sequence[Event]]) -> list[str]:
+    """One line per problem found in every rank's events (see the module docstring); empty when consistent."""
+    evs = [list(e) for e in events_by_rank]
+    sends, recvs = _pairs(evs)
+    return _check_groups(evs) + _check_collectives(evs) + _check_p2p(evs, sends, recvs) + \
+        _simulate(evs, sends, recvs)
+
+
+def summary(events_by_rank: Sequence[Sequence[Event]]) -> dict:
+    """Per-rank counts and their max/mean: ``groups`` (communicators a rank's collectives use, the default group
+    included), ``peers`` (distinct P2P peers), ``ops`` (collectives plus P2P operations, per recorded pass),
+    ``collectives``, ``p2p_ops``, ``new_groups`` (groups created: every rank creates every group)."""
+    world = len(events_by_rank)
+    rows = {"groups": [], "peers": [], "ops": [], "collectives": [], "p2p_ops": [], "new_groups": []}
+    everyone = tuple(range(world))
+    for evs in events_by_rank:
+        comms, peers, colls, p2p, made = {everyone}, set(), 0, 0, 0
+        for e in evs:
+            if e[0] == "coll":
+                comms.add(tuple(e[2]))
+                colls += 1
+            elif e[0] == "p2p":
+                p2p += len(e[1])
+                peers.update(op[1] for op in e[1])
+            elif e[0] == "new_group" and not _local(e):
+                made += 1
+        for key, v in (("groups", len(comms)), ("peers", len(peers)), ("ops", colls + p2p),
+                       ("collectives", colls), ("p2p_ops", p2p), ("new_groups", made)):
+            rows[key].append(v)
+    return {k: {"max": max(v) if v else 0, "mean": sum(v) / len(v) if v else 0.0, "per_rank": v}
+            for k, v in rows.items()}
