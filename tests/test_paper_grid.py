@@ -28,7 +28,7 @@ def rows():
 
 
 #: Where a tuned baseline's step is shorter than Spindle's in the file: (model, tasks, GPUs, baseline) -> Spindle's
-#: speedup over it, as README ("Where the lead is small or absent") states it. Listed so that the claim stays
+#: speedup over it, as docs/compare.md ("Where the lead is small or absent") states it. Listed so that the claim stays
 #: exactly what was measured: a new miss, a moved one or one that went away fails the test.
 KNOWN_MISSES: dict = {}
 
