@@ -33,7 +33,7 @@ import make_tiny_hf  # noqa: E402
 
 from megatron_spindle import cli  # noqa: E402
 from megatron_spindle.hf.check import compare  # noqa: E402
-from megatron_spindle.hf.config import model_spec_toml, towers  # noqa: E402
+from megatron_spindle.models.hf_config import model_spec_toml, towers  # noqa: E402
 
 KINDS = ("tiny-clip", "tiny-clip-vision", "tiny-clip-text", "tiny-llama", "tiny-qwen2")
 TOL = 1e-5
@@ -174,7 +174,7 @@ def test_a_checkpoint_that_does_not_match_is_refused_in_one_line(hf, tmp_path, c
 
 
 def test_bad_init_names_and_spec_keys():
-    from megatron_spindle.hf.mapping import init_targets
+    from megatron_spindle.models.hf_mapping import init_targets
     from megatron_spindle.planner.workload.spec import SpecError, parse_spec
     from megatron_spindle.planner.workload.workloads import build_graph
 

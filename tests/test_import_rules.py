@@ -2,7 +2,8 @@
 
 * the planner imports neither torch nor megatron (also proven by importing it with both blocked, in
   ``test_planner_core.py``);
-* models never import the runtime (nor the Megatron layer);
+* models never import the runtime (nor the Megatron layer), nor ``hf`` (the ``spindle hf`` commands sit above
+  models: the checkpoint's name mapping lives in ``models/hf_mapping.py``, beside the loader that uses it);
 * only ``megatron/hooks.py`` imports ``megatron.training`` (besides the compatibility modules that stand in for
   its CUDA-only start-up and bridge its versions, ``compat/megatron_lm.py`` and ``compat/mcore.py``);
 * no import cycle between modules of ``megatron_spindle``;
@@ -79,10 +80,10 @@ def test_the_planner_imports_no_torch_and_no_megatron():
     assert not bad, bad
 
 
-def test_models_import_neither_the_runtime_nor_the_megatron_layer():
+def test_models_import_neither_the_runtime_nor_the_megatron_layer_nor_hf():
     bad = [f"{p.relative_to(PKG)}:{line} {m}" for p, imps in _all().items() if _under(_module_name(p), "megatron_spindle.models")
            for m, line, _, _ in imps
-           if _under(m, "megatron_spindle.runtime") or _under(m, "megatron_spindle.megatron")]
+           if any(_under(m, f"megatron_spindle.{layer}") for layer in ("runtime", "megatron", "hf"))]
     assert not bad, bad
 
 
