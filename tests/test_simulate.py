@@ -11,7 +11,7 @@ from megatron_spindle.planner.workload.cluster import PRESETS, Cluster, load_clu
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.step.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
+from megatron_spindle.planner.simulation.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
                                                allreduce_time_ms, boundary_time_ms, simulate, step_time_ms,
                                                sync_time_ms)
 from megatron_spindle.planner.step.validate import check_plan

@@ -29,8 +29,8 @@ from ..planner.step.placement import PlacementError
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..planner.step.render import gantt, grid, summary
-from ..planner.step.tune_spindle import tune_spindle
-from ..planner.step.tuning import FixedPasses
+from ..planner.systems.tune_spindle import tune_spindle
+from ..planner.systems.tuning import FixedPasses
 from ..planner.step.validate import check_plan
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step

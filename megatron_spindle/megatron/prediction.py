@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..planner.workload.cluster import Cluster
-from ..planner.step.simulate import allreduce_time_ms, simulate
+from ..planner.simulation.simulate import allreduce_time_ms, simulate
 from ..profiler.step_costs import optimizer_ms
 
 #: The executor's per-boundary span: time this rank spent posting and blocked on transfers (the exposed part).

@@ -14,7 +14,7 @@ posts during the backward, overlap compute:
    complete, item 3), the totals do not depend on it. A wave's duration (its longest slice) is reported; the
    pass is timed per device (item 4).
 2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
-   messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
+   messages the plan stores for it (:mod:`..step.dataflow`: copy, shard, concat, send/recv; nothing here derives
    them again). A message that stays on its device is free. Inside an island a message uses the sender's and
    the receiver's NVLink (full duplex); across islands it uses the sending node's and the receiving node's
    NICs (shared by the node's devices). All messages of a boundary go at once (batched point-to-point), so::
@@ -32,7 +32,7 @@ posts during the backward, overlap compute:
    boundary's sends with its receives, as timed above.
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
-   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`.plan.ParamGroup`) gradient
+   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`..step.plan.ParamGroup`) gradient
    is complete when the last backward, in execution order, of a slice holding it on one of its ranks has
    passed its layer (a slice's layers complete one by one, last layer first, its backward time split evenly);
    a bucket is ready when its last group is; a frozen weight's group is in none (no gradient). Each bucket is one ring all-reduce of
@@ -53,7 +53,7 @@ posts during the backward, overlap compute:
        t_sync = max(0, max_c end_c − t_pass)
 
    With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
-4. **Step.** A pass runs phase by phase (:attr:`.plan.WavePlan.phase`; one phase unless the plan frees
+4. **Step.** A pass runs phase by phase (:attr:`..step.plan.WavePlan.phase`; one phase unless the plan frees
    activations early): the forwards of the phase's waves, then their backwards in reverse, then the next
    phase, every slice placed on its devices' timeline as item 1-2 say (:func:`.timeline.dataflow_pass`);
    ``t_pass`` ends when the last device does. With gradient accumulation over ``K`` passes (``passes=K``,
@@ -62,7 +62,7 @@ posts during the backward, overlap compute:
    ``= K ·`` (``t_pass`` minus the same pass with free communication: what the transfers expose),
    *idle* the rest of ``K · t_pass`` (devices waiting for inputs, or unused), *sync* (exposed); the four add
    up to the step.
-5. **Memory.** The plan's per-device estimate (:func:`.assemble.device_memory`: model states of every layer
+5. **Memory.** The plan's per-device estimate (:func:`..step.assemble.device_memory`: model states of every layer
    the device holds plus the activations its largest phase stashes), checked against the cluster's usable
    memory.
 
@@ -86,7 +86,7 @@ from ..workload.recompute import FORWARD_SHARE
 from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
-from .plan import Plan, Slice
+from ..step.plan import Plan, Slice
 from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
