@@ -129,15 +129,11 @@ def grad_bytes_of(args) -> int:
 
 def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank: int, *, passes: int,
                  grad_bytes: int,
-                 compute_scale: float = 1.0, costs: StepCosts = StepCosts(),
-                 early_sends: bool = False) -> StepPrediction:
+                 compute_scale: float = 1.0, costs: StepCosts = StepCosts()) -> StepPrediction:
     """Predicted against measured parts of a step on ``rank`` (see the module docstring): the mean of each
-    part over ``steps`` (one step number or several: one step of a CPU run is noisy).
-
-    ``early_sends``: the runtime posts sends as soon as their data exists (gloo; see
-    :func:`..planner.simulation.simulate.simulate`)."""
+    part over ``steps`` (one step number or several: one step of a CPU run is noisy)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
-                   compute_scale=compute_scale, early_sends=early_sends)
+                   compute_scale=compute_scale)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
     transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size
