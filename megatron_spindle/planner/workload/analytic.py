@@ -169,6 +169,32 @@ class DeviceModel:
         return t
 
 
+#: The band's slow edge (issue 31: how far the verdict moves with the constants nobody measured here).
+#: Forward + backward latency of one transformer layer when a framework dispatches every operator eagerly:
+#: 3 × 0.798 ms, NVIDIA FasterTransformer ``docs/vit_guide.md``, "ViT Performance on A100", table "FP16", column
+#: "torch latency(ms)": ViT-B/16 at 384 px (577 tokens, h = 768, 12 layers), batch 1: 9.58 ms / 12 = 0.798 ms per
+#: layer forward, against 2.13 ms (0.18 ms per layer) for FT's fused "cpp" column, 4.5x; the slope of the same
+#: column from batch 8 to 32 (30.41 -> 121.17 ms) puts the batch-1 GPU work near 0.3 ms, so 0.8 ms is the CPU's
+#: dispatch floor. The factor 3 for the backward is the same assumption as the fused floor's.
+EAGER_TRANSFORMER_LATENCY_MS = 2.39
+#: Large-batch efficiency level at the slow edge: Narayanan et al. (SC21, arXiv 2104.04473) Table 1, 44 % of
+#: peak at h = 2304 and 46 % at h = 4096 end to end (docs/results/analytic_curves.md, source 4), read as e(h):
+#: 0.44 · (2304 + 390) / 2304 = 0.514 and 0.46 · (4096 + 390) / 4096 = 0.504; their mean, 0.51.
+LOW_MAX_EFFICIENCY = 0.51
+
+
+def slow_edge(device: "DeviceModel") -> "DeviceModel":
+    """``device`` at the slow edge of the published data: every layer type's latency scaled from the fused floor
+    to the eager one (:data:`EAGER_TRANSFORMER_LATENCY_MS` / :data:`TRANSFORMER_LATENCY_MS`), the large-batch
+    efficiency level at :data:`LOW_MAX_EFFICIENCY` (never above ``device``'s own). The fast edge is the default
+    device model itself: its floor (fused kernels) and level (FlashAttention's GPT training) are the fastest of
+    the anchors."""
+    ratio = EAGER_TRANSFORMER_LATENCY_MS / TRANSFORMER_LATENCY_MS
+    lat = {k: round(v * ratio, 4) for k, v in device.layer_latency_ms.items()}
+    return dataclasses.replace(device, layer_latency_ms=lat,
+                               max_efficiency=min(device.max_efficiency, LOW_MAX_EFFICIENCY))
+
+
 #: Analytic curves already fitted, by everything they depend on (MetaOps of several tasks with the same layer,
 #: batch and degree share one; the tuner plans the same workload under many configurations). Bounded.
 _FITTED: dict[tuple, ScalingCurve] = {}
