@@ -186,7 +186,7 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
             else:
                 cmp.results[system] = _result(tuned[system], cl, fixed is not None)
         fill_mfu(cmp.results, workload, n, cl.peak_tflops)
-        if band and device is not None:
+        if band and device is not None and fixed is None:
             cmp.band = fill_band(cmp.results, workload, cl, device)
         out.append(cmp)
     return out

@@ -48,6 +48,16 @@ tests/test_analytic_curves.py re-checks every anchor point):
   that this model (latency only) does not show; whole-iteration overheads of that 4-layer model are the
   likely cause, but if not, the model is optimistic for wide layers at small batches.
 
+* **The band (issue 31).** The latency above is a fused-kernel floor and ``max_efficiency`` the level of a
+  highly fused training stack: the *fast edge* of the published data. :func:`slow_edge` is the other edge:
+  an eager framework's dispatch floor (FasterTransformer's A100 ViT "torch" column: 0.798 ms per layer forward at
+  batch 1, 4.5x its fused column; :data:`EAGER_TRANSFORMER_LATENCY_MS`) and Megatron-LM 2021's end-to-end level
+  (SC21 Table 1; :data:`LOW_MAX_EFFICIENCY`). ``spindle compare`` re-plans every system under it
+  (:mod:`megatron_spindle.compare_band`). At large batch a training anchor agrees with the fitted model: NVIDIA
+  DeepLearningExamples' BERT-large pretraining on one A100 (sequence 128, micro-batch 256, 694 sequences/s) is
+  predicted 2.6 % slower than measured. The defaults are unchanged by issue 31: no training measurement of
+  these layers at small per-device batches was found that would move the floor to a single better value.
+
 Curves file (``--curves FILE``; JSON)::
 
     {"schema_version": 1,
