@@ -176,3 +176,43 @@ def test_the_trainer_refuses_transformer_engine_where_it_cannot_run(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and errors[0].startswith("error: --transformer-impl transformer_engine"), errors
+
+
+# --------------------------------------------------------------------------------------------------
+# the launch scripts' device choice (a stand-in interpreter answers torch's question as a 1-GPU node would)
+# --------------------------------------------------------------------------------------------------
+FAKE_PY = """#!/usr/bin/env bash
+case "$*" in
+  *device_count*) echo "1 NVIDIA_H200";;
+  *megatron.training*) exit 1;;
+  *) echo "worker started: $*"; exit 7;;
+esac
+"""
+
+
+def launch(tmp_path, env_extra, script="run_multitask_clip.sh"):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS_PER_NODE", "SPINDLE_BACKEND", "MODEL_SIZE")}
+    env.update(PYTHON=str(fake), OUT=str(tmp_path / "out"), **env_extra)
+    return subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_launch_refuses_gpus_that_are_not_there(tmp_path):
+    proc = launch(tmp_path, {"GPUS_PER_NODE": "4"})
+    assert proc.returncode == 2 and "worker started" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: GPUS_PER_NODE=4 asks for more GPUs than torch sees on this node: 1 (NVIDIA H200)"]
+    bad = launch(tmp_path, {"GPUS_PER_NODE": "two"})
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: GPUS_PER_NODE=two must be a positive integer"
+
+
+@pytest.mark.parametrize("script", ["run_multitask_clip.sh", "run_qwen_val.sh"])
+def test_launch_says_what_it_chose(tmp_path, script):
+    proc = launch(tmp_path, {}, script)
+    line = proc.stdout.splitlines()[0]
+    assert line == ("spindle launch: backend loop (built-in megatron.core loop), device 1 x NVIDIA H200 per node "
+                    "(NCCL), model size full, ranks 1 (1 node(s) x 1)"), proc.stdout
+    assert proc.returncode == 7  # then the one-process check ran (the stand-in interpreter stops there)
