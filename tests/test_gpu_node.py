@@ -216,3 +216,17 @@ def test_launch_says_what_it_chose(tmp_path, script):
     assert line == ("spindle launch: backend loop (built-in megatron.core loop), device 1 x NVIDIA H200 per node "
                     "(NCCL), model size full, ranks 1 (1 node(s) x 1)"), proc.stdout
     assert proc.returncode == 7  # then the one-process check ran (the stand-in interpreter stops there)
+
+
+def test_megatron_wheel_without_makefile_never_runs_make(monkeypatch):
+    """Megatron-LM's ``_compile_dependencies`` runs ``make`` in megatron/core/datasets on rank 0, GPU or not; a
+    wheel has no Makefile there (its helpers are prebuilt): the stand-in imports them instead."""
+    from megatron.core.datasets import utils
+    from megatron_spindle.compat import megatron_lm
+
+    monkeypatch.setattr(utils, "compile_helpers", utils.compile_helpers)  # restored after the test
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    has_makefile = os.path.exists(os.path.join(os.path.dirname(utils.__file__), "Makefile"))
+    assert megatron_lm.apply_wheel_standins() is (not has_makefile)
+    if not has_makefile:
+        utils.compile_helpers()  # no make, no exit

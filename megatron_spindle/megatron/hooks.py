@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron.core.enums import ModelType
 
 from ..compat.mcore import run_pretrain
-from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
+from ..compat.megatron_lm import apply_cpu_standins, apply_wheel_standins, cuda_on_cpu
 from ..log import get_logger, setup_logging
 from ..runtime.trace import gather_chrome_trace
 from . import trainer
@@ -373,6 +373,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     from megatron.training import get_args  # optional: megatron.training
 
 
+    apply_wheel_standins()  # a megatron-core wheel: no Makefile for Megatron's `make` of the dataset helpers
     apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
     if argv is not None:  # Megatron parses sys.argv
         sys.argv = [sys.argv[0], *argv]
