@@ -87,7 +87,11 @@ install_wheels() {
   if [ "$DRY" = 1 ] || ! compgen -G ".whl/*.whl" >/dev/null; then
     echo "nothing to install ($( [ "$DRY" = 1 ] && echo "dry run" || echo "no .whl/" )): using what $PY has"; return 0
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || return 1
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || return 1
+  else  # no pip: a wheel is a zip of the installed tree
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" "$SITE" || return 1; done
+  fi
   for w in .whl/*.whl; do echo "installed $(basename "$w")"; done
 }
 export -f install_wheels; export DRY SITE PY
