@@ -230,3 +230,19 @@ def test_megatron_wheel_without_makefile_never_runs_make(monkeypatch):
     assert megatron_lm.apply_wheel_standins() is (not has_makefile)
     if not has_makefile:
         utils.compile_helpers()  # no make, no exit
+
+
+def test_megatron_loop_defaults_to_local_layers_and_the_flag_wins():
+    """Megatron-LM parses --transformer-impl (its default: transformer_engine); a Spindle run through
+    pretrain_spindle defaults it to local, as the built-in loop, and an explicit value is kept."""
+    import argparse
+
+    from megatron_spindle.megatron.hooks import local_layers_default
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transformer-impl", default="transformer_engine",
+                        choices=["local", "transformer_engine", "inference_optimized"])
+    parser = local_layers_default(parser)
+    assert parser.parse_args([]).transformer_impl == "local"
+    assert parser.parse_args(["--transformer-impl", "transformer_engine"]).transformer_impl == "transformer_engine"
+    assert local_layers_default(argparse.ArgumentParser()).parse_args([]) == argparse.Namespace()  # no such flag

@@ -329,6 +329,10 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
+    need(getattr(args, "transformer_impl", "local") != "transformer_engine"
+         or importlib.util.find_spec("transformer_engine") is not None,
+         "--transformer-impl transformer_engine: TransformerEngine is not installed here; install it or use "
+         "--transformer-impl local")
     need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
          "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
          "first plan's layout)")
