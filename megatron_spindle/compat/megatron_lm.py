@@ -129,7 +129,7 @@ def _prebuilt_helpers() -> None:
     """Stands in for ``megatron.core.datasets.utils.compile_helpers`` where the wheel ships the helpers built and
     no Makefile: imports them (Spindle's data never uses them; a missing build is said, not fatal)."""
     try:
-        import megatron.core.datasets.helpers_cpp  # noqa: F401  # the wheel's prebuilt dataset index builder
+        import megatron.core.datasets.helpers_cpp  # noqa: F401  # optional: the wheel's prebuilt dataset helpers
     except ImportError as e:
         print(f"note: megatron.core.datasets.helpers_cpp is not built here ({e}) and there is no Makefile to "
               f"build it: Megatron's own datasets would fail; Spindle's data does not use them", flush=True)
