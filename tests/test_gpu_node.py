@@ -173,8 +173,8 @@ def test_the_trainer_refuses_transformer_engine_where_it_cannot_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle", "--spindle-size",
                            "tiny", "--micro-batch-size", "4", "--train-iters", "1", "--transformer-impl",
                            "transformer_engine"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]  # not torch's own warnings
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(errors) == 1 and errors[0].startswith("error: --transformer-impl transformer_engine"), errors
 
 
