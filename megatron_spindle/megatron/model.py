@@ -44,14 +44,18 @@ def graph_for(args, world: int):
     return run_graph(args, world)
 
 
-def make_cluster(args, world: int):
+def make_cluster(args, world: int, *, say: bool = False):
     """``(cluster, curves file or None)`` for planning, from the node this runs on (:func:`.gpu_node.node_cluster`):
     ``--spindle-cluster`` or the GPU's preset, islands of ``--spindle-gpus-per-node`` or the node's NVLink island
     (at most the ranks per node), memory from ``--spindle-memory-gib``, the device, or the curves file's device."""
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
     node = node_cluster(args, world)
     mem = node.memory_gib if node.memory_gib is not None else (curves.device.memory_gib if curves else None)
-    return load_cluster(node.preset, num_devices=world, gpus_per_node=node.gpus_per_node, memory_gib=mem), curves
+    cluster = load_cluster(node.preset, num_devices=world, gpus_per_node=node.gpus_per_node, memory_gib=mem)
+    if say:  # the plan's log: what the planner was told about the node, and from where
+        log.info(f"spindle: cluster {cluster.name}, {cluster.memory_gib:.1f} GiB per device, islands of "
+                 f"{cluster.gpus_per_node} devices" + (f" ({node.source})" if node.source else ""))
+    return cluster, curves
 
 
 def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
@@ -71,9 +75,7 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     box = [None]
     if dist.get_rank() == 0:
         try:
-            cluster, curves = make_cluster(args, world)
-            log.info(f"spindle: cluster {cluster.name}, {cluster.memory_gib:.1f} GiB per device, islands of "
-                     f"{cluster.gpus_per_node} devices")
+            cluster, curves = make_cluster(args, world, say=True)
             try:
                 p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
                                 passes=passes)
