@@ -41,7 +41,7 @@ from .planner.simulation.simulate import StepSimulation, simulate
 from .planner.systems.tune_spindle import tune_spindle
 from .planner.systems.tuning import Tuned, Workload, tune_baseline, tune_static_grids
 from .planner.workload.analytic import CurvesFile, DeviceModel
-from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
+from .planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
 from .planner.workload.workloads import resolve_passes
 
 #: The paper's Figure 8 labels for our systems.
@@ -335,7 +335,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
-                   help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
+                   help=f"cluster preset ({', '.join(PRESETS)}) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
     p.add_argument("--fixed-passes", action="store_true",
                    help="hold every system to one configuration (--passes, default the model's; nothing recomputed) "
                         "instead of tuning each to its own best")

@@ -42,7 +42,8 @@ from .ckpt_dir import latest_iteration
 from .guard import NumericGuard
 from .lifeline import LIFE, signal_name
 from .logs import TrainLogs
-from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
+from .model import (build_model, graph_for, layer_backend, log_plan, make_cluster, plan_for, run_device,
+                    step_passes)
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
 from .preflight import check_save_space, hold_save_lock
 from .session import Stopped, join_job, restart_source, run_entry
@@ -95,6 +96,7 @@ class Trainer:
         self.args = args
         self.extra_json = dict(extra_json or {})
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
+        layer_backend(args)  # --transformer-impl transformer_engine where TE cannot run: the same line, before joining
         join_job(args)
         self.lock = hold_save_lock(args.save)
         try:
