@@ -25,7 +25,7 @@ from .logs import check_log_args
 from ..planner.workload.workloads import build_graph
 from .input_files import (_need, check_curves_model, check_plan_fields, check_spindle_inputs,  # noqa: F401
                           init_of, load_plan)
-from .ckpt_dir import TRACKER, check_save_dir, latest_iteration, probe_save_lock
+from .ckpt_dir import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from .lifeline import report_once
 
 STARTUP_TIMEOUT_S = 120.0
@@ -87,6 +87,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
                         "up to N times in a run; the next one stops training with the task and MetaOp named "
                         "(default 0: stop at the first)")
+    g.add_argument("--spindle-overwrite-save", action="store_true",
+                   help="let --save replace the checkpoints another run left there (without it a --save that holds "
+                        "checkpoints is refused unless --load names the same directory, which resumes)")
     return parser
 
 
@@ -336,6 +339,8 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+        probe_save_lock(args.save)  # a run writing there now is named before its checkpoints are
+        check_save_reuse(args.save, args.load, getattr(args, "spindle_overwrite_save", False))
 
 
 def check_spindle_values(args) -> None:
@@ -370,6 +375,9 @@ def preflight_main(argv, description: str = "") -> int:
             args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
+            if save:
+                probe_save_lock(save)
+                check_save_reuse(save, _known(argv, "--load"), args.spindle_overwrite_save)
         else:
             args, _ = fallback_args(argv)
             check_args(args, world)

@@ -1,0 +1,52 @@
+"""Issue 33, finding by finding, through the launch path (``scripts/run_multitask_clip.sh`` on 2 CPU ranks of
+the tiny model) or the ``spindle`` command: nothing lost when the files, the disk or the terminal misbehave.
+Exit status and line count are asserted for each; numbers in the test names are the issue's findings.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+from launch_path import launch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def one_line(r, *words, rc=2):
+    """Exit status ``rc``, exactly one stderr line naming every one of ``words``; no traceback, nothing trained."""
+    assert r.rc == rc, (r.rc, r.err[-8:])
+    assert len(r.err) == 1, r.err
+    assert "Traceback" not in r.out and "iteration " not in r.out
+    for w in words:
+        assert w in r.err[0], (w, r.err[0])
+    return r.err[0]
+
+
+def tracker(save: str) -> int:
+    with open(os.path.join(save, TRACKER)) as fh:
+        return int(fh.read())
+
+
+def test_1_save_over_another_runs_checkpoints_is_refused_unless_resumed_or_told(tmp_path):
+    save = str(tmp_path / "ck")
+    first = launch(["--save", save, "--save-interval", "1"], str(tmp_path)).wait(300)
+    assert first.rc == 0 and tracker(save) == 3, first.err
+    again = launch(["--save", save, "--save-interval", "1", "--seed", "99"], str(tmp_path), TRAIN_ITERS=2).wait(300)
+    one_line(again, f"--save {save!r} already holds the checkpoints of another run (up to iteration 3)",
+             f"--load {save}", "--spindle-overwrite-save")
+    assert tracker(save) == 3 and not again.left
+    resumed = launch(["--save", save, "--load", save, "--save-interval", "1"], str(tmp_path), TRAIN_ITERS=4).wait(300)
+    assert resumed.rc == 0 and resumed.err == [], resumed.err
+    assert f"resumed from {save} at iteration 3" in resumed.out and tracker(save) == 4
+    told = launch(["--save", save, "--spindle-overwrite-save"], str(tmp_path), TRAIN_ITERS=1).wait(300)
+    assert told.rc == 0 and told.err == [] and tracker(save) == 1, told.err
+
+
+def test_13_a_tracker_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
+    d = tmp_path / "ck"
+    d.mkdir()
+    os.mkfifo(d / TRACKER)
+    for args in (["--load", str(d)], ["--save", str(d)]):
+        r = launch(args, str(tmp_path)).wait(120)  # a hang would be killed at 120 s and fail the status
+        one_line(r, f"checkpoint tracker {d / TRACKER} is not a regular file")
