@@ -50,3 +50,34 @@ def test_13_a_tracker_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     for args in (["--load", str(d)], ["--save", str(d)]):
         r = launch(args, str(tmp_path)).wait(120)  # a hang would be killed at 120 s and fail the status
         one_line(r, f"checkpoint tracker {d / TRACKER} is not a regular file")
+
+
+SEVEN = "vision-text,audio-text,vision-depth,vision-thermal,vision-imu,audio-vision,depth-text"
+
+
+def checkpoint_keys(save: str, it: int) -> set[str]:
+    from megatron.core import dist_checkpointing as dc
+    return set(dc.load_tensors_metadata(os.path.join(save, f"iter_{it:07d}")))
+
+
+def test_2_a_task_schedule_keeps_every_module_in_every_checkpoint_and_resumes_in_a_later_phase(tmp_path):
+    """Seven tasks, then two from iteration 2: the five that left keep their encoders and AdamW moments in
+    every later checkpoint, and a run resumed in the second phase gives the uninterrupted losses."""
+    from launch_path import losses
+    sched = ["--spindle-task-schedule", f"0:{SEVEN};2:vision-text,audio-text"]
+    save = str(tmp_path / "ck")
+    ref = launch(sched, str(tmp_path), TASKS=7, TRAIN_ITERS=5).wait(400)
+    assert ref.rc == 0 and ref.err == [], ref.err
+    first = launch([*sched, "--save", save, "--save-interval", "1", "--exit-interval", "3"], str(tmp_path),
+                   TASKS=7, TRAIN_ITERS=5).wait(400)
+    assert first.rc == 0 and first.err == [], first.err
+    keys = checkpoint_keys(save, 1)
+    assert any("depth" in k for k in keys) and any(k.startswith("optim/") and "imu" in k for k in keys)
+    assert checkpoint_keys(save, 2) == keys and checkpoint_keys(save, 3) == keys
+    resumed = launch([*sched, "--load", save, "--save", save, "--save-interval", "1"], str(tmp_path),
+                     TASKS=7, TRAIN_ITERS=5).wait(400)
+    assert resumed.rc == 0 and resumed.err == [], resumed.err
+    assert f"resumed from {save} at iteration 3" in resumed.out and "fresh weights" not in resumed.out
+    got = losses(resumed.out)
+    assert sorted(got) == [4, 5] and all(got[i] == losses(ref.out)[i] for i in got), (got, losses(ref.out))
+    assert checkpoint_keys(save, 5) == keys

@@ -135,12 +135,16 @@ class Trainer:
         self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
         self.scheduler = make_scheduler(self.optimizer, args)
         LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
+        self.phase = 0
         self.load, attempt = restart_source(args)
         if self.load:
+            for j in range(1, self._phase_of(latest_iteration(self.load) or 0) + 1):
+                self.change_tasks(self.schedule[j][0])  # the task mixes so far: every module trained is held
             self.start, _, missing = load_checkpoint(self.load, self.model, self.optimizer)
             log.info((f"torchrun restart {attempt}: " if self.load != args.load else "")
                      + f"resumed from {self.load} at iteration {self.start}"
                      + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
+            self.scheduler = make_scheduler(self.optimizer, args)
             if self.start:
                 self.scheduler.step(self.start)
         self.data.position = self.start * self.accum
@@ -149,9 +153,6 @@ class Trainer:
         self.guard = NumericGuard(args.spindle_nonfinite_skips)
         self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
                                                        "world_size": self.world, "system": self.plan.system})
-        self.phase = self._phase_of(self.start)
-        if self.phase and self.load:
-            raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
         self.step_times: list[float] = []
         self.last: dict[str, float] = {}
         self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
