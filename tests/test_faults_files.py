@@ -4,11 +4,13 @@ Exit status and line count are asserted for each; numbers in the test names are 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sys
 
-from launch_path import launch
+from launch_path import base_env, launch, losses, start
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -63,7 +65,6 @@ def checkpoint_keys(save: str, it: int) -> set[str]:
 def test_2_a_task_schedule_keeps_every_module_in_every_checkpoint_and_resumes_in_a_later_phase(tmp_path):
     """Seven tasks, then two from iteration 2: the five that left keep their encoders and AdamW moments in
     every later checkpoint, and a run resumed in the second phase gives the uninterrupted losses."""
-    from launch_path import losses
     sched = ["--spindle-task-schedule", f"0:{SEVEN};2:vision-text,audio-text"]
     save = str(tmp_path / "ck")
     ref = launch(sched, str(tmp_path), TASKS=7, TRAIN_ITERS=5).wait(400)
@@ -81,3 +82,37 @@ def test_2_a_task_schedule_keeps_every_module_in_every_checkpoint_and_resumes_in
     got = losses(resumed.out)
     assert sorted(got) == [4, 5] and all(got[i] == losses(ref.out)[i] for i in got), (got, losses(ref.out))
     assert checkpoint_keys(save, 5) == keys
+
+
+def test_3_two_profiles_sharing_one_cache_keep_both_runs_points(tmp_path):
+    """Multitask-CLIP (13 points) and Qwen-VAL (10 points) profiled at once into one --cache: both runs'
+    points are in it afterwards (each save merges what the file holds under a lock)."""
+    cache = str(tmp_path / "cache.json")
+    common = ["--size", "tiny", "--batch", "4", "--nproc", "1", "--max-devices", "1", "--warmup", "0", "--repeats",
+              "1", "--min-time", "0", "--no-link", "--cache", cache]
+    runs = [start([sys.executable, "-m", "megatron_spindle.cli", "profile", "--model", model, *extra, *common,
+                   "--out", str(tmp_path / f"{model}.json")], base_env(), str(tmp_path))
+            for model, extra in (("multitask-clip", ["--tasks", "4"]), ("qwen-val", []))]
+    results = [r.wait(600) for r in runs]
+    for r in results:
+        assert r.rc == 0 and r.err == [], r.err
+    assert "13 to measure" in results[0].out and "10 to measure" in results[1].out
+    with open(cache) as fh:
+        assert len(json.load(fh)["entries"]) == 23
+
+
+def test_8_sighup_to_the_launcher_stops_after_the_step_like_sigterm(tmp_path):
+    """A closed terminal (SIGHUP to the launcher, which torchrun forwards): the ranks finish the step, rank 0
+    says where the run stands in one line, exit 129; no iter_N.tmp, no lock left."""
+    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    save = str(tmp_path / "ck")
+    run = launch(["--save", save, "--save-interval", "1"], str(tmp_path), TRAIN_ITERS=200)
+    run.wait_for(r"saved checkpoint \S+ at iteration 2\b")
+    run.proc.send_signal(signal.SIGHUP)
+    r = run.wait(300)
+    assert r.rc == 129, r.err
+    assert len(r.err) == 1, r.err
+    it = int(re.search(r"stopped by SIGHUP after iteration (\d+) of 200", r.err[0]).group(1))
+    assert f"last checkpoint: {save} at iteration {it}" in r.err[0]
+    assert latest_iteration(save) == it and not r.left
+    assert [f for f in os.listdir(save) if ".tmp" in f or f.startswith(".spindle")] == []

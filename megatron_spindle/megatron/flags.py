@@ -120,8 +120,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
-                        "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
+                   help="on SIGTERM (or SIGHUP) finish the step, save a checkpoint (with --save) and exit 0, as "
+                        "Megatron-LM does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "

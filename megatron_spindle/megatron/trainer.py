@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .ckpt_dir import latest_iteration
 from .guard import NumericGuard
-from .lifeline import LIFE, signal_name
+from .lifeline import LIFE, SAVE_SIGNALS, signal_name
 from .logs import TrainLogs
 from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
@@ -271,14 +270,14 @@ class Trainer:
 
     def stop(self, sig: int, it: int, saved: bool) -> None:
         """After iteration ``it`` every rank agreed to stop on ``sig``: with ``--exit-signal-handler`` and
-        SIGTERM, save (unless just saved) and return (exit 0); otherwise one line and :class:`Stopped`."""
+        SIGTERM or SIGHUP, save (unless just saved) and return (exit 0); otherwise one line and :class:`Stopped`."""
         args = self.args
-        if sig == signal.SIGTERM and args.exit_signal_handler:
+        if sig in SAVE_SIGNALS and args.exit_signal_handler:
             LIFE.phase = "finishing"
             if args.save and not saved:
                 save_checkpoint(args.save, it + 1, self.model, self.optimizer)
             where = f"saved checkpoint {args.save} at iteration {it + 1}" if args.save else "nothing saved (no --save)"
-            log.info(f"SIGTERM: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
+            log.info(f"{signal_name(sig)}: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
                      f"(--exit-signal-handler)")
             return
         if self.rank == 0:
