@@ -116,3 +116,60 @@ def test_8_sighup_to_the_launcher_stops_after_the_step_like_sigterm(tmp_path):
     assert f"last checkpoint: {save} at iteration {it}" in r.err[0]
     assert latest_iteration(save) == it and not r.left
     assert [f for f in os.listdir(save) if ".tmp" in f or f.startswith(".spindle")] == []
+
+
+def test_4_a_failing_tensorboard_writer_is_one_warning_and_training_goes_on(tmp_path, caplog):
+    """The writer raises ENOSPC (as on a full disk): one warning naming the flag and the cause, then no more
+    writes; nothing raised into the loop."""
+    import argparse
+    import errno
+    import logging
+    from megatron_spindle.megatron.logs import TrainLogs
+    logs = TrainLogs(argparse.Namespace(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None), 0)
+    calls = []
+
+    def full(*a, **k):
+        calls.append(a)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    logs.tb.add_scalar = full
+    with caplog.at_level(logging.WARNING, logger="megatron_spindle"):
+        for it in (1, 2, 3):
+            logs.step(it, losses={"a": 1.0}, grad_norm=1.0, lr=1e-3, batch_size=8, step_s=0.1)
+        logs.close()
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warning:")]
+    assert len(warned) == 1 and len(calls) == 1, warned
+    assert f"--tensorboard-dir {tmp_path / 'tb'}: cannot write (no space left on device)" in warned[0]
+    assert "training goes on" in warned[0]
+
+
+def test_4_a_disk_that_fills_under_tensorboard_and_the_trace_is_a_warning_each(tmp_path):
+    """--tensorboard-dir and the trace on a 1 MiB tmpfs that fills after iteration 5 (needs root): the run
+    trains to the end, exit 0, nothing on stderr, one warning per logger."""
+    import subprocess
+    import pytest
+    mnt = str(tmp_path / "small")
+    os.makedirs(mnt)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        run = launch(["--tensorboard-dir", os.path.join(mnt, "tb"), "--spindle-gantt", "", "--log-interval", "5"],
+                     str(tmp_path), TRAIN_ITERS=120, OUT=mnt)
+        run.wait_for(r"iteration +5/120")
+        try:
+            with open(os.path.join(mnt, "filler"), "wb") as fh:
+                while True:
+                    fh.write(b"\0" * (1 << 16))
+        except OSError:
+            pass
+        r = run.wait(600)
+        assert r.rc == 0 and r.err == [], r.err
+        warned = [line for line in r.out.splitlines() if line.startswith("warning:")]
+        assert len(warned) == 2, warned
+        assert any(w.startswith(f"warning: --tensorboard-dir {mnt}/tb: cannot write (no space left on device)")
+                   for w in warned), warned
+        assert any(w.startswith(f"warning: --spindle-trace {mnt}:") and "no space left on device" in w
+                   for w in warned), warned
+        assert "iteration   120/120" in r.out
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)

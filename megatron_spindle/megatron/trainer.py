@@ -322,7 +322,12 @@ class Trainer:
                 log.info(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
                 break
         if args.spindle_trace:
-            path = gather_chrome_trace(self.model.trace, args.spindle_trace)
+            try:
+                path = gather_chrome_trace(self.model.trace, args.spindle_trace)
+            except ValueError as e:  # rank 0 could not write it (a full disk...): the training is done all the same
+                path = None
+                log.warning(f"warning: --spindle-trace {args.spindle_trace}: {' '.join(str(e).split())}; no trace "
+                            f"written, training finished")
             if path:
                 log.info(f"Chrome trace of every rank written to {path}")
         return self.summary()
