@@ -106,9 +106,9 @@ def cmd_plan(args) -> int:
 
 
 def main(argv=None) -> int:
-    setup_logging(announce=False)
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_logging(announce=False, stream=sys.stderr if getattr(args, "json", False) else None)  # stdout: JSON only
     try:
         return args.func(args)
     except (ValueError, KeyError) as e:  # bad input: one clear line

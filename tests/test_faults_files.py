@@ -173,3 +173,34 @@ def test_4_a_disk_that_fills_under_tensorboard_and_the_trace_is_a_warning_each(t
         assert "iteration   120/120" in r.out
     finally:
         subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+def plugin_spec(d, body: str) -> str:
+    """The LLaVA example spec beside a copy of its plugin with ``body`` appended."""
+    import shutil
+    from launch_path import ROOT
+    shutil.copy(os.path.join(ROOT, "examples", "models", "llava.toml"), os.path.join(d, "llava.toml"))
+    with open(os.path.join(ROOT, "examples", "models", "llava_layers.py")) as fh:
+        text = fh.read()
+    with open(os.path.join(d, "llava_layers.py"), "w") as fh:
+        fh.write(text + "\n" + body + "\n")
+    return os.path.join(d, "llava.toml")
+
+
+def test_11_a_plugin_that_exits_is_refused_and_no_plan_claimed(tmp_path):
+    from launch_path import spindle
+    spec = plugin_spec(str(tmp_path), "import sys\nsys.exit(0)")
+    out = str(tmp_path / "p.json")
+    r = spindle(["plan", "--model", spec, "--gpus", "2", "--out", out], str(tmp_path))
+    assert r.rc == 2 and len(r.err) == 1, (r.rc, r.err)
+    assert "model.layer_plugins[0]" in r.err[0] and "called sys.exit(0)" in r.err[0], r.err
+    assert not os.path.exists(out)
+
+
+def test_14_each_plugin_file_run_is_named_in_one_line(tmp_path):
+    from launch_path import spindle
+    spec = plugin_spec(str(tmp_path), "")
+    r = spindle(["plan", "--model", spec, "--gpus", "8"], str(tmp_path))
+    assert r.rc == 0 and r.err == [], r.err
+    ran = [line for line in r.out.splitlines() if line.startswith("layer plugin: ran")]
+    assert len(ran) == 1 and str(tmp_path / "llava_layers.py") in ran[0] and "use only specs you trust" in ran[0]
