@@ -204,3 +204,15 @@ def test_14_each_plugin_file_run_is_named_in_one_line(tmp_path):
     assert r.rc == 0 and r.err == [], r.err
     ran = [line for line in r.out.splitlines() if line.startswith("layer plugin: ran")]
     assert len(ran) == 1 and str(tmp_path / "llava_layers.py") in ran[0] and "use only specs you trust" in ran[0]
+
+
+def test_16_relative_paths_mean_where_the_user_started_the_script(tmp_path):
+    from launch_path import ROOT
+    os.makedirs(tmp_path / "data" / "vision-text")
+    r = launch(["--spindle-data", "data"], str(tmp_path), cwd=str(tmp_path)).wait(120)
+    one_line(r, "no energon dataset", "audio-text")  # found tmp/data, not a missing ROOT/data
+    name = f"ck-{os.getpid()}"
+    r = launch(["--save", name], str(tmp_path), cwd=str(tmp_path), OUT=f"out-{name}", TRAIN_ITERS=1).wait(300)
+    assert r.rc == 0 and r.err == [], r.err
+    assert tracker(str(tmp_path / name)) == 1 and os.path.isfile(tmp_path / f"out-{name}" / "trace.json")
+    assert not os.path.exists(os.path.join(ROOT, name)) and not os.path.exists(os.path.join(ROOT, f"out-{name}"))
