@@ -216,3 +216,17 @@ def test_16_relative_paths_mean_where_the_user_started_the_script(tmp_path):
     assert r.rc == 0 and r.err == [], r.err
     assert tracker(str(tmp_path / name)) == 1 and os.path.isfile(tmp_path / f"out-{name}" / "trace.json")
     assert not os.path.exists(os.path.join(ROOT, name)) and not os.path.exists(os.path.join(ROOT, f"out-{name}"))
+
+
+def test_5_a_truncated_energon_shard_is_named_before_the_first_step(tmp_path):
+    import subprocess
+    from launch_path import ROOT
+    data = str(tmp_path / "data")
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_energon_dataset.py"), "--tasks", "4",
+                           "--samples", "64", "--shard-size", "32", "--out", data], env=base_env(),
+                          capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    shard = os.path.join(data, "vision-depth", "part-0000.tar")
+    os.truncate(shard, os.path.getsize(shard) // 3)
+    r = launch(["--spindle-data", data], str(tmp_path)).wait(120)
+    one_line(r, f"shard {shard} of task 'vision-depth' is", "truncated")

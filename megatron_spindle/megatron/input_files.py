@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 from ..atomic import check_output
+from ..data.shards import check_dataset_shards
 from ..hf.mapping import init_targets
 from ..planner.step.plan import Plan
 from ..planner.workload.analytic import CurvesFile
@@ -94,6 +95,8 @@ def check_spindle_inputs(args, world: int, graph) -> None:
         need(not missing, f"--spindle-data {args.spindle_data}: no energon dataset for task(s) {', '.join(missing)} "
                           f"(expected {os.path.join(args.spindle_data, missing[0]) if missing else ''} prepared with "
                           f"`energon prepare`)")
+        for task in graph.tasks:
+            check_dataset_shards(args.spindle_data, task)
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
         need(importlib.util.find_spec("matplotlib") is not None,
