@@ -230,3 +230,30 @@ def test_5_a_truncated_energon_shard_is_named_before_the_first_step(tmp_path):
     os.truncate(shard, os.path.getsize(shard) // 3)
     r = launch(["--spindle-data", data], str(tmp_path)).wait(120)
     one_line(r, f"shard {shard} of task 'vision-depth' is", "truncated")
+
+
+def test_6_damaged_pretrained_weights_are_one_line_naming_the_file(tmp_path):
+    """--spindle-init weights from a truncated model.safetensors, or through an index naming a deleted shard:
+    refused by the launch check in one line naming the file; `spindle hf check` on the truncated one too."""
+    import pytest
+    pytest.importorskip("transformers")
+    from launch_path import ROOT, spindle
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_tiny_hf
+    from megatron_spindle.hf.config import model_spec_toml, towers
+    cut = make_tiny_hf.make("tiny-llama", str(tmp_path / "cut"))
+    shards = str(tmp_path / "shards")
+    make_tiny_hf.build("tiny-llama", 0).save_pretrained(shards, max_shard_size="100KB")
+    names = sorted(n for n in os.listdir(shards) if n.endswith(".safetensors"))
+    assert len(names) > 1, names
+    os.unlink(os.path.join(shards, names[-1]))
+    weights = os.path.join(cut, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    for d, words in ((cut, [f"{weights} is truncated", "download it again"]),
+                     (shards, [f"names the shard {names[-1]}, which is not in {shards}"])):
+        spec = tmp_path / f"{os.path.basename(d)}.toml"
+        spec.write_text(model_spec_toml(d, towers(d), name="m"))
+        r = launch(["--spindle-model", str(spec)], str(tmp_path), TASKS="", MICRO_BATCH=1, MODEL_SIZE="full").wait(120)
+        one_line(r, "pretrained weights of", *words)
+    r = spindle(["hf", "check", cut], str(tmp_path))
+    assert r.rc == 2 and len(r.err) == 1 and f"{weights} is truncated" in r.err[0], (r.rc, r.err)

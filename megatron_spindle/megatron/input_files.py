@@ -11,6 +11,7 @@ import os
 
 from ..atomic import check_output
 from ..data.shards import check_dataset_shards
+from ..hf.files import check_weight_files
 from ..hf.mapping import init_targets
 from ..planner.step.plan import Plan
 from ..planner.workload.analytic import CurvesFile
@@ -87,6 +88,11 @@ def check_spindle_inputs(args, world: int, graph) -> None:
     init = init_of(args)
     if init:
         init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
+        for module, path in sorted(init.items()):
+            try:
+                check_weight_files(path)  # truncated files, an index naming a missing shard
+            except ValueError as e:
+                raise ValueError(f"pretrained weights of {module} ({path}): {e}") from None
     if args.spindle_plan:
         check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan, world)
     if getattr(args, "spindle_data", None):
