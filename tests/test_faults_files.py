@@ -257,3 +257,17 @@ def test_6_damaged_pretrained_weights_are_one_line_naming_the_file(tmp_path):
         one_line(r, "pretrained weights of", *words)
     r = spindle(["hf", "check", cut], str(tmp_path))
     assert r.rc == 2 and len(r.err) == 1 and f"{weights} is truncated" in r.err[0], (r.rc, r.err)
+
+
+def test_9_a_spec_with_every_module_renamed_does_not_resume_from_nothing(tmp_path):
+    from launch_path import SPEC
+    with open(SPEC) as fh:
+        text = re.sub(r"\b(vision|text|audio|depth|thermal|imu)\.(embed|layers|head)\b", r"r_\1.\2", fh.read())
+    text = text.replace("[modules.loss]", "[modules.r_loss]").replace("-> loss\"", "-> r_loss\"")
+    renamed = tmp_path / "renamed.toml"
+    renamed.write_text(text)
+    save = str(tmp_path / "ck")
+    first = launch(["--save", save], str(tmp_path), TRAIN_ITERS=1).wait(300)
+    assert first.rc == 0, first.err
+    r = launch(["--spindle-model", str(renamed), "--load", save], str(tmp_path)).wait(300)
+    one_line(r, f"checkpoint {save}/iter_0000001 holds none of this model's weights", "r_")

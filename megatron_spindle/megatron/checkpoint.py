@@ -279,8 +279,15 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta}
     mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
-    every = comm.all_gather_object(mine)  # report the weights no rank found, wherever they live
-    missing = sorted(set().union(*every))
+    found = sum(1 for k in present if k.startswith("model/"))
+    every = comm.all_gather_object((mine, found))  # report the weights no rank found, wherever they live
+    missing = sorted(set().union(*(m for m, _ in every)))
+    if missing and not any(n for _, n in every):  # nothing would load: another model's (renamed) checkpoint
+        theirs = sorted({k.split("/")[1] for k in meta if k.startswith("model/")})
+        raise CheckpointError(f"checkpoint {path} holds none of this model's weights (it has {len(theirs)} such as "
+                              f"{', '.join(theirs[:2])}; this model needs {', '.join(missing[:2])}...): a checkpoint of "
+                              f"another model or of renamed modules? --load the checkpoint of this model, or start "
+                              f"without --load")
     wrong = sorted(f"{v.key} has shape {list(meta[v.key].global_shape)}, this model needs {list(v.global_shape)}"
                    for v in present.values() if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
     wrong = sorted(w for ws in comm.all_gather_object(wrong) for w in ws)  # the same line on every rank
