@@ -271,3 +271,14 @@ def test_9_a_spec_with_every_module_renamed_does_not_resume_from_nothing(tmp_pat
     assert first.rc == 0, first.err
     r = launch(["--spindle-model", str(renamed), "--load", save], str(tmp_path)).wait(300)
     one_line(r, f"checkpoint {save}/iter_0000001 holds none of this model's weights", "r_")
+
+
+def test_10_fewer_samples_per_task_than_one_batch_is_refused(tmp_path):
+    import subprocess
+    from launch_path import ROOT
+    data = str(tmp_path / "data")
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_energon_dataset.py"), "--tasks", "4",
+                           "--samples", "3", "--out", data], env=base_env(), capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    r = launch(["--spindle-data", data], str(tmp_path)).wait(120)  # 4 per rank x 2 ranks: 8 samples a pass
+    one_line(r, "task 'vision-text' has 3 samples, one pass takes 8", "repeat samples")

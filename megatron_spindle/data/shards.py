@@ -13,9 +13,11 @@ import os
 import struct
 
 
-def check_dataset_shards(root: str, task: str) -> None:
+def check_dataset_shards(root: str, task: str, batch: int | None = None) -> None:
     """Raise one ``ValueError`` line naming the first shard of ``root/task`` that is missing, unreadable or
-    shorter than its index says; datasets without ``.info.json`` (older energon) are left to the loader."""
+    shorter than its index says, or (with ``batch``, the samples of the task in one pass) a dataset too
+    small to fill one batch without repeating samples (a repeat in a contrastive batch is a false negative);
+    datasets without ``.info.json`` (older energon) are left to the loader."""
     d = os.path.join(root, task)
     info = os.path.join(d, ".nv-meta", ".info.json")
     if not os.path.isfile(info):
@@ -26,6 +28,11 @@ def check_dataset_shards(root: str, task: str) -> None:
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"--spindle-data {root}: {info} is unreadable ({type(e).__name__}); prepare the dataset "
                          f"of task {task!r} again (`energon prepare {d}`)") from None
+    total = sum(int(v) for v in counts.values() if isinstance(v, int))
+    if batch is not None and total < batch:
+        raise ValueError(f"--spindle-data {root}: task {task!r} has {total} samples, one pass takes {batch} "
+                         f"(--micro-batch-size x ranks): every batch would repeat samples (false negatives in a "
+                         f"contrastive loss); give the task at least {batch} samples or a smaller --micro-batch-size")
     for name, samples in sorted(counts.items()):
         shard = os.path.join(d, name)
         if not os.path.isfile(shard):

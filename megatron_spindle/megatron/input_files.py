@@ -102,7 +102,7 @@ def check_spindle_inputs(args, world: int, graph) -> None:
                           f"(expected {os.path.join(args.spindle_data, missing[0]) if missing else ''} prepared with "
                           f"`energon prepare`)")
         for task in graph.tasks:
-            check_dataset_shards(args.spindle_data, task)
+            check_dataset_shards(args.spindle_data, task, max(op.batch for op in graph.operators if op.task == task))
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
         need(importlib.util.find_spec("matplotlib") is not None,
