@@ -282,3 +282,17 @@ def test_10_fewer_samples_per_task_than_one_batch_is_refused(tmp_path):
     assert made.returncode == 0, made.stderr[-2000:]
     r = launch(["--spindle-data", data], str(tmp_path)).wait(120)  # 4 per rank x 2 ranks: 8 samples a pass
     one_line(r, "task 'vision-text' has 3 samples, one pass takes 8", "repeat samples")
+
+
+def test_12_the_trace_cap_is_one_warning_and_prediction_lines_stay_short(tmp_path):
+    r = launch(["--spindle-trace-max-spans", "300", "--spindle-predict-interval", "2"], str(tmp_path),
+               TRAIN_ITERS=12).wait(300)
+    assert r.rc == 0 and r.err == [], r.err
+    lines = r.out.splitlines()
+    warned = [i for i, line in enumerate(lines) if line.startswith("warning: the step trace reached its cap of 300")]
+    assert len(warned) == 1, r.out[-3000:]
+    predictions = [i for i, line in enumerate(lines) if line.startswith("prediction |")]
+    assert predictions and all(i < warned[0] for i in predictions), r.out[-3000:]
+    assert all(len(lines[i]) < 2000 and "no step prediction" not in lines[i] for i in predictions), \
+        [lines[i] for i in predictions]
+    assert "iteration    12/12" in r.out and os.path.isfile(tmp_path / "out" / "trace.json")

@@ -90,6 +90,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--spindle-overwrite-save", action="store_true",
                    help="let --save replace the checkpoints another run left there (without it a --save that holds "
                         "checkpoints is refused unless --load names the same directory, which resumes)")
+    g.add_argument("--spindle-trace-max-spans", type=int, default=200_000, metavar="N",
+                   help="spans each rank keeps for the trace and the prediction lines (a few per wave and step); "
+                        "past it a warning, and iterations are no longer traced")
     return parser
 
 
@@ -348,7 +351,8 @@ def check_spindle_values(args) -> None:
     for flag, v, low in (("--spindle-tasks", args.spindle_tasks, 1),
                          ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
+                         ("--spindle-trace-max-spans", getattr(args, "spindle_trace_max_spans", 1), 1)):
         _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     for flag, v in (("--spindle-timeout", args.spindle_timeout),
                     ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):

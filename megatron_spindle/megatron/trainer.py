@@ -131,6 +131,8 @@ class Trainer:
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
+        self.model.trace.max_spans = args.spindle_trace_max_spans
+        self.trace_full = 0  # the iteration at which the trace reached its cap (0: not yet)
         self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
         self.scheduler = make_scheduler(self.optimizer, args)
         LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
@@ -168,6 +170,7 @@ class Trainer:
         self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
                                             seed=self.args.seed,
                                             make_optimizer=lambda ps: make_optimizer(ps, self.args))
+        self.model.trace.max_spans = self.args.spindle_trace_max_spans
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         self.scheduler = make_scheduler(self.optimizer, self.args)
@@ -304,7 +307,12 @@ class Trainer:
                            batch_size=self.accum * self.micro * len(self.plan.tasks), step_s=dt)
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 self._log_progress(it, losses, norm, dt)
-            if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
+            if not self.trace_full and len(self.model.trace.spans) >= self.model.trace.max_spans:
+                self.trace_full = it + 1
+                log.warning(f"warning: the step trace reached its cap of {self.model.trace.max_spans} spans at "
+                            f"iteration {it + 1}: later iterations are not traced (the trace file ends there, no "
+                            f"more prediction lines); raise the cap with --spindle-trace-max-spans")
+            if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0 and not self.trace_full:
                 self._log_prediction(it)
             stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
             saved = bool(args.save) and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
