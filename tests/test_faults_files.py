@@ -296,3 +296,15 @@ def test_12_the_trace_cap_is_one_warning_and_prediction_lines_stay_short(tmp_pat
     assert all(len(lines[i]) < 2000 and "no step prediction" not in lines[i] for i in predictions), \
         [lines[i] for i in predictions]
     assert "iteration    12/12" in r.out and os.path.isfile(tmp_path / "out" / "trace.json")
+
+
+def test_15_long_planning_shows_progress(tmp_path):
+    from launch_path import spindle
+    plan = ["plan", "--model", "multitask-clip", "--tasks", "10", "--gpus", "64", "--progress-interval", "0.05"]
+    r = spindle(plan, str(tmp_path))
+    assert r.rc == 0 and r.err == [], r.err
+    beats = [line for line in r.out.splitlines() if line.startswith("planning: ")]
+    assert beats and all(line.endswith("s so far (multitask-clip, 64 devices, batch of the model)") for line in beats)
+    r = spindle([*plan, "--json"], str(tmp_path))  # stdout stays one JSON object; the lines go to stderr
+    assert r.rc == 0 and json.loads(r.out)["gpus"] == 64
+    assert r.err and all(line.startswith("planning: ") for line in r.err), r.err
