@@ -308,3 +308,20 @@ def test_15_long_planning_shows_progress(tmp_path):
     r = spindle([*plan, "--json"], str(tmp_path))  # stdout stays one JSON object; the lines go to stderr
     assert r.rc == 0 and json.loads(r.out)["gpus"] == 64
     assert r.err and all(line.startswith("planning: ") for line in r.err), r.err
+
+
+def test_7_a_plan_that_does_not_fit_this_machine_is_one_line(tmp_path):
+    """MODEL_SIZE=full on 2 CPU ranks: the planner's estimate (about 46 GiB) against the host's available
+    memory, before any layer is built; skipped on a machine with room for it."""
+    import pytest
+    from megatron_spindle.megatron.preflight import _host_available_bytes
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    need = sum(make_plan(build_graph("multitask-clip", tasks=4, batch=8),
+                         load_cluster(None, num_devices=2, gpus_per_node=2)).device_memory_bytes)
+    have = _host_available_bytes()
+    if have is None or have > need:
+        pytest.skip(f"this machine has {have} bytes available, the full model's plan needs {need:.0f}")
+    r = launch([], str(tmp_path), MODEL_SIZE="full").wait(600)
+    one_line(r, "GiB of host memory for the 2 rank(s) on this machine", "MODEL_SIZE=tiny")

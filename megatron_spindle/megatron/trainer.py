@@ -41,7 +41,7 @@ from .lifeline import LIFE, SAVE_SIGNALS, signal_name
 from .logs import TrainLogs
 from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
-from .preflight import check_save_space, hold_save_lock
+from .preflight import check_machine_memory, check_save_space, hold_save_lock
 from .session import Stopped, join_job, restart_source, run_entry
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
@@ -125,6 +125,7 @@ class Trainer:
             raise ValueError("the plan shards the optimizer state (distributed_optimizer), but the built-in "
                              "trainer's checkpoints and task-mix changes keep it per parameter: drop "
                              "--save/--load/--spindle-task-schedule or use a plan without the distributed optimizer")
+        check_machine_memory(self.plan, self.device)  # before any layer is built
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
         self.start = 0
