@@ -38,7 +38,8 @@ demo: $(VENV)/.installed
 
 # Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
 # on 2 cores (8-11 and about 5 minutes here).
-FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py
+FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py \
+	tests/test_faults_files.py
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests $(addprefix --ignore=,$(FAULT_TESTS))

@@ -7,7 +7,8 @@
 #   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30]
 #   MICRO_BATCH [model default on GPU; CPU_MICRO_BATCH (4) on CPU]: samples per task per rank in one pass (as in Megatron);
 #     a pass of the plan carries MICRO_BATCH x ranks samples of every task
-#   OUT [out/multitask_clip]: plan.png, trace.json and checkpoints go here
+#   OUT [out/multitask_clip in the checkout]: plan.png and trace.json go here; a relative OUT, like every relative
+#     path in the flags, is relative to the directory the script is started from
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
 #   TORCHRUN_ARGS: more torchrun flags, e.g. "--max-restarts 2" (a killed rank's group restarts and resumes
 #     from the last checkpoint in --save)
@@ -19,10 +20,12 @@
 # started); then torchrun runs through megatron_spindle.launch, which ends as the workers say (one line each,
 # exit status 2 bad input, 3 a failed peer, 130/143 stopped by SIGINT/SIGTERM) instead of torchrun's traceback.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SCRIPT=${SCRIPT:-examples/pretrain_multitask_clip.py}
-OUT=${OUT:-out/multitask_clip}
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+# No cd: relative paths the user gives (OUT, --save, --load, --spindle-data...) mean where the user stands.
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+SCRIPT=${SCRIPT:-$REPO/examples/pretrain_multitask_clip.py}
+OUT=${OUT:-$REPO/out/multitask_clip}
+PY=${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3 )}
 # The device is what torch sees (not a driver file); one line says what was chosen. GPUS_PER_NODE asking for
 # more GPUs than torch sees, or for GPUs where the driver is there but torch sees none, is refused (exit 2).
 read -r NGPU GPU_NAME <<<"$("$PY" -c 'import torch; n = torch.cuda.device_count()

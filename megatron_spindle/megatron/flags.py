@@ -25,7 +25,7 @@ from .logs import check_log_args
 from ..planner.workload.workloads import build_graph
 from .input_files import (_need, check_curves_model, check_plan_fields, check_spindle_inputs,  # noqa: F401
                           init_of, load_plan)
-from .ckpt_dir import TRACKER, check_save_dir, latest_iteration, probe_save_lock
+from .ckpt_dir import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from .lifeline import report_once
 
 STARTUP_TIMEOUT_S = 120.0
@@ -92,6 +92,12 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
                         "up to N times in a run; the next one stops training with the task and MetaOp named "
                         "(default 0: stop at the first)")
+    g.add_argument("--spindle-overwrite-save", action="store_true",
+                   help="let --save replace the checkpoints another run left there (without it a --save that holds "
+                        "checkpoints is refused unless --load names the same directory, which resumes)")
+    g.add_argument("--spindle-trace-max-spans", type=int, default=200_000, metavar="N",
+                   help="spans each rank keeps for the trace and the prediction lines (a few per wave and step); "
+                        "past it a warning, and iterations are no longer traced")
     return parser
 
 
@@ -122,8 +128,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
-                        "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
+                   help="on SIGTERM (or SIGHUP) finish the step, save a checkpoint (with --save) and exit 0, as "
+                        "Megatron-LM does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient "
                    "accumulation and reductions, master weights and optimizer (as Megatron-LM's --bf16)")
     g.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
@@ -350,6 +356,8 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+        probe_save_lock(args.save)  # a run writing there now is named before its checkpoints are
+        check_save_reuse(args.save, args.load, getattr(args, "spindle_overwrite_save", False))
 
 
 def check_spindle_values(args) -> None:
@@ -357,7 +365,8 @@ def check_spindle_values(args) -> None:
     for flag, v, low in (("--spindle-tasks", args.spindle_tasks, 1),
                          ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
+                         ("--spindle-trace-max-spans", getattr(args, "spindle_trace_max_spans", 1), 1)):
         _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     for flag, v in (("--spindle-timeout", args.spindle_timeout),
                     ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
@@ -384,6 +393,9 @@ def preflight_main(argv, description: str = "") -> int:
             args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
+            if save:
+                probe_save_lock(save)
+                check_save_reuse(save, _known(argv, "--load"), args.spindle_overwrite_save)
         else:
             args, _ = fallback_args(argv)
             check_args(args, world)
