@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Communication check at scale: every rank's calls, made by the executor itself, checked against NCCL's rules.
+
+For each shipped model and device count: plan the full-size model (``make_plan``, the a800 preset, 8 devices
+per node), run every rank of the plan once on torch's fake process group with its calls recorded
+(:mod:`megatron_spindle.runtime.comm_dryrun`: the executor's own code; layers of the narrow twin of the graph),
+and check the streams (:mod:`megatron_spindle.runtime.comm_check`: same group creation order, per-communicator
+collective order, sends and receives matched in posting order, no deadlock under NCCL's in-order model).
+
+Printed per row: groups per rank (communicators its collectives use, the default one included; and groups it
+is a member of: what eager creation would hold on its GPU), P2P peers per rank, operations per pass (collectives
+plus P2P operations), each as max/mean over the ranks, the verdict (``ok`` or the number of problems; the
+first ones are printed below the table) and the seconds the dry run took. Exit status 1 when a row fails.
+
+By default the executor posts its P2P as on a GPU (sends batched with the receives at each boundary); ``--cpu-path``
+checks what it does on gloo instead (sends posted early).
+
+    python scripts/comm_check.py [--models a,b] [--ranks 8,64,256,1024] [--markdown] [--cpu-path]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from megatron_spindle.planner.step.build import make_plan  # noqa: E402
+from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
+from megatron_spindle.planner.workload.spec import shipped_models  # noqa: E402
+from megatron_spindle.planner.workload.workloads import build_graph  # noqa: E402
+
+HEADER = ("model", "ranks", "groups used max/mean", "groups held max/mean", "peers max/mean",
+          "ops/pass max/mean", "verdict", "dry run s")
+
+
+def member_groups(events: list[tuple], rank: int) -> int:
+    """Groups this rank is a member of (created collectively or locally), the default group included."""
+    return 1 + sum(1 for e in events if e[0] == "new_group" and rank in e[1])
+
+
+def run_one(model: str, n: int, *, gpus_per_node: int, gpu_path: bool) -> dict:
+    from megatron_spindle.runtime.comm_check import check, summary
+    from megatron_spindle.runtime.comm_dryrun import dry_run, for_graph, narrow_graph
+
+    plan = make_plan(build_graph(model), load_cluster(None, num_devices=n, gpus_per_node=gpus_per_node))
+    narrow = narrow_graph(model)
+    t0 = time.perf_counter()
+    events = dry_run(for_graph(plan, narrow), narrow, gpu_path=gpu_path, timeout_s=60)
+    seconds = time.perf_counter() - t0
+    errors = check(events)
+    s = summary(events)
+    held = [member_groups(ev, r) for r, ev in enumerate(events)]
+    s["held"] = {"max": max(held), "mean": sum(held) / len(held)}
+    return {"model": model, "ranks": n, "summary": s, "errors": errors, "seconds": seconds}
+
+
+def _mm(d: dict) -> str:
+    return f"{d['max']:g} / {d['mean']:.1f}"
+
+
+def row(r: dict) -> tuple[str, ...]:
+    s = r["summary"]
+    verdict = "ok" if not r["errors"] else f"FAIL ({len(r['errors'])})"
+    return (r["model"], str(r["ranks"]), _mm(s["groups"]), _mm(s["held"]), _mm(s["peers"]), _mm(s["ops"]),
+            verdict, f"{r['seconds']:.0f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(shipped_models()), help="comma-separated shipped models")
+    ap.add_argument("--ranks", default="8,64,256,1024", help="comma-separated device counts")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--cpu-path", action="store_true", help="check the executor's gloo posting (sends early)")
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in shipped_models()]
+    if unknown:
+        print(f"comm_check: unknown model {unknown[0]!r}; shipped: {', '.join(shipped_models())}", file=sys.stderr)
+        return 2
+    try:
+        counts = [int(x) for x in args.ranks.split(",") if x]
+    except ValueError:
+        print(f"comm_check: --ranks {args.ranks!r} is not a comma-separated list of integers", file=sys.stderr)
+        return 2
+    if not counts or min(counts) < 1:
+        print(f"comm_check: --ranks {args.ranks!r} needs positive device counts", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print("| " + " | ".join(HEADER) + " |")
+        print("|" + "---|" * len(HEADER))
+    else:
+        print("  ".join(f"{h:>20}" if i > 1 else f"{h:<14}" for i, h in enumerate(HEADER)))
+    failed = []
+    for model in models:
+        for n in counts:
+            r = run_one(model, n, gpus_per_node=args.gpus_per_node, gpu_path=not args.cpu_path)
+            cells = row(r)
+            if args.markdown:
+                print("| " + " | ".join(cells) + " |", flush=True)
+            else:
+                print("  ".join(f"{c:>20}" if i > 1 else f"{c:<14}" for i, c in enumerate(cells)), flush=True)
+            if r["errors"]:
+                failed.append(r)
+    for r in failed:
+        print(f"\n{r['model']} at {r['ranks']} ranks:")
+        for line in r["errors"][:12]:
+            print(f"  {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
