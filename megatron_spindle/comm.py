@@ -22,8 +22,13 @@ API (``group=None`` is the world; ``timeout`` bounds the wait of an ``*_async`` 
   (torch pickles through the current device under NCCL; they carry no tensors of ours).
 * point to point: :func:`send_op` and :func:`recv_op` make ``P2POp``\\ s (a send's tensor is moved to the
   device and made contiguous; a receive buffer must already be on the device, see :func:`empty`), and
-  :func:`batch_isend_irecv` posts a list of them and returns the works to wait on.
-* :func:`wait_all` - wait for works with one timeout each, raising ``TimeoutError`` naming the message.
+  :func:`batch_isend_irecv` posts a list of them and returns the works to wait on: one per operation under
+  gloo, ONE for the whole batch under NCCL (CUDA tensors go through ``_coalescing_manager``); callers must
+  accept either (:func:`works_per_op`).
+* :func:`wait_all` - wait for works, raising ``TimeoutError`` naming the message. Under gloo each wait is
+  bounded by the timeout (the host blocks); under NCCL a wait makes the current CUDA stream wait on the work
+  and the host goes on (a wait *with* a timeout would block the host until the GPU is done, once per
+  message): the bound is the process group's own timeout, enforced by NCCL's watchdog.
 * :class:`PeerError` - what every call here raises when ``torch.distributed`` fails (a peer died or stopped:
   gloo's "connection closed by peer", a timed-out wait, a store that is gone), naming this rank, the
   operation and the ranks it spans; :func:`is_peer_failure` recognises such a failure raised elsewhere
@@ -35,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import os
 import re
 from typing import Iterable, Sequence
 
@@ -43,7 +49,8 @@ import torch.distributed as dist
 
 __all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
            "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
-           "batch_isend_irecv", "wait_all", "ReduceOp", "PeerError", "is_peer_failure", "first_line", "during"]
+           "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "device_id", "ReduceOp", "PeerError", "is_peer_failure",
+           "first_line", "during"]
 
 ReduceOp = dist.ReduceOp
 
@@ -119,15 +126,30 @@ def _named(op: str):
     return deco
 
 
+def device_id(backend: str) -> torch.device | None:
+    """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (``LOCAL_RANK``),
+    made the current device first, so the default communicator is created at once, bound to it, and later
+    groups are split from it (``ncclCommSplit``) instead of each being created lazily by its first
+    collective; None under gloo."""
+    if "nccl" not in str(backend).lower():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def is_nccl(group=None) -> bool:
+    """Whether ``group`` (default: the world) communicates through NCCL."""
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower()
+
+
 def comm_device() -> torch.device:
     """Where this rank computes and communicates: its CUDA device under NCCL, the CPU under gloo.
 
     Without an initialised process group: the current CUDA device when CUDA is available, else the CPU.
     """
     if dist.is_available() and dist.is_initialized():
-        if "nccl" in str(dist.get_backend()).lower():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if is_nccl() else torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -186,7 +208,7 @@ def broadcast(t: torch.Tensor, *, src: int | None = None, group=None, group_src:
 
 @_named("barrier")
 def barrier(group=None) -> None:
-    if "nccl" in str(dist.get_backend(group)).lower():
+    if is_nccl(group):
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier(group=group)
@@ -228,15 +250,32 @@ def recv_op(buf: torch.Tensor, peer: int, *, tag: int = 0, group=None) -> dist.P
 
 @_named("batch_isend_irecv")
 def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list:
-    """Post every operation at once; returns the works (empty for no operations)."""
+    """Post every operation at once; returns the works (empty for no operations): one per operation (gloo)
+    or one for the whole batch (NCCL). :func:`works_per_op` maps them to the operations."""
     return list(dist.batch_isend_irecv(list(ops))) if ops else []
 
 
+def works_per_op(works: Sequence, n_ops: int) -> list:
+    """The work that completes each of ``n_ops`` operations of one :func:`batch_isend_irecv` call: its own
+    (one work per operation, gloo) or the batch's single coalesced work (NCCL) for every one."""
+    if len(works) == n_ops:
+        return list(works)
+    if len(works) == 1:
+        return list(works) * n_ops
+    raise RuntimeError(f"batch_isend_irecv of {n_ops} operations returned {len(works)} works: neither one per "
+                       f"operation nor one for the batch")
+
+
 def wait_all(works: Iterable, what: Iterable[str], timeout: datetime.timedelta) -> None:
-    """Wait for each work up to ``timeout``; ``TimeoutError`` names the message that failed or hung."""
+    """Wait for each work; ``TimeoutError`` names the message that failed or hung.
+
+    gloo: each wait blocks the host up to ``timeout``. NCCL: ``work.wait()`` without a timeout, which makes
+    the current CUDA stream wait and returns at once; a peer that never answers is caught by the process
+    group's timeout (NCCL's watchdog aborts the communicator, and the next call raises)."""
+    host = not is_nccl()
     for work, desc in zip(works, what):
         try:
-            ok = work.wait(timeout)
+            ok = work.wait(timeout) if host else work.wait()
         except RuntimeError as e:
             raise TimeoutError(f"{desc} failed: {first_line(e)}") from e
         if ok is False:

@@ -67,8 +67,8 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     cf = CurvesFile.parse(doc)
     plans = {"spindle": make_plan(graph, cluster, curves_file=cf),
              "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
-    # both run on gloo, where the Spindle executor posts each send when its data exists
-    sims = {k: simulate(p, cluster, early_sends=True) for k, p in plans.items()}
+    # the executor posts each boundary's sends with its receives, on gloo as under NCCL
+    sims = {k: simulate(p, cluster) for k, p in plans.items()}
     sp = sims["spindle"]
     wave_pred = [{"index": w.index, "compute_s": w.duration_ms / 1e3,
                   "transfer_s": (t.transfer_fwd_ms + t.transfer_bwd_ms) / 1e3,

@@ -31,16 +31,15 @@ def init_distributed(timeout_s: float) -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = comm.device_id(backend)  # NCCL: this rank's GPU, the default communicator created eagerly on it
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = attempt_store(timeout)
         if store is None:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device)
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, device_id=device)
     except (RuntimeError, OSError) as e:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
         raise (explain_init_error(e, timeout_s) or e) from None
 

@@ -219,8 +219,7 @@ class Trainer:
             since = max(self.start + 1, it + 1 - self.args.spindle_predict_interval)  # the run's first step warms up
             pred = predict_step(self.plan, cluster, self.model.trace, range(min(since, it), it + 1), self.rank,
                                 passes=self.accum,
-                                grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs,
-                                early_sends=comm.comm_device().type == "cpu")  # as the executor
+                                grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs)
             whole = pred.format()
             self.logs.prediction(it + 1, pred.predicted_ms, pred.measured_ms)
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..log import setup_logging
 
 
@@ -44,7 +45,7 @@ def _child(fn: Callable, rank: int, nproc: int, port: int, args: tuple, results)
     setup_logging(announce=False)  # a worker is an entry point: rank-0 progress lines, quiet optional packages
     try:
         torch.set_num_threads(threads_per_process(nproc))
-        dist.init_process_group(backend(), rank=rank, world_size=nproc)
+        dist.init_process_group(backend(), rank=rank, world_size=nproc, device_id=comm.device_id(backend()))
         try:
             value = fn(rank, nproc, *args)
         finally:

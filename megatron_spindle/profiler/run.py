@@ -257,7 +257,7 @@ def profile(cfg: ProfileConfig) -> dict:
     if dist.is_initialized():
         return profile_rank(cfg) or {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group(launch.backend())
+        dist.init_process_group(launch.backend(), device_id=comm.device_id(launch.backend()))
         try:
             torch.set_num_threads(launch.threads_per_process(dist.get_world_size()))
             return profile_rank(cfg) or {}

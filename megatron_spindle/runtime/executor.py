@@ -20,22 +20,24 @@ Every slice's layers recompute their activations as its MetaOp says (``MetaOp.re
    receives that feed it), posting each slice's input gradients back to their producers as soon as they
    exist, one holder per sample; then post the receives of the boundary before the wave;
 
-Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`,
-sends are waited at the end of the phase's forward (or backward), their tensors never reused before. Under gloo
-an ``isend`` is asynchronous and matched by tag, so a send posted before its receive cannot deadlock; tags
-number the messages of a whole pass (forward boundaries, then backward ones, whatever the phases), so no two
-outstanding messages of a pair share one.
-Under NCCL the point-to-point calls of a rank run in order on one communication stream and a separate send
-group could wait on a peer's send group (both blocked until received); there the sends of a boundary are
-posted together with its receives, in one batch at the boundary (host-asynchronous, like the rest), and
-tags are ignored by NCCL but both ends post in the same order. The trace records, per message, a
-``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the
-time the host spent posting (early sends count at the boundary they are for) and blocked waiting
-(``w3 fwd transfer``: the exposed part);
+Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`.
+Each boundary's sends and receives are posted together, in ONE batch per rank at the boundary, on every
+backend: NCCL runs a rank's point-to-point calls in order on one stream, matches each pair's sends and
+receives in posting order (tags are ignored) and returns one work for the whole batch; a send posted in a
+batch of its own could wait for the peer's own send batch (both blocked until received). So every rank
+walks the same sequence of boundaries and posts each one's batch at the same point of its program, and the
+bookkeeping takes either one work per message (gloo) or one per batch (NCCL). Tags still number the
+messages of a whole pass (forward boundaries, then backward ones, whatever the phases): gloo matches by tag,
+and no two outstanding messages of a pair share one. Sends are waited at the end of the phase's forward (or
+backward), their tensors never reused before. The trace records, per message, a ``transfer`` span from
+post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the time the host spent posting
+and blocked waiting (``w3 fwd transfer``: the exposed part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward of the last wave that uses it (in execution order: phase by phase)
-   is done; :meth:`finalize_grads` waits. Losses
+   is done (every member posts it at the same point: after the backward of the wave where the last member
+   completes it, before that boundary's messages, so all ranks issue their collectives and batches in one
+   global order); :meth:`finalize_grads` waits. Losses
    are already normalised by the global batch, so summing is exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
@@ -107,7 +109,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
                  grad_reduce_in_fp32: bool = False, distributed_optimizer: bool | None = None,
-                 init: Mapping[str, str] | None = None) -> None:
+                 init: Mapping[str, str] | None = None, registry: ProcessGroupRegistry | None = None) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
@@ -115,7 +117,9 @@ class SpindleModel(TransferPlumbing, nn.Module):
         ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, see :mod:`.grad_sync`. The distributed
         optimizer (ZeRO-1) is the plan's ``distributed_optimizer``; a ``distributed_optimizer`` given here
         must say the same. ``init``: module name -> Hugging Face directory whose weights the layers built
-        here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`)."""
+        here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`). ``registry``:
+        the process groups of a model this one replaces (:mod:`.replan`), updated to this plan's rank sets:
+        the groups both plans use are kept, not created again."""
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
@@ -126,6 +130,9 @@ class SpindleModel(TransferPlumbing, nn.Module):
                              f"distributed_optimizer={plan.distributed_optimizer}: the plan decides (its memory "
                              f"estimate assumes it); re-plan to change it")
         self.plan, self.graph = plan, graph
+        self.options = dict(backend=backend, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
+                            grad_reduce_in_fp32=grad_reduce_in_fp32)
+        """How the layers and the gradient sync were built (a replanned model is built the same way)."""
         self.phases = plan.phases
         """Wave indices of each phase, in execution order (``plan.phases``)."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -134,7 +141,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.dtype = dtype
         self.metaops = {m.name: m for m in plan.metaops}
         self._grad = {n: needs_output_grad(m) for n, m in self.metaops.items()}  # False: forward only (frozen)
-        self.registry = ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
+        self.registry = registry.update(plan_rank_sets(plan)) if registry is not None else \
+            ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
         self.slice_of = {s.name: s for s in plan.slices()}
         # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
         bounds = boundaries(plan)
@@ -145,20 +153,6 @@ class SpindleModel(TransferPlumbing, nn.Module):
         n_fwd = sum(c[0] for c in counts)
         self._tag_base = [(sum(c[0] for c in counts[:w]), n_fwd + sum(c[1] for c in counts[:w]))
                           for w in range(len(bounds))]
-        # gloo: post each slice's sends as soon as its output (or input gradient) exists; see the module doc
-        self._early = comm.comm_device().type == "cpu"
-        self._fwd_sends_of: dict[str, list] = {}   # producer slice -> [(wave, its forward sends into wave)]
-        self._bwd_sends_of: dict[str, list] = {}   # consumer slice -> its backward sends (one boundary)
-        for w, (fwd, bwd) in enumerate(self.messages):
-            by_src: dict[str, list] = {}
-            for item in fwd:
-                if item[2].src == self.rank != item[2].dst:
-                    by_src.setdefault(item[1].src, []).append(item)
-            for name, items in by_src.items():
-                self._fwd_sends_of.setdefault(name, []).append((w, items))
-            for item in bwd:
-                if item[2].src == self.rank != item[2].dst:
-                    self._bwd_sends_of.setdefault(item[1].dst, []).append(item)
         self._xfer = PassTransfers()
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
@@ -266,10 +260,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         recv_into = lambda e, msg, t: self._recv_fwd(st, e, msg, t)  # noqa: E731
         self._xfer = PassTransfers()
         for w in waves:
-            fwd = self.messages[w][0]
-            # the boundary's receives and local copies; its sends too where they were not posted early
-            self._post(w, False, [m for m in fwd if not (self._early and m[2].src == self.rank != m[2].dst)],
-                       send_of, recv_into)
+            self._post(w, False, self.messages[w][0], send_of, recv_into)  # the boundary's batch, local copies
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
                 t1 = time.perf_counter()
@@ -277,9 +268,6 @@ class SpindleModel(TransferPlumbing, nn.Module):
                         (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
                     self._run_slice(s, st.batch, st.pieces, st)
                 self.trace.span("forward", f"{s.name} fwd", t1)
-                if self._early:  # its output exists: send it to every later wave now
-                    for v, items in self._fwd_sends_of.get(s.name, ()):
-                        self._post(v, False, items, send_of, recv_into)
         self._pass_end(False, waves)
         if self.stash is not None:
             self.stash.phase_done(phase)
@@ -371,11 +359,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
                     if name == s.name and leaf.grad is None and leaf.requires_grad:
                         leaf.grad = torch.zeros_like(leaf)
                 self.trace.span("backward", f"{s.name} bwd", t1)
-                if self._early:  # its input gradients exist: send them back now
-                    self._post(w, True, self._bwd_sends_of.get(s.name, []), send_of, recv_into)
-            bwd = self.messages[w][1]
-            self._post(w, True, [m for m in bwd if not (self._early and m[2].src == self.rank != m[2].dst)],
-                       send_of, recv_into)
+            self.grad_sync.reached(w)  # reduces complete at this wave, before the boundary's batch
+            self._post(w, True, self.messages[w][1], send_of, recv_into)
         self._pass_end(True, waves)
 
     def _drop(self, st: StepState, waves: Sequence[int]) -> None:

@@ -24,16 +24,25 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
 * **accumulation**: ``main_grad`` accumulates over passes; :meth:`no_sync` (Megatron's) keeps buckets from
   firing during the first K-1 passes, so K passes cost one sync.
 
-**Order of reductions.** gloo (and NCCL) need the collectives of one group posted in the same order on
-every member. megatron assumes data-parallel replicas run the same model, so their buckets become ready in
-the same order; here the members of a rank set run different slices, and a bucket can be ready early on one
-rank and late on another. So each instance posts its buckets in one order fixed by the plan: by when the
-bucket's gradients are complete on every member, then by bucket index. A gradient is complete after the backward
-of its weight's last use in execution order: a pass runs phase by phase, each phase's waves backward in reverse
-(:mod:`.executor`), so that is the first use within the last phase that uses it (with one phase: the first
-wave that uses it). A bucket
-ready early waits for the buckets before it in that order; it loses nothing, because its reduce cannot finish
-before its slowest member is ready anyway, and every bucket before it is ready on all members by then.
+**Order of reductions.** NCCL needs the collectives of one communicator issued in the same order on every
+member, and, because a GPU may run the kernels of different communicators one after another, a rank's
+collectives and point-to-point batches must follow one global order that every rank agrees with: two ranks
+that issue two communicators' calls in opposite orders can wait on each other forever. megatron assumes
+data-parallel replicas run the same model, so their buckets become ready in the same order and post as they
+fill; here the members of a rank set run different slices, and a bucket can be ready early on one rank and
+late on another. So the posting is driven by the plan, not by readiness: a bucket's key is the backward
+position (:func:`backward_positions`) after which every member has completed its gradients, and every rank
+posts its buckets, over all its instances, in order of (key, rank set, bucket index), each one right after
+the executor finishes the backward of the wave at the bucket's key position and before that boundary's
+point-to-point batch (:meth:`GradSync.reached`). Every rank walks the same waves, so every rank issues its
+reductions and batches in one global order. A gradient is complete after the backward of its weight's last
+use in execution order: a pass runs phase by phase, each phase's waves backward in reverse
+(:mod:`.executor`), so that is the first use within the last phase that uses it. A bucket ready early on one
+member loses nothing by waiting: its reduce cannot finish before its slowest member is ready anyway.
+
+A weight held by one rank only is reduced over nobody: its instance keeps megatron's buffers (``main_grad``,
+the distributed optimizer's blocks) but posts no collective (a one-rank group would still create an NCCL
+communicator and launch a kernel for nothing).
 
 **Shared weights with several local copies** (a rank serving one shard of a weight in two tensor-parallel
 layouts holds one copy per layout): only the first copy is in DDP. Each other copy gets a hook that adds its
@@ -86,6 +95,12 @@ class GradSyncTimeout(comm.PeerError):
     """A gradient reduction did not complete (a peer died or hung): names the rank set."""
 
 
+def _driven_by_the_plan(force_all_reduce: bool = False) -> None:
+    """Replaces a bucket group's ``start_grad_sync``: megatron calls it when the bucket is ready on this rank
+    (and from ``finish_grad_sync``); the reduce is posted by :meth:`GradSync.reached` / :meth:`GradSync.finish`
+    at its place in the global order instead."""
+
+
 class _Params(nn.Module):
     """The parameters of one rank set, in a fixed order (the module megatron's DDP wraps)."""
 
@@ -100,12 +115,14 @@ class _Instance:
 
     ranks: tuple[int, ...]
     ddp: DistributedDataParallel
-    order: list = field(default_factory=list)         # bucket groups in the plan's posting order
     labels: dict = field(default_factory=dict)        # bucket group -> "reduce [ranks] bucket i"
     start: dict = field(default_factory=dict)         # bucket group -> original start_grad_sync
-    ready: set = field(default_factory=set)
-    posted: int = 0                                   # order[:posted] are posted
     times: dict = field(default_factory=dict)         # label -> [post time, completion time or None]
+
+    @property
+    def reduces(self) -> bool:
+        """Whether its buckets are reduced at all (a rank set of one rank is not)."""
+        return len(self.ranks) > 1
 
 
 def backward_positions(plan) -> dict[int, int]:
@@ -183,6 +200,8 @@ class GradSync:
         self.instances: list[_Instance] = []
         one = self_group()
         config = _sum_config()
+        self._positions = backward_positions(plan)
+        keyed = []  # (complete at, ranks, bucket index, instance, bucket group): the global posting order
         for ranks in sorted(by_ranks, key=lambda k: (len(k), k)):
             rows = sorted(by_ranks[ranks], key=lambda r: r[:4])
             group = one if len(ranks) == 1 else model.registry.get(param_group_name(rows[0][1], rows[0][2]))
@@ -195,13 +214,11 @@ class GradSync:
                                           _Params(params), pg_collection=pgc)
             done_at = {id(r[4]): -r[0] for r in rows}
             inst = _Instance(ranks=ranks, ddp=ddp)
-            keyed = []
             for i, bg in enumerate(ddp.bucket_groups):
-                keyed.append((max(done_at[id(p)] for p in bg.params), i, bg))
+                keyed.append((max(done_at[id(p)] for p in bg.params), (len(ranks), ranks), i, inst, bg))
                 inst.labels[bg] = f"reduce {list(ranks)} bucket {i}"
                 inst.start[bg] = bg.start_grad_sync
-                bg.start_grad_sync = self._poster(inst, bg)
-            inst.order = [bg for _, _, bg in sorted(keyed, key=lambda k: k[:2])]
+                bg.start_grad_sync = _driven_by_the_plan
             self.instances.append(inst)
             for r in rows:
                 # the norm counts a replicated parameter of a tensor-parallel layer on shard 0 only
@@ -210,6 +227,10 @@ class GradSync:
                 if r[4].main_grad.device != r[4].device:
                     raise RuntimeError(f"rank {self.rank}: megatron put the gradient buffer of {r[1]} on "
                                        f"{r[4].main_grad.device}, the parameter is on {r[4].device}")
+        keyed.sort(key=lambda k: k[:3])
+        self._order = [(done, inst, bg) for done, _, _, inst, bg in keyed]
+        """Every bucket of this rank, in the global posting order (complete at, rank set, bucket index)."""
+        self._posted = 0  # self._order[:self._posted] are posted this step
         self._main_params = [p for inst in self.instances for p in inst.ddp.module.params]
         self._copy_hooks = []
         self._copy_of: list[tuple[nn.Parameter, nn.Parameter]] = []   # (extra copy, parameter in DDP)
@@ -254,25 +275,24 @@ class GradSync:
         """True from :meth:`finish` until :meth:`zero_grad_buffer`: the gradients are the reduced ones."""
 
     # -- hooks ------------------------------------------------------------------------------------------
-    def _poster(self, inst: _Instance, bg):
-        """Replacement of a bucket group's ``start_grad_sync``: mark it ready, then post every bucket that
-        is next in the instance's order and ready (the same order on every member)."""
+    def reached(self, wave: int) -> None:
+        """The executor finished this rank's backward of ``wave``: post, in the global order, every bucket
+        whose gradients are complete on all its members by then (nothing inside :meth:`no_sync`, or without
+        overlap: :meth:`finish` posts those)."""
+        if self._no_sync or not self.overlap:
+            return
+        pos = self._positions[wave]
+        while self._posted < len(self._order) and self._order[self._posted][0] <= pos:
+            _, inst, bg = self._order[self._posted]
+            self._posted += 1
+            self._post(inst, bg)
 
-        def start_grad_sync(force_all_reduce: bool = False) -> None:
-            if bg in inst.order[:inst.posted]:
-                return
-            inst.ready.add(bg)
-            while inst.posted < len(inst.order) and inst.order[inst.posted] in inst.ready:
-                nxt = inst.order[inst.posted]
-                inst.posted += 1
-                self._post(inst, nxt, force_all_reduce)
-
-        return start_grad_sync
-
-    def _post(self, inst: _Instance, bg, force_all_reduce: bool) -> None:
+    def _post(self, inst: _Instance, bg) -> None:
+        if not inst.reduces:
+            return
         label = inst.labels[bg]
         times = inst.times[label] = [time.perf_counter(), None]
-        inst.start[bg](force_all_reduce=force_all_reduce)
+        inst.start[bg]()
         handle = bg.grad_reduce_handle
         works = getattr(handle, "works", []) if handle is not None else []
         if handle is None:  # posted synchronously (overlap off): already complete
@@ -320,9 +340,8 @@ class GradSync:
             if self._no_sync:  # zeroed inside no_sync (the first forward of a step): keep buckets quiet
                 for bg in inst.ddp.bucket_groups:
                     bg.is_last_microbatch = False
-            inst.ready.clear()
-            inst.posted = 0
             inst.times.clear()
+        self._posted = 0
         for p in self._main_params:
             p.grad = None
         for c, _ in self._copy_of:
@@ -333,12 +352,14 @@ class GradSync:
         """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
         trace = self.model.trace
         t0 = time.perf_counter()
-        for inst in self.instances:  # what is still unposted (all of it in the first step), in order
-            for bg in inst.order[inst.posted:]:
-                bg.start_grad_sync()  # the poster
-        for inst in self.instances:  # every rank waits in the same order of rank sets: no wait cycle
+        for _, inst, bg in self._order[self._posted:]:  # what is still unposted, in the global order
+            self._post(inst, bg)
+        self._posted = len(self._order)
+        for _, inst, bg in self._order:  # waited in the order posted (under NCCL the host does not block)
+            if not inst.reduces:
+                continue
             try:
-                inst.ddp.finish_grad_sync()
+                bg.finish_grad_sync()  # megatron's: waits for the handle (start_grad_sync is the plan's no-op)
             except RuntimeError as e:
                 raise GradSyncTimeout(f"rank {self.rank}: gradient reduce over ranks {list(inst.ranks)} failed: "
                                       f"{comm.first_line(e)}") from e
@@ -377,7 +398,8 @@ class GradSync:
             return
         t0 = time.perf_counter()
         for inst in self.instances:
-            inst.ddp.start_param_sync(force_sync=True)
+            if inst.reduces:  # one rank: its blocks are the whole buckets, already in place
+                inst.ddp.start_param_sync(force_sync=True)
         self.model.trace.span("sync", "parameter all-gather", t0)
 
     def optimizer_parameters(self) -> list[nn.Parameter]:

@@ -26,7 +26,8 @@ def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]]) -> list:
     """Post ``("send" | "recv", tensor, peer, tag)`` operations in one ``batch_isend_irecv`` (through
     :mod:`megatron_spindle.comm`, which moves a send to the communication device; a receive buffer must be
     there already, :func:`megatron_spindle.comm.empty`). The executor's only point-to-point call; returns the
-    works in ``ops`` order."""
+    work that completes each operation, in ``ops`` order: its own under gloo, the batch's one coalesced work
+    under NCCL (:func:`megatron_spindle.comm.works_per_op`)."""
     p2p = []
     for kind, t, peer, tag in ops:
         if kind == "send":
@@ -35,7 +36,7 @@ def post_p2p(ops: Sequence[tuple[str, Tensor, int, int]]) -> list:
             p2p.append(comm.recv_op(t, peer, tag=tag))
         else:
             raise ValueError(f"point-to-point operation {kind!r} is neither 'send' nor 'recv'")
-    return comm.batch_isend_irecv(p2p)
+    return comm.works_per_op(comm.batch_isend_irecv(p2p), len(p2p))
 
 
 @dataclass
@@ -56,11 +57,13 @@ class Posted:
 @dataclass
 class PassTransfers:
     """A pass's outstanding messages: sends (waited at the end of the pass), receives by the slice that
-    consumes them, and per boundary the seconds the host spent posting and blocked waiting."""
+    consumes them, per boundary the seconds the host spent posting and blocked waiting, and the works
+    already waited for (under NCCL every message of a batch shares one work, waited once)."""
 
     sends: list[Posted] = field(default_factory=list)
     recvs: dict[str, list[Posted]] = field(default_factory=dict)
     blocked: dict[int, float] = field(default_factory=dict)
+    done: dict[int, object] = field(default_factory=dict)  # id() -> waited work (kept: ids stay unique)
 
 
 class TransferPlumbing:
@@ -119,7 +122,9 @@ class TransferPlumbing:
         blocked time per boundary, and hand received buffers to ``recv_into``."""
         for it in items:
             t0 = time.perf_counter()
-            self._wait([it.work], [it.desc])
+            if id(it.work) not in self._xfer.done:
+                self._wait([it.work], [it.desc])
+                self._xfer.done[id(it.work)] = it.work
             t1 = time.perf_counter()
             self.trace.span("transfer", it.span, it.t0, t1)
             self._xfer.blocked[it.wave] = self._xfer.blocked.get(it.wave, 0.0) + (t1 - t0)

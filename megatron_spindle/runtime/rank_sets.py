@@ -3,8 +3,10 @@
 * ``tp/<slice>/<replica>``: the tensor-parallel group of each data-parallel replica of a slice with tp > 1
   (ranks ascending: a device's position is its tensor-parallel rank);
 * ``param/<param_key>/<shard>``: each parameter device group with more than one device; its gradient is
-  all-reduced over exactly these ranks after backward (none for a frozen weight: no gradient);
-* ``world``: every rank (loss and gradient-norm reductions).
+  all-reduced over exactly these ranks after backward (none for a frozen weight: no gradient).
+
+Nothing else: the loss and gradient-norm reductions and the point-to-point messages use the default group,
+and a weight held by one rank is reduced over nobody (:mod:`.grad_sync`), so no group is created unused.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def param_group_name(param_key: str, shard: int) -> str:
 
 
 def plan_rank_sets(plan: Plan) -> dict[str, tuple[int, ...]]:
-    out: dict[str, tuple[int, ...]] = {"world": tuple(range(plan.world_size))}
+    out: dict[str, tuple[int, ...]] = {}
     for s in plan.slices():
         if s.tp > 1:
             for i in range(s.dp):

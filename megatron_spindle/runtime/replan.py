@@ -15,6 +15,9 @@ When tasks join or leave, the planner makes a new plan for the new task set (``g
    is current and any of them may serve a transfer.
 
 Every rank computes the same transfer list from an all-gather of who holds what, so sends and receives match.
+The new model takes over the old one's process groups (:class:`~.groups.ProcessGroupRegistry`): the rank sets
+both plans use keep their communicators, new ones are created and warmed, and the groups that neither the new
+plan nor a parked layer (which keeps its tensor-parallel group for when it comes back) needs are destroyed.
 """
 from __future__ import annotations
 
@@ -61,9 +64,10 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     for k, v in parked.items():
         available.setdefault(k, v)
 
+    # a weight nobody holds yet starts from its checkpoint (init), as at start-up; the same layers and sync
     new = SpindleModel(plan, graph, seed=seed, timeout_s=model.timeout_s, dtype=model.dtype, device=model.device,
                        layer_graph=layer_graph, reuse={k: v[0] for k, v in available.items()},
-                       init=model.init)  # a weight nobody holds yet starts from its checkpoint, as at start-up
+                       init=model.init, registry=model.registry, **model.options)
     reused = {k for k, layer in new.cores_by_group.items() if k in available and layer.core is available[k][0].core}
     need = [k for k in sorted(new.cores_by_group) if k not in reused]
 
@@ -116,8 +120,9 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
             ops.append(comm.recv_op(buf, src, tag=tag))
             bufs.append((want, target, buf, spec))
     if ops:
-        for w in comm.batch_isend_irecv(ops):
-            w.wait()
+        works = comm.works_per_op(comm.batch_isend_irecv(ops), len(ops))  # one per message, or one for all
+        comm.wait_all(list({id(w): w for w in works}.values()), ["replan's weight transfers"] * len(works),
+                      new.timeout)
     for want, target, buf, spec in bufs:
         received[want] = (target, buf, spec)
 
@@ -148,4 +153,7 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     used = {id(layer.core) for layer in new.cores_by_group.values()}
     live = {g.param_key for g in plan.param_groups}
     new.parked = {k: v for k, v in available.items() if id(v[0].core) not in used and k[0] not in live}
+    # a parked layer keeps its tensor-parallel group: every rank keeps the groups any rank's parked layers use
+    parked_tp = sorted({k[1] for k in new.parked if len(k[1]) > 1})
+    new.registry.retain(r for ranks in comm.all_gather_object(parked_tp) for r in ranks)
     return new, new_opt
