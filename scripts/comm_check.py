@@ -12,10 +12,7 @@ is a member of: what eager creation would hold on its GPU), P2P peers per rank, 
 plus P2P operations), each as max/mean over the ranks, the verdict (``ok`` or the number of problems; the
 first ones are printed below the table) and the seconds the dry run took. Exit status 1 when a row fails.
 
-By default the executor posts its P2P as on a GPU (sends batched with the receives at each boundary); ``--cpu-path``
-checks what it does on gloo instead (sends posted early).
-
-    python scripts/comm_check.py [--models a,b] [--ranks 8,64,256,1024] [--markdown] [--cpu-path]
+    python scripts/comm_check.py [--models a,b] [--ranks 8,64,256,1024] [--markdown]
 """
 from __future__ import annotations
 
@@ -41,14 +38,14 @@ def member_groups(events: list[tuple], rank: int) -> int:
     return 1 + sum(1 for e in events if e[0] == "new_group" and rank in e[1])
 
 
-def run_one(model: str, n: int, *, gpus_per_node: int, gpu_path: bool) -> dict:
+def run_one(model: str, n: int, *, gpus_per_node: int) -> dict:
     from megatron_spindle.runtime.comm_check import check, summary
     from megatron_spindle.runtime.comm_dryrun import dry_run, for_graph, narrow_graph
 
     plan = make_plan(build_graph(model), load_cluster(None, num_devices=n, gpus_per_node=gpus_per_node))
     narrow = narrow_graph(model)
     t0 = time.perf_counter()
-    events = dry_run(for_graph(plan, narrow), narrow, gpu_path=gpu_path, timeout_s=60)
+    events = dry_run(for_graph(plan, narrow), narrow, timeout_s=60)
     seconds = time.perf_counter() - t0
     errors = check(events)
     s = summary(events)
@@ -73,7 +70,6 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(shipped_models()), help="comma-separated shipped models")
     ap.add_argument("--ranks", default="8,64,256,1024", help="comma-separated device counts")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--cpu-path", action="store_true", help="check the executor's gloo posting (sends early)")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -97,7 +93,7 @@ def main(argv=None) -> int:
     failed = []
     for model in models:
         for n in counts:
-            r = run_one(model, n, gpus_per_node=args.gpus_per_node, gpu_path=not args.cpu_path)
+            r = run_one(model, n, gpus_per_node=args.gpus_per_node)
             cells = row(r)
             if args.markdown:
                 print("| " + " | ".join(cells) + " |", flush=True)

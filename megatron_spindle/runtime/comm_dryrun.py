@@ -74,8 +74,7 @@ def for_graph(plan: Plan, graph: TaskGraph) -> Plan:
 
 
 def dry_run(plan: Plan, graph: TaskGraph, *, ranks: Sequence[int] | None = None, seed: int = 0,
-            progress: Callable[[int], None] | None = None, gpu_path: bool = True,
-            **model_kwargs) -> list[list[tuple]]:
+            progress: Callable[[int], None] | None = None, **model_kwargs) -> list[list[tuple]]:
     """Every rank's recorded events (index = rank) of one training pass of ``plan`` on ``graph``; ``ranks``
     limits the run to some ranks (the others get empty lists). ``model_kwargs`` go to ``SpindleModel``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # optional: torch's test backend "fake"
@@ -92,8 +91,6 @@ def dry_run(plan: Plan, graph: TaskGraph, *, ranks: Sequence[int] | None = None,
         rec.clear()
         try:
             model = SpindleModel(plan, graph, seed=seed, **model_kwargs)
-            if gpu_path:  # the executor chose its P2P posting by the device (CPU here): take the GPU's
-                model._early = False
             with torch.random.fork_rng(devices=[]):
                 st = model(batch)
                 model.backward(st)
