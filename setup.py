@@ -9,13 +9,20 @@ setup(
     packages=find_packages(include=["megatron_spindle", "megatron_spindle.*"]),
     package_data={"megatron_spindle": ["specs/*.toml"]},  # the reference models as model specs
     install_requires=["numpy"],
+    # Ranges, not pins: the plugin installs into the user's Megatron environment and must keep its torch and
+    # megatron-core. megatron-core: 0.16.1 (Python 3.11, `make test`) to 0.19.2 (Python 3.12, `make
+    # test-megatron-lm`), the next line excluded until tested; torch: 2.13 runs the suites, 2.11 is the GPU
+    # machines' torch (scripts/gpu_check.sh). tests/test_packaging.py checks that installing beside torch 2.11
+    # and megatron-core 0.19.2 keeps both. requirements*.txt hold the exact sets `make` installs.
     extras_require={
+        # HiGHS stays pinned: another version may pick another optimal LP vertex and so other (valid) plans, and
+        # the bench plans' sha256 hold for this one. Megatron environments do not ship it.
         "solver": ["highspy==1.15.1"],  # the planner's certified level bounds; without it: C* and heuristics
-        "runtime": ["torch==2.13.0", "megatron-core==0.16.1", "einops"],
-        "data": ["megatron-energon==7.4.1"],
+        "runtime": ["torch>=2.11,<2.14", "megatron-core>=0.16.1,<0.20", "einops", "psutil"],
+        "data": ["megatron-energon>=7.4.1,<8"],
         "plot": ["matplotlib"],
-        "hf": ["transformers==5.23.0", "safetensors==0.8.0"],  # spindle hf, --spindle-init (pretrained weights)
-        "logs": ["tensorboard==2.21.0"],  # --tensorboard-dir (wandb for --wandb-project is not pinned: optional)
+        "hf": ["transformers>=5.23,<6", "safetensors>=0.8,<1"],  # spindle hf, --spindle-init (pretrained weights)
+        "logs": ["tensorboard>=2.21,<3"],  # --tensorboard-dir (wandb for --wandb-project is optional, not listed)
         "test": ["pytest", "hypothesis"],
     },
     entry_points={"console_scripts": ["spindle=megatron_spindle.cli:main"]},

@@ -15,8 +15,8 @@ from .atomic import check_output
 from .log import setup_logging
 from .planner.workload.analytic import CurvesFile
 from .planner.step.build import make_plan
-from .planner.step.tune_spindle import tune_spindle
-from .planner.step.tuning import Workload
+from .planner.systems.tune_spindle import tune_spindle
+from .planner.systems.tuning import Workload
 from .planner.workload.cluster import load_cluster
 from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
@@ -58,7 +58,7 @@ def cmd_plan(args) -> int:
         if path:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
-    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
+    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/systems/tuning.py)
         tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
                                       freeze=args.freeze), cluster,
                              curves_file=curves)

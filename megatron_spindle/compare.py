@@ -1,9 +1,9 @@
 """``spindle compare``: Spindle against the baselines, each at its own best configuration, timed by one simulator.
 
-For each device count every system of :data:`.planner.step.baselines.SYSTEMS` is tuned to its own best step
-(:mod:`.planner.step.tuning`: passes per step, activation recompute, the distributed optimizer, tensor
+For each device count every system of :data:`.planner.systems.baselines.SYSTEMS` is tuned to its own best step
+(:mod:`.planner.systems.tuning`: passes per step, activation recompute, the distributed optimizer, tensor
 parallelism, Spindle's phases, each under that system's own runtime memory), simulated on the cluster
-(:func:`.planner.step.simulate.simulate`; the static grids by :mod:`.planner.step.static_grids`), and printed
+(:func:`.planner.simulation.simulate.simulate`; the static grids by :mod:`.planner.systems.static_grids`), and printed
 as a table: step time, Spindle's speedup over the system, the configuration each chose, the breakdown
 (compute, inter-wave transfer, parameter sync, idle; the paper's Figure 10) and peak memory per device.
 ``--fixed-passes`` instead holds every system to one configuration (the spec's passes, nothing recomputed:
@@ -29,12 +29,12 @@ from typing import Sequence
 
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
-from .planner.step.baselines import BASELINES, SYSTEMS
+from .planner.systems.baselines import BASELINES, SYSTEMS
 from .planner.step.build import make_plan
 from .planner.step.execution import Execution
-from .planner.step.simulate import StepSimulation, simulate
-from .planner.step.tune_spindle import tune_spindle
-from .planner.step.tuning import Tuned, Workload, tune_baseline, tune_static_grids
+from .planner.simulation.simulate import StepSimulation, simulate
+from .planner.systems.tune_spindle import tune_spindle
+from .planner.systems.tuning import Tuned, Workload, tune_baseline, tune_static_grids
 from .planner.workload.analytic import CurvesFile, DeviceModel
 from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
 from .planner.workload.workloads import resolve_passes

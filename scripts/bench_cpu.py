@@ -7,7 +7,7 @@ One run, ``--nproc`` gloo processes (default: one per core), the same tiny multi
    ``cluster``) is given;
 2. **plan** with those curves on that link: the Spindle plan (:func:`~megatron_spindle.planner.step.build.make_plan`)
    and the ``sequential`` baseline plan, and **predict** both steps with the simulator
-   (:func:`~megatron_spindle.planner.step.simulate.simulate`: compute from the curves, inter-wave transfers and the
+   (:func:`~megatron_spindle.planner.simulation.simulate.simulate`: compute from the curves, inter-wave transfers and the
    gradient all-reduces from the measured link);
 3. **train** both on the same processes, steps interleaved (A B B A …, so slow drift in other load on the
    machine hits both alike), after ``--warmup`` steps:

@@ -59,7 +59,7 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import Cluster
     from megatron_spindle.planner.step.render import grid, metaop_table
-    from megatron_spindle.planner.step.simulate import simulate
+    from megatron_spindle.planner.simulation.simulate import simulate
 
     if "cluster" not in doc:
         raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")

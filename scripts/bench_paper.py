@@ -4,7 +4,7 @@
     python scripts/bench_paper.py [--out-dir docs/results] [--cluster a800-8x8] [--no-extra] [--no-fixed]
 
 Every system is tuned to its own best step (``spindle compare``: passes per step, recompute, the distributed
-optimizer, TP, Spindle's phases, each under its own runtime's memory; :mod:`megatron_spindle.planner.step.tuning`)
+optimizer, TP, Spindle's phases, each under its own runtime's memory; :mod:`megatron_spindle.planner.systems.tuning`)
 on the paper's grid and, beyond it, at 64, 256 and 1024 GPUs. Writes ``paper_grid.json`` (every system's
 configuration and step per row; ``tests/test_paper_grid.py`` checks it), ``paper_table.md`` (the tables beside
 the paper's numbers, where each step goes, the targets met or missed), ``paper_fig8.png`` (speedup over tuned
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_spindle.atomic import write_file  # noqa: E402
 from megatron_spindle.compare import Comparison, compare, plot  # noqa: E402
 from megatron_spindle.planner.step.execution import Execution  # noqa: E402
-from megatron_spindle.planner.step.tuning import Workload  # noqa: E402
+from megatron_spindle.planner.systems.tuning import Workload  # noqa: E402
 from megatron_spindle.planner.workload.analytic import DeviceModel  # noqa: E402
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
 from megatron_spindle.planner.workload.workloads import resolve_passes  # noqa: E402
@@ -84,7 +84,7 @@ def race_rows(results) -> list[list[str]]:
 def ceiling(model: str, k: int, gpus: int, cluster: str) -> float:
     """Σ C* of one pass of the whole step's batch (P = 1), every task in one phase, nothing recomputed: the
     compute no level-by-level schedule can beat, whatever the memory, transfers and sync."""
-    from megatron_spindle.planner.step.baselines import lower_bound_ms
+    from megatron_spindle.planner.systems.baselines import lower_bound_ms
     cl = load_cluster(cluster, num_devices=gpus)
     return lower_bound_ms(Workload(model=model, tasks=k).graph(1), cl,
                           device=DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib))

@@ -4,7 +4,7 @@ No download: each model is built from a config on the spot. ``python scripts/mak
 ``OUT/tiny-clip`` (CLIPModel: vision 48 wide, 2 layers; text 32 wide, 2 layers, causal; projection 24),
 ``OUT/tiny-llama`` (LlamaForCausalLM: 64 wide, 2 layers, 8 heads in 2 query groups, RoPE, SwiGLU) and
 ``OUT/tiny-qwen2`` (Qwen2ForCausalLM: the same with QKV biases and a tied head). The tests build the same
-models (``make(kind, dir)``), so the README's figures come from these exact configurations.
+models (``make(kind, dir)``), so docs/pretrained.md's figures come from these exact configurations.
 """
 from __future__ import annotations
 

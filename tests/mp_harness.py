@@ -7,6 +7,15 @@ timeout passes, every other rank is killed at once and the error lists each rank
 
 Process starts cost seconds (importing torch and megatron.core), so a test module should start processes
 once and run several cases inside ``fn``. ``fn`` must be importable (a module-level function).
+
+**NCCL's rules** (``nccl_rules=True``, the default): gloo is lenient where NCCL is strict, so every rank runs
+under :mod:`megatron_spindle.runtime.comm_record` with ``nccl_rules``: ``batch_isend_irecv`` returns ONE work
+for the whole batch (what NCCL returns), a tensor off the communication device is refused, and every
+``torch.distributed`` call is recorded. When ``fn`` has returned on every rank, the ranks' records are
+gathered and checked (:func:`megatron_spindle.runtime.comm_check.check`): the same groups created in the same
+order, every communicator's collectives in one order on all its members, each pair's sends and receives
+matched in posting order (NCCL has no tags), and no deadlock when each rank's operations complete in issue
+order. A broken rule fails the test with the checker's lines.
 """
 from __future__ import annotations
 
@@ -28,7 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def _nccl_rules_check(recorder) -> None:
+    """Gather every rank's recorded calls and fail on any broken NCCL rule (all ranks raise the same)."""
+    from megatron_spindle import comm
+    from megatron_spindle.runtime import comm_check, comm_record
+
+    events = list(recorder.events)
+    comm_record.uninstall()  # the gather below is the harness's own, not the code under test
+    errors = comm_check.check(comm.all_gather_object(events))
+    if errors:
+        raise AssertionError("NCCL's rules broken (comm_check):\n" + "\n".join(errors))
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results,
+            nccl_rules: bool = True) -> None:
     os.environ.update(_ENV)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
@@ -40,7 +62,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
         apply_cpu_patches()  # the entry point's job, as in the launchers (a no-op with CUDA)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
+            recorder = None
+            if nccl_rules:
+                from megatron_spindle.runtime import comm_record
+
+                recorder = comm_record.install(nccl_rules=True)
             value = fn(rank, world_size, *args)
+            if recorder is not None:
+                _nccl_rules_check(recorder)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -64,14 +93,16 @@ class RanksFailed(AssertionError):
     """At least one rank failed; the message holds every rank's traceback or exit status."""
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process."""
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+              nccl_rules: bool = True) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process, under NCCL's
+    rules unless ``nccl_rules=False`` (see the module docstring)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     # not daemonic: megatron.core's checkpoint writer starts a multiprocessing Manager (a child process);
     # every process is killed in the finally clause below anyway
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, nccl_rules), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

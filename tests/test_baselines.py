@@ -1,12 +1,12 @@
 """Baseline planners: valid plans in Spindle's format, their allocation rules, and Spindle against them."""
 import pytest
 
-from megatron_spindle.planner.step.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
+from megatron_spindle.planner.systems.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
                                                 lower_bound_ms, marginal_gain_shares, task_metaops)
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.step.build import assemble_plan, make_metaops, plan_system, schedule
 from megatron_spindle.planner.step.placement import place, sequential_placement
-from megatron_spindle.planner.step.simulate import simulate
+from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
@@ -124,7 +124,7 @@ def test_every_system_is_known():
 def test_a_groups_time_changes_only_at_its_steps():
     """The share searches (task-level's marginal gain, intra-task's and the grids' finish-together) visit only
     the valid counts of a group's MetaOps: between two of them the group's time must not change."""
-    from megatron_spindle.planner.step.shares import group_time, min_share, share_steps
+    from megatron_spindle.planner.systems.shares import group_time, min_share, share_steps
     for model, tasks, N in (("multitask-clip", 4, 48), ("ofasys", 4, 40), ("qwen-val", 3, 24)):
         c = load_cluster(None, num_devices=N)
         ms = make_metaops(build_graph(model, tasks=tasks), c)

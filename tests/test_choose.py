@@ -43,7 +43,7 @@ def test_backfill_helps_where_devices_stay_free():
 
 @pytest.mark.parametrize("model,k,n", [("ofasys", 7, 64), ("multitask-clip", 10, 8), ("ofasys", 4, 8)])
 def test_the_chosen_plan_has_the_shortest_step(model, k, n):
-    from megatron_spindle.planner.step.baselines import BASELINES
+    from megatron_spindle.planner.systems.baselines import BASELINES
     from megatron_spindle.planner.step.build import plan_system
     graph, cluster = build_graph(model, tasks=k), load_cluster(None, num_devices=n)
     plan = make_plan(graph, cluster)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from megatron_spindle.cli import main
-from megatron_spindle.planner.step.baselines import SYSTEMS
+from megatron_spindle.planner.systems.baselines import SYSTEMS
 
 TINY = ["compare", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4"]
 

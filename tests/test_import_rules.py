@@ -2,10 +2,12 @@
 
 * the planner imports neither torch nor megatron (also proven by importing it with both blocked, in
   ``test_planner_core.py``);
-* models never import the runtime (nor the Megatron layer);
+* models never import the runtime (nor the Megatron layer), nor ``hf`` (the ``spindle hf`` commands sit above
+  models: the checkpoint's name mapping lives in ``models/hf_mapping.py``, beside the loader that uses it);
 * only ``megatron/hooks.py`` imports ``megatron.training`` (besides the compatibility modules that stand in for
   its CUDA-only start-up and bridge its versions, ``compat/megatron_lm.py`` and ``compat/mcore.py``);
 * no import cycle between modules of ``megatron_spindle``;
+* the planner's stages import only themselves and earlier stages; no planner folder holds over 15 modules;
 * an import inside a function is for an optional dependency only, and says so on its line
   (``# optional: ...``): TransformerEngine, matplotlib, ``megatron.training``, the solver, or torch for a
   command that must also run without it.
@@ -79,10 +81,10 @@ def test_the_planner_imports_no_torch_and_no_megatron():
     assert not bad, bad
 
 
-def test_models_import_neither_the_runtime_nor_the_megatron_layer():
+def test_models_import_neither_the_runtime_nor_the_megatron_layer_nor_hf():
     bad = [f"{p.relative_to(PKG)}:{line} {m}" for p, imps in _all().items() if _under(_module_name(p), "megatron_spindle.models")
            for m, line, _, _ in imps
-           if _under(m, "megatron_spindle.runtime") or _under(m, "megatron_spindle.megatron")]
+           if any(_under(m, f"megatron_spindle.{layer}") for layer in ("runtime", "megatron", "hf"))]
     assert not bad, bad
 
 
@@ -146,22 +148,38 @@ def test_function_level_imports_are_optional_dependencies_and_say_so():
 
 
 #: The planner's stages in pipeline order: a stage imports only itself and earlier stages (and the planner's
-#: shared modules ``exact``, ``limits``, ``jsonfile``), so its folders read as the pipeline.
-STAGES = ("megatron_spindle.planner.workload", "megatron_spindle.planner.level", "megatron_spindle.planner.step")
+#: shared modules ``exact``, ``limits``, ``jsonfile``), so its folders read as the pipeline. The whole step is
+#: three folders by concern that use each other (the whole-step choice simulates candidates and weighs the
+#: baselines' schedules; the simulator and the baselines read and build plans): one stage.
+STAGES = (("megatron_spindle.planner.workload",), ("megatron_spindle.planner.level",),
+          ("megatron_spindle.planner.step", "megatron_spindle.planner.simulation", "megatron_spindle.planner.systems"))
+
+
+def _stage(module: str) -> int | None:
+    return next((i for i, folders in enumerate(STAGES) if any(_under(module, f) for f in folders)), None)
 
 
 def test_planner_stages_import_only_earlier_stages():
+    assert {p.name for p in (PKG / "planner").iterdir() if p.is_dir() and (p / "__init__.py").exists()} \
+        == {f.rsplit(".", 1)[1] for folders in STAGES for f in folders}, "a planner folder outside STAGES"
     bad = []
     for p, imps in _all().items():
         me = _module_name(p)
-        mine = next((i for i, s in enumerate(STAGES) if _under(me, s)), None)
+        mine = _stage(me)
         if mine is None:
             continue
         for m, line, _, _ in imps:
-            theirs = next((i for i, s in enumerate(STAGES) if _under(m, s)), None)
+            theirs = _stage(m)
             if theirs is not None and theirs > mine:
                 bad.append(f"{p.relative_to(PKG)}:{line} imports the later stage {m}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_planner_folder_holds_more_than_15_modules():
+    """A folder a reader takes in at once: the planner's folders split by concern (issue 34)."""
+    big = {d.name: n for d in (PKG / "planner").iterdir() if d.is_dir()
+           if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > 15}
+    assert not big, big
 
 
 def test_every_module_fits_in_a_head():

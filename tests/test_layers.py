@@ -130,7 +130,8 @@ def test_loss_and_gradient_of_split_batches_sum_to_the_whole(graphs):
     layer.zero_grad()
     halves = [layer([x[:4] for x in inputs]), layer([x[4:] for x in inputs])]
     (halves[0] + halves[1]).backward()
-    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-6, atol=0)
+    # the halves run the head on 4 rows, the whole on 8: kernels may block (and round) them differently
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-5, atol=0)
     for n, p in layer.core.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_spindle.compare import compare
 from megatron_spindle.planner.step.execution import Execution
-from megatron_spindle.planner.step.tuning import Workload
+from megatron_spindle.planner.systems.tuning import Workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GRID_FILE = ROOT / "docs" / "results" / "paper_grid.json"
@@ -28,7 +28,7 @@ def rows():
 
 
 #: Where a tuned baseline's step is shorter than Spindle's in the file: (model, tasks, GPUs, baseline) -> Spindle's
-#: speedup over it, as README ("Where the lead is small or absent") states it. Listed so that the claim stays
+#: speedup over it, as docs/compare.md ("Where the lead is small or absent") states it. Listed so that the claim stays
 #: exactly what was measured: a new miss, a moved one or one that went away fails the test.
 KNOWN_MISSES: dict = {}
 

@@ -266,6 +266,41 @@ def test_cli_plan_tables():
     assert "MetaOp" in r.stdout and "wave level" in r.stdout and "lower bound" in r.stdout and "planning time" in r.stdout
 
 
+def test_grid_level_column_is_the_metaops_level_for_a_baselines_schedule_too():
+    """A baseline numbers its waves' ``level`` field by wave; the grid prints the MetaLevel of the MetaOps."""
+    from megatron_spindle.planner.step.build import plan_system
+    from megatron_spindle.planner.step.render import grid
+
+    graph, cluster = build_graph("multitask-clip", tasks=4, size="tiny"), load_cluster(None, num_devices=8)
+    for system in ("sequential", "spindle"):
+        plan = plan_system(system, graph, cluster)
+        level = {m.name: m.level for m in plan.metaops}
+        shown = dict(re.findall(r"^w(\d+) L(\S+) ", grid(plan), flags=re.M))
+        assert len(shown) == len(plan.waves), system
+        for w in plan.waves:
+            assert shown[str(w.index)] == ",".join(str(x) for x in sorted({level[s.metaop] for s in w.slices}))
+    assert shown == {str(w.index): str(w.level) for w in plan.waves}  # Spindle's waves go level by level
+    seq = plan_system("sequential", graph, cluster)
+    assert max(w.level for w in seq.waves) == len(seq.waves) - 1 > max(m.level for m in seq.metaops)
+
+
+def test_gantt_names_devices_on_the_axis():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from megatron_spindle.planner.step.render import device_ticks, gantt_figure
+
+    fig = gantt_figure(clip_plan(16))
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_yticklabels()] == [f"d{d}" for d in range(16)]
+        assert list(ax.get_yticks()) == list(range(16))
+    finally:
+        plt.close(fig)
+    assert device_ticks(64) == list(range(0, 64, 2)) and device_ticks(256)[:3] == [0, 8, 16]
+    assert device_ticks(32) == list(range(32)) and len(device_ticks(1000)) <= 32
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'"),
     (["--model", "multitask-clip", "--tasks", "3", "--gpus", "8"], "not 3"),

@@ -16,7 +16,7 @@ from megatron_spindle.planner.exact import GRID_MS
 from megatron_spindle.planner.workload.analytic import CurvesFile, build_curves
 from megatron_spindle.planner.step.build import make_metaops, make_plan
 from megatron_spindle.planner.workload.cluster import Cluster, load_cluster
-from megatron_spindle.planner.step.simulate import allreduce_time_ms, boundary_time_ms
+from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, boundary_time_ms
 from megatron_spindle.planner.workload.workloads import build_graph
 from megatron_spindle.profiler.fit import curves_document, summary_table, uncovered
 from megatron_spindle.profiler.link import cluster_fields, fit_link

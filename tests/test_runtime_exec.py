@@ -37,7 +37,7 @@ from mp_harness import run_ranks
 
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
-from megatron_spindle.planner.step.simulate import boundary_time_ms, simulate
+from megatron_spindle.planner.simulation.simulate import boundary_time_ms, simulate
 from megatron_spindle.planner.step.manual import plan_from_waves
 from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.workload.workloads import build_graph

@@ -11,7 +11,7 @@ from megatron_spindle.planner.workload.cluster import PRESETS, Cluster, load_clu
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.step.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
+from megatron_spindle.planner.simulation.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
                                                allreduce_time_ms, boundary_time_ms, simulate, step_time_ms,
                                                sync_time_ms)
 from megatron_spindle.planner.step.validate import check_plan
@@ -150,28 +150,6 @@ def test_transfer_between_waves_inside_and_across_islands():
     sim = simulate(hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))]), c, bucket_size=PARAMS)
     assert [(col.wave, col.bytes) for col in sim.collectives] == [(1, PARAMS * GRAD_BYTES_PER_PARAM),
                                                                   (0, PARAMS * GRAD_BYTES_PER_PARAM)]
-
-
-def test_early_sends_hide_what_the_runtime_on_gloo_hides():
-    # a chain: each wave's one slice ends with its wave, so sending early gains nothing
-    c = toy_cluster(16)
-    chain = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))])
-    a, b = simulate(chain, c), simulate(chain, c, early_sends=True)
-    assert [x for w in b.waves for x in (w.transfer_fwd_ms, w.transfer_bwd_ms)] == pytest.approx(
-        [x for w in a.waves for x in (w.transfer_fwd_ms, w.transfer_bwd_ms)])
-    assert b.step_ms == pytest.approx(a.step_ms)
-    # a real plan: producers that end before their wave (or waves before the consumer) hide part of it
-    cl = load_cluster(None, num_devices=4, gpus_per_node=4)
-    slow = Cluster(**{**cl.to_json(), "intra_latency_us": 2000.0})  # gloo-like 2 ms per message
-    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cl)
-    blocking, early = simulate(plan, slow), simulate(plan, slow, early_sends=True)
-    assert 0 < early.breakdown.transfer_ms < blocking.breakdown.transfer_ms
-    # lanes run at their own pace: with free links the pass is at most the waves' durations end to end
-    assert early.pass_ms <= early.makespan_ms + early.breakdown.transfer_ms + 1e-9
-    assert all(e.transfer_fwd_ms <= b.transfer_fwd_ms + 1e-9 for e, b in zip(early.waves, blocking.waves))
-    # free links: nothing is exposed
-    free = Cluster(**{**cl.to_json(), "intra_latency_us": 1e-9, "intra_bandwidth_gbps": 1e12})
-    assert simulate(plan, free, early_sends=True).breakdown.transfer_ms == pytest.approx(0.0, abs=1e-6)
 
 
 # -- overlapped sync and accumulation: the module docstring's worked example ------------------------------

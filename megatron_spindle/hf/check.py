@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..compat import apply_cpu_patches
+from ..models.hf_config import model_spec_toml, read_config, towers
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
 from ..planner.workload.spec import parse_spec
-from .config import read_config, towers, model_spec_toml
 
 
 def make_inputs(path: str, batch: int, seed: int) -> dict:

@@ -12,7 +12,7 @@ import math
 import os
 
 from ..argtypes import positive_int
-from .config import model_spec_toml, modules_toml, read_config, temperature, towers
+from ..models.hf_config import model_spec_toml, modules_toml, read_config, temperature, towers
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ import importlib.util
 import os
 
 from ..atomic import check_output
-from ..hf.mapping import init_targets
+from ..models.hf_mapping import init_targets
 from ..planner.step.plan import Plan
 from ..planner.workload.analytic import CurvesFile
 from ..planner.workload.cluster import load_cluster

@@ -29,8 +29,8 @@ from ..planner.step.placement import PlacementError
 from ..planner.workload.cluster import load_cluster
 from ..planner.step.plan import Plan
 from ..planner.step.render import gantt, grid, summary
-from ..planner.step.tune_spindle import tune_spindle
-from ..planner.step.tuning import FixedPasses
+from ..planner.systems.tune_spindle import tune_spindle
+from ..planner.systems.tuning import FixedPasses
 from ..planner.step.validate import check_plan
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
@@ -60,7 +60,7 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
 
     ``passes``: the passes of the plan accumulated per optimizer step (Megatron's number of microbatches);
     the planner chooses among its candidates by ``passes`` x pass + one gradient sync, the step the run takes.
-    Where Spindle's plain plan does not fit memory, the tuner (:mod:`..planner.step.tune_spindle`) adds
+    Where Spindle's plain plan does not fit memory, the tuner (:mod:`..planner.systems.tune_spindle`) adds
     recompute, phases and the distributed optimizer where memory binds, at the run's passes.
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """

@@ -1,6 +1,6 @@
 """The live prediction of a whole training step, part by part, against what this rank measured.
 
-Predicted: :func:`..planner.step.simulate.simulate` of the run's plan (its curves) on the run's cluster, with the
+Predicted: :func:`..planner.simulation.simulate.simulate` of the run's plan (its curves) on the run's cluster, with the
 step's passes (gradient accumulation) and the gradient bytes the runtime reduces (2 for a bf16 model unless
 ``--accumulate-allreduce-grads-in-fp32``, else 4), plus the step's end from the profile's measurements
 (:class:`StepCosts`). Measured: the :class:`..runtime.trace.StepTrace` spans of that step on this rank. The
@@ -8,13 +8,13 @@ parts, seen from one rank:
 
 * **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``); measured: its forward and
   backward spans;
-* **transfer + wave wait**: predicted ``K`` passes of the simulator's timeline (:mod:`..planner.step.timeline`)
+* **transfer + wave wait**: predicted ``K`` passes of the simulator's timeline (:mod:`..planner.simulation.timeline`)
   minus this rank's compute (the rank waits for its inputs and its peers); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
   past its end); measured: the ``gradient sync wait`` span (the time :meth:`GradSync.finish` blocks);
 * **norm + loss all-reduce**: the two all-reduces over every rank at the step's end (the gradient norm for
   clipping, the task losses for the log); predicted: two all-reduces of a few bytes over all ranks
-  (:func:`..planner.step.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
+  (:func:`..planner.simulation.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
 * **optimizer**: predicted from the profile's optimizer measurement
   (:mod:`megatron_spindle.profiler.step_costs`) for this rank's parameter tensors and elements; measured: the
   ``optimizer`` span;
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..planner.workload.cluster import Cluster
-from ..planner.step.simulate import allreduce_time_ms, simulate
+from ..planner.simulation.simulate import allreduce_time_ms, simulate
 from ..profiler.step_costs import optimizer_ms
 
 #: The executor's per-boundary span: time this rank spent posting and blocked on transfers (the exposed part).
@@ -129,15 +129,11 @@ def grad_bytes_of(args) -> int:
 
 def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank: int, *, passes: int,
                  grad_bytes: int,
-                 compute_scale: float = 1.0, costs: StepCosts = StepCosts(),
-                 early_sends: bool = False) -> StepPrediction:
+                 compute_scale: float = 1.0, costs: StepCosts = StepCosts()) -> StepPrediction:
     """Predicted against measured parts of a step on ``rank`` (see the module docstring): the mean of each
-    part over ``steps`` (one step number or several: one step of a CPU run is noisy).
-
-    ``early_sends``: the runtime posts sends as soon as their data exists (gloo; see
-    :func:`..planner.step.simulate.simulate`)."""
+    part over ``steps`` (one step number or several: one step of a CPU run is noisy)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
-                   compute_scale=compute_scale, early_sends=early_sends)
+                   compute_scale=compute_scale)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
     transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size

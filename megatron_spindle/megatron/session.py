@@ -4,19 +4,26 @@ restart, and how a run ends (:mod:`.lifeline` has the exit statuses).
 * :func:`join_job`: ``init_process_group`` and the ranks' agreement on flags and files, both inside the
   start-up deadline;
 * :func:`restart_source`: where a run resumes from, ``--load`` or, on a torchrun restart, its own ``--save``;
-* :func:`run_entry`: a whole run, its end turned into an exit status and at most one line.
+* :func:`run_entry`: a whole run, its end turned into an exit status and at most one line. With
+  ``SPINDLE_NCCL_RULES=DIR`` in the environment the run imitates NCCL on gloo and records every
+  ``torch.distributed`` call (:mod:`..runtime.comm_record`), and each rank that finishes writes its calls to
+  ``DIR/rank<R>.pkl`` for :func:`..runtime.comm_check.check` (send, receive and collective order, deadlock
+  freedom) to read them all.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import sys
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..atomic import write_file
 from ..planner.step.validate import PlanError
+from ..runtime import comm_record
 from .ckpt_dir import latest_iteration
 from .lifeline import EXIT_BAD_INPUT, EXIT_PEER, LIFE, env_rank, report_once, signal_name
 from .preflight import agree_on_inputs, explain_init_error
@@ -104,8 +111,13 @@ def report_error(e: ValueError, plan_path: str | None = None) -> None:
 def run_entry(fn, plan_path: str | None = None) -> int:
     """Run ``fn`` (a whole training run) and turn how it ends into an exit status and at most one line
     (:mod:`.lifeline`): 2 bad input, 3 a failed peer (every surviving rank says which), 128 + N a signal."""
+    rules = os.environ.get("SPINDLE_NCCL_RULES")
+    recorder = comm_record.install(nccl_rules=True) if rules else None
     try:
         fn()
+        if recorder is not None:
+            write_file(os.path.join(rules, f"rank{env_rank()}.pkl"), pickle.dumps(recorder.events),
+                       "SPINDLE_NCCL_RULES record")
         return 0
     except Stopped as e:
         return e.status

@@ -1,7 +1,7 @@
 """Pretrained weights from a Hugging Face directory into this rank's layers, each rank reading only its shards.
 
 :func:`load_pretrained` takes the layers a rank built (its slices' layers, each on its tensor-parallel shard),
-resolves which checkpoint tensors make each parameter (:mod:`megatron_spindle.hf.mapping`), checks every
+resolves which checkpoint tensors make each parameter (:mod:`.hf_mapping`), checks every
 tensor's shape against the spec before copying anything, and reads with safetensors' ``get_slice`` only the
 rows (or columns) of this rank's shard: a column-parallel weight reads its rows, a row-parallel one its
 columns, the fused QKV weight its query groups' rows of ``q_proj``, ``k_proj`` and ``v_proj``, a gated
@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from ..hf.mapping import Cat, Part, Zeros, init_targets, sources
+from .hf_mapping import Cat, Part, Zeros, init_targets, sources
 from ..planner.workload.graph import TaskGraph
 from .layer_state import shard_spec
 

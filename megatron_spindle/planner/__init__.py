@@ -3,8 +3,11 @@
 * :mod:`.workload`: the task graph and model specs, operator costs and memory, the cluster, the contraction
   into MetaOps and their scaling curves;
 * :mod:`.level`: one MetaLevel's schedule (allocation, Algorithm 1, the searches and the bounds);
-* :mod:`.step`: the whole step (assembly, whole-step choice, placement, data flow, the plan, validation, the
-  simulator and the baselines);
+* :mod:`.step`: the whole step (assembly, whole-step choice, placement, data flow, the plan, validation,
+  rendering);
+* :mod:`.simulation`: the step simulator (per-device timeline, link costs, gradient buckets);
+* :mod:`.systems`: the baselines' schedules (static grids, module blocks, device shares) and the tuners that
+  set every system, Spindle included, to its own best configuration;
 * :mod:`.exact` (machine-independent arithmetic), :mod:`.limits` (input caps), :mod:`.jsonfile`.
 
 The public names below are importable from ``megatron_spindle.planner`` itself; each is loaded on first use
@@ -29,8 +32,8 @@ _PUBLIC = {
     "step.build": ("make_plan", "make_metaops", "schedule", "plan_system"),
     "step.plan": ("Plan", "Slice", "SliceRef", "Transfer", "Message"),
     "step.validate": ("check_plan", "PlanError"),
-    "step.simulate": ("simulate", "StepSimulation", "SimulationError"),
-    "step.baselines": ("SYSTEMS", "BASELINES", "lower_bound_ms"),
+    "simulation.simulate": ("simulate", "StepSimulation", "SimulationError"),
+    "systems.baselines": ("SYSTEMS", "BASELINES", "lower_bound_ms"),
     "step.placement": ("PlacementError",),
     "step.render": ("grid", "gantt", "summary", "metaop_table"),
 }

@@ -1,6 +1,6 @@
 """The backend's link, measured: latency and bandwidth in the simulator's own cost model.
 
-The step simulator (:mod:`megatron_spindle.planner.step.simulate`) times communication with two formulas over one
+The step simulator (:mod:`megatron_spindle.planner.simulation.simulate`) times communication with two formulas over one
 latency ``λ`` and one bandwidth ``B`` per link kind:
 
 * a wave boundary (batched send/recv, every device sending and receiving ``S`` bytes): ``t = λ + S / B``;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
 from .assemble import assemble_plan, device_memory, make_metaops, schedule  # noqa: F401 - the planner's API
-from .baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
+from ..systems.baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
 from .choose import choose_whole_step
 from .execution import Execution, configure
 from ..workload.cluster import Cluster

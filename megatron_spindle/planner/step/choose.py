@@ -2,7 +2,7 @@
 
 The scheduler (:mod:`.scheduler`) picks each level's waves by compute span; a step also pays the
 inter-wave transfers and the parameter sync, which depend on how many waves there are and where the
-slices sit. So the last choice is made on the step simulator's time (:func:`.simulate.simulate`: compute,
+slices sit. So the last choice is made on the step simulator's time (:func:`..simulation.simulate.simulate`: compute,
 transfer and sync, as the runtime runs them) over these whole-step candidates:
 
 1. Spindle's wave schedule with island-aware placement, each level's waves the shortest span found; and
@@ -19,9 +19,9 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
    moved onto idle devices, :mod:`.backfill`) and *cross-level* waves (Algorithm 1 over all MetaOps at
    once from each level's winning allocation tuples), placed like 1 and 2 when its compute makespan is
    shorter than the level-by-level one;
-4. the schedules of the baselines (:mod:`.baselines`): sequential, task-level and intra-task, on the same
+4. the schedules of the baselines (:mod:`..systems.baselines`): sequential, task-level and intra-task, on the same
    MetaOps, curves and execution; and 5. every module on a fixed block of devices, level after level
-   (:mod:`.module_blocks`: its gradients are reduced within the blocks).
+   (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks).
 
 ``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
 others are not bound by them and may end below ``Σ C*``.
@@ -36,18 +36,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
-from . import baselines
+from ..systems import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
 from .execution import Execution
-from .module_blocks import plan_module_blocks
+from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
 from .placement import NODE_BUDGET, place, sequential_placement
 from .plan import Plan
-from .simulate import step_time_ms
+from ..simulation.simulate import step_time_ms
 from ..level.waves import Wave, WaveSlice, schedule_level
 
 #: Levels shorter than this share of the makespan keep their shortest-span waves (candidate 1').

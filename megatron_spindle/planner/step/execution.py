@@ -1,5 +1,5 @@
 """How a plan runs, beside which slices run where: passes per step, activation recompute, phases, the
-distributed optimizer and tensor-parallel degrees. The tuner (:mod:`.tuning`) searches these for every system;
+distributed optimizer and tensor-parallel degrees. The tuner (:mod:`..systems.tuning`) searches these for every system;
 a plan stores what was chosen (``Plan.passes``, ``Plan.distributed_optimizer``, each MetaOp's ``recompute``
 and ``tp``, each wave's ``phase``), and the runtime executes it.
 """

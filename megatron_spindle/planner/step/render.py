@@ -43,6 +43,19 @@ def _cell_table(plan: Plan) -> list[list[str]]:
     return rows
 
 
+def wave_levels(plan: Plan, wave) -> str:
+    """The MetaLevels of the MetaOps a wave runs: ``1``, ``0-2`` (consecutive) or ``0,2``; ``-`` for an empty
+    wave. Read from the MetaOps, not from the wave's ``level`` field: a baseline's schedule numbers that field
+    by wave (its waves are not level-by-level) and a manual plan leaves it 0."""
+    level = {m.name: m.level for m in plan.metaops}
+    found = sorted({level[s.metaop] for s in wave.slices})
+    if not found:
+        return "-"
+    if len(found) > 1 and found == list(range(found[0], found[-1] + 1)):
+        return f"{found[0]}-{found[-1]}"
+    return ",".join(map(str, found))
+
+
 def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
     """The wave × device grid; cells in ``mark`` ((wave, device) pairs) are shown as ``>cell<``."""
     rows = _cell_table(plan)
@@ -66,7 +79,8 @@ def grid(plan: Plan, *, mark: Iterable[tuple[int, int]] = ()) -> str:
         cells.append(line)
     width = [max([len(h)] + [len(line[i]) for line in cells]) for i, h in enumerate(heads)]
     phased = len(plan.phases) > 1
-    lead = [f"w{w.index} L{w.level}{f' P{w.phase}' if phased else ''} {w.duration_ms:8.2f}ms" for w in plan.waves]
+    lead = [f"w{w.index} L{wave_levels(plan, w)}{f' P{w.phase}' if phased else ''} {w.duration_ms:8.2f}ms"
+            for w in plan.waves]
     lw = max([len("wave level   time")] + [len(x) for x in lead])
     head = "wave level phase   time" if phased else "wave level   time"
     lw = max(lw, len(head))
@@ -185,15 +199,28 @@ def idle_warning(plan: Plan) -> str | None:
     return f"warning: {len(idle)} of {plan.world_size} devices stay idle in every wave: {why}"
 
 
-def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
-    """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
-    MetaOp); returns the path written."""
+def _pyplot():
     try:
         import matplotlib  # optional: matplotlib (--gantt only)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # optional: matplotlib (--gantt only)
     except ImportError:
         raise ValueError("--gantt needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def device_ticks(world_size: int, most: int = 32) -> list[int]:
+    """The devices the Gantt's axis names: every one up to ``most``, else every 2nd, 4th, ... (a power of 2,
+    so island boundaries of 8 stay on ticks), at most ``most`` of them."""
+    step = 1
+    while -(-world_size // step) > most:
+        step *= 2
+    return list(range(0, world_size, step))
+
+
+def gantt_figure(plan: Plan, *, title: str | None = None):
+    """The matplotlib figure of :func:`gantt` (the caller closes it: ``matplotlib.pyplot.close(fig)``)."""
+    plt = _pyplot()
     c = codes(plan)
     palette = [plt.get_cmap(name)(k) for name in ("tab20", "tab20b", "tab20c") for k in range(20)]
     color = {m.name: palette[i % len(palette)] for i, m in enumerate(plan.metaops)}
@@ -214,6 +241,8 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
                         ha="center", va="center", fontsize=6)
         ax.axvline(w.start_ms, color="grey", linewidth=0.4, linestyle=":")
     ax.set_ylim(plan.world_size - 0.5, -0.5)
+    ticks = device_ticks(plan.world_size)
+    ax.set_yticks(ticks, [f"d{d}" for d in ticks])
     ax.set_xlim(0, plan.makespan_ms)
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("device")
@@ -226,6 +255,14 @@ def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
     fig.tight_layout(rect=(0, legend_h / (chart_h + legend_h), 1, 1))
     fig.legend(handles, labels, fontsize=6, loc="lower left", ncol=legend_cols, frameon=False,
                bbox_to_anchor=(0.01, 0.0), handlelength=1.2, columnspacing=1.5)
+    return fig
+
+
+def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
+    """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
+    MetaOp, devices named d0, d1, ...); returns the path written."""
+    fig = gantt_figure(plan, title=title)
+    plt = _pyplot()
     try:
         write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130, bbox_inches="tight"), "Gantt chart")
     finally:

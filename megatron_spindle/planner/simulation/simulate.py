@@ -4,8 +4,8 @@ Pure Python. The same code times every system, so the comparison is only as bias
 
 The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): every rank runs its
 own slices in wave order, each as soon as its devices are free and its inputs have arrived (no barrier at a
-wave's end: :mod:`.timeline`), boundary transfers move the plan's stored messages (in one batch per boundary
-under NCCL; on gloo sends leave early, item 2b), and the gradient all-reduces, which megatron.core's DDP
+wave's end: :mod:`.timeline`), boundary transfers move the plan's stored messages (in one batch per boundary,
+as the executor posts them on every backend), and the gradient all-reduces, which megatron.core's DDP
 posts during the backward, overlap compute:
 
 1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
@@ -14,7 +14,7 @@ posts during the backward, overlap compute:
    complete, item 3), the totals do not depend on it. A wave's duration (its longest slice) is reported; the
    pass is timed per device (item 4).
 2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
-   messages the plan stores for it (:mod:`.dataflow`: copy, shard, concat, send/recv; nothing here derives
+   messages the plan stores for it (:mod:`..step.dataflow`: copy, shard, concat, send/recv; nothing here derives
    them again). A message that stays on its device is free. Inside an island a message uses the sender's and
    the receiver's NVLink (full duplex); across islands it uses the sending node's and the receiving node's
    NICs (shared by the node's devices). All messages of a boundary go at once (batched point-to-point), so::
@@ -26,13 +26,9 @@ posts during the backward, overlap compute:
    the plan's backward messages of the same transfers return the gradients (as many bytes, each piece
    from one holder), timed the same way.
 
-   2b. **Early sends** (``early_sends=True``: the runtime on gloo, :mod:`megatron_spindle.runtime.executor`).
-   A producer slice's messages leave when its forward ends (its gradient messages when the consumer's
-   backward ends) and take the time of that producer's messages alone. Under NCCL the runtime posts a
-   boundary's sends with its receives, as timed above.
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
-   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`.plan.ParamGroup`) gradient
+   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`..step.plan.ParamGroup`) gradient
    is complete when the last backward, in execution order, of a slice holding it on one of its ranks has
    passed its layer (a slice's layers complete one by one, last layer first, its backward time split evenly);
    a bucket is ready when its last group is; a frozen weight's group is in none (no gradient). Each bucket is one ring all-reduce of
@@ -53,7 +49,7 @@ posts during the backward, overlap compute:
        t_sync = max(0, max_c end_c − t_pass)
 
    With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
-4. **Step.** A pass runs phase by phase (:attr:`.plan.WavePlan.phase`; one phase unless the plan frees
+4. **Step.** A pass runs phase by phase (:attr:`..step.plan.WavePlan.phase`; one phase unless the plan frees
    activations early): the forwards of the phase's waves, then their backwards in reverse, then the next
    phase, every slice placed on its devices' timeline as item 1-2 say (:func:`.timeline.dataflow_pass`);
    ``t_pass`` ends when the last device does. With gradient accumulation over ``K`` passes (``passes=K``,
@@ -62,7 +58,7 @@ posts during the backward, overlap compute:
    ``= K ·`` (``t_pass`` minus the same pass with free communication: what the transfers expose),
    *idle* the rest of ``K · t_pass`` (devices waiting for inputs, or unused), *sync* (exposed); the four add
    up to the step.
-5. **Memory.** The plan's per-device estimate (:func:`.assemble.device_memory`: model states of every layer
+5. **Memory.** The plan's per-device estimate (:func:`..step.assemble.device_memory`: model states of every layer
    the device holds plus the activations its largest phase stashes), checked against the cluster's usable
    memory.
 
@@ -86,7 +82,7 @@ from ..workload.recompute import FORWARD_SHARE
 from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
-from .plan import Plan, Slice
+from ..step.plan import Plan, Slice
 from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
@@ -252,12 +248,12 @@ def _check_args(passes, grad_bytes: int) -> int:
 
 
 def _pass_and_sync(plan: Plan, cluster: Cluster, *, grad_bytes: int, overlap_sync: bool, compute_scale: float,
-                   early_sends: bool, bucket_size: int | None) -> tuple[dict[str, float], float, list, list]:
+                   bucket_size: int | None) -> tuple[dict[str, float], float, list, list]:
     """``(slice ms, pass ms, posted buckets as (post time, bucket), their (start, end))``: items 1-4 of the
     module docstring, what the step's time needs (the breakdown's parts are :func:`simulate`'s)."""
     curves = dict(plan.curves)
     slice_ms = {s.name: compute_scale * _slice_time(s, curves) for w in plan.waves for s in w.slices}
-    pass_ms, done = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends)
+    pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
     buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
                                backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
     posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
@@ -273,14 +269,13 @@ def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
     passes = _check_args(passes if passes is not None else plan.passes, grad_bytes)
     check_fits(plan, cluster, check_memory=False)
     _, pass_ms, _, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes, overlap_sync=True,
-                                          compute_scale=1.0, early_sends=False, bucket_size=None)
+                                          compute_scale=1.0, bucket_size=None)
     return passes * pass_ms + (max([end for _, end in spans] + [pass_ms]) - pass_ms)
 
 
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
              grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
-             compute_scale: float = 1.0, early_sends: bool = False,
-             bucket_size: int | None = None) -> StepSimulation:
+             compute_scale: float = 1.0, bucket_size: int | None = None) -> StepSimulation:
     """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
 
     ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last;
@@ -288,9 +283,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     bf16); ``overlap_sync``: post each bucket when its last gradient is complete (the runtime's default)
     rather than after the backward; ``compute_scale``: every slice takes that many times its curve's time
     (CPU ranks sharing cores, as the live prediction of :mod:`megatron_spindle.megatron.prediction` sees
-    them), so buckets become ready later too; ``early_sends``: the runtime's gloo path, which posts each
-    slice's sends when its output exists (item 2b of the module docstring) instead of at the consumer's
-    boundary (NCCL, the default here); ``bucket_size``: parameters per gradient bucket (default
+    them), so buckets become ready later too; ``bucket_size``: parameters per gradient bucket (default
     megatron.core's, :mod:`.grad_buckets`).
     """
     passes = _check_args(passes if passes is not None else plan.passes, grad_bytes)
@@ -300,7 +293,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     back = transfer_flows(plan, cluster, backward=True)
     slice_ms, pass_ms, posted, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes,
                                                       overlap_sync=overlap_sync, compute_scale=compute_scale,
-                                                      early_sends=early_sends, bucket_size=bucket_size)
+                                                      bucket_size=bucket_size)
     waves = []
     for w in plan.waves:
         times = [slice_ms[s.name] for s in w.slices]
@@ -313,7 +306,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
         waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f if a // g != b // g)))
-    free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, early_sends=early_sends, transfers=False)
+    free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, transfers=False)
     colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
                              wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)
                   for (r, b), (start, end) in zip(posted, spans))

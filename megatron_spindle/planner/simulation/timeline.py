@@ -11,9 +11,8 @@ modules) each run at their own pace, and a wave's shorter slices do not wait for
 2. **Inputs.** Under NCCL (the default) a rank posts a boundary's messages in one batch when it reaches the
    boundary, so a consumer's input arrives once its producer has run, the producer's and the consumer's
    devices have reached the boundary, and the boundary's whole batch has moved
-   (:func:`.link_costs.boundary_time_ms` of every message into that wave: the links it shares). With
-   ``early_sends`` (the gloo runtime), a producer's messages leave when its forward ends and take the time of
-   that producer's messages into that wave alone.
+   (:func:`.link_costs.boundary_time_ms` of every message into that wave: the links it shares), as the
+   executor posts a boundary's sends and receives in one batch on every backend.
 3. **Backward**, in reverse: a slice's backward starts when its devices are free and the gradients of every
    consumer have come back (the same two rules, on the stored backward messages).
 
@@ -28,10 +27,10 @@ from typing import Mapping
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .link_costs import boundary_time_ms
-from .plan import Plan, SliceRef
+from ..step.plan import Plan
 
 
-def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *, early_sends: bool = False,
+def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
                   transfers: bool = True) -> tuple[float, dict[str, float]]:
     """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
     with free communication (the difference is the pass's exposed transfer)."""
@@ -51,11 +50,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         flows_f: dict[tuple, list] = defaultdict(list)
         flows_b: dict[tuple, list] = defaultdict(list)
         for t in plan.transfers:
-            # early sends: one producer's messages into one wave leave together; else the boundary's batch
-            kf = (t.src, t.wave) if early_sends else ("wave", t.wave)
-            kb = (t.dst, SliceRef.from_str(t.src).wave) if early_sends else ("wave", t.wave)
-            flows_f[kf].append(t.forward)
-            flows_b[kb].append(t.backward)
+            flows_f[("wave", t.wave)].append(t.forward)  # the boundary's batch
+            flows_b[("wave", t.wave)].append(t.backward)
         cost_f = {k: _batch_ms(v, cluster) for k, v in flows_f.items()}
         cost_b = {k: _batch_ms(v, cluster) for k, v in flows_b.items()}
     waves = {w.index: w for w in plan.waves}
@@ -80,8 +76,6 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                 p = peer(t)
                 if not transfers:
                     ready = max(ready, done[p])
-                elif early_sends:
-                    ready = max(ready, done[p] + cost[(p, wi)])
                 else:
                     both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
@@ -100,7 +94,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
 
 #: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
 #: kept so their ids stay theirs, ms)``. The data flow hands out the same message tuple objects for the same
-#: edge layouts (:func:`.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
+#: edge layouts (:func:`..step.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
 #: their waves, meet the same batches again.
 _BATCHES: dict[tuple, tuple] = {}
 #: At most this many (a plan has two per wave; the entries keep their message tuples alive).

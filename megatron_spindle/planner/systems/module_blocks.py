@@ -10,7 +10,7 @@ stage is its depth in the module graph, :func:`.static_grids.module_stages`: the
 them): the modules of a stage as concurrent lanes, each running all its MetaOps (every task's, in level order)
 one after another on its block, with no barrier between levels (:class:`.baselines.Lane`, aligned into waves
 as the task-level baseline is). With task groups, each group's stages in turn, one phase per group. Its
-parameter device groups are the blocks. The whole-step choice (:mod:`.choose`) keeps it only when its
+parameter device groups are the blocks. The whole-step choice (:mod:`..step.choose`) keeps it only when its
 simulated step is the shortest.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..workload.graph import TaskGraph
 from ..workload.metaops import levels
 from .baselines import Lane, _blocks, _Builder, _finish
 from .shares import finish_together_shares, min_share
-from .plan import Plan
+from ..step.plan import Plan
 from .static_grids import module_stages
 
 

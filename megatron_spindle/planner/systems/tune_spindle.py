@@ -27,12 +27,12 @@ from ..workload.cluster import Cluster
 from ..workload.memory import layer_state_bytes, tp_activation_factor
 from ..workload.metaops import MetaOp
 from ..workload.recompute import act_bytes_per_sample, options as recompute_options, time_factor
-from .assemble import make_metaops
-from .build import grouped_schedule, make_plan
-from .placement import PlacementError, place
-from .execution import Execution, configure, task_groups
-from .plan import Plan
-from .simulate import simulate, step_time_ms
+from ..step.assemble import make_metaops
+from ..step.build import grouped_schedule, make_plan
+from ..step.placement import PlacementError, place
+from ..step.execution import Execution, configure, task_groups
+from ..step.plan import Plan
+from ..simulation.simulate import simulate, step_time_ms
 from .tuning import Trial, Tuned, Workload, _first_fit, _fits, _peak, note_over_memory
 
 #: Spindle configurations given the full search (the rest are ranked by the paper's pipeline alone).

@@ -37,7 +37,7 @@ class Tower:
     name: str
     """``vision``, ``text`` or ``llm``."""
     kind: str
-    """``clip_vision``, ``clip_text`` or ``decoder``: which name mapping applies (:mod:`.mapping`)."""
+    """``clip_vision``, ``clip_text`` or ``decoder``: which name mapping applies (:mod:`.hf_mapping`)."""
     prefix: str
     """Prefix of the tower's tensor names (``vision_model.``, ``text_model.``, ``model.``)."""
     modules: dict = field(default_factory=dict)

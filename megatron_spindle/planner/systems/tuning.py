@@ -14,7 +14,7 @@ and cluster, each system searches what a good engineer would set by hand, under 
 * **tensor parallelism**: degree ``k`` for every layer that can be split (Megatron-LM's
   ``--tensor-model-parallel-size``) where memory binds;
 * **phases** (Spindle only): tasks split into groups whose forward and backward run one group after another,
-  so one group's activations are freed before the next's exist (:attr:`.plan.WavePlan.phase`).
+  so one group's activations are freed before the next's exist (:attr:`..step.plan.WavePlan.phase`).
 
 Memory rules: sequential and intra-task run as Megatron-LM does (states + one task's activations at a time:
 one phase per task), task-level per lane (each lane frees a task's activations after its backward), the
@@ -39,11 +39,11 @@ from ..workload.analytic import CurvesFile, DeviceModel
 from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.workloads import build_graph
-from .assemble import make_metaops
-from .build import plan_system
-from .execution import Execution, configure
-from .plan import Plan
-from .simulate import StepSimulation, simulate
+from ..step.assemble import make_metaops
+from ..step.build import plan_system
+from ..step.execution import Execution, configure
+from ..step.plan import Plan
+from ..simulation.simulate import StepSimulation, simulate
 from .static_grids import simulate_grids
 from ..workload.analytic import build_curves
 

@@ -5,7 +5,7 @@ Pure Python: names, shapes and row ranges only (the reading is :mod:`megatron_sp
 1. :func:`init_targets` resolves ``init`` (``--spindle-init MODULE=DIR`` and the spec's ``[model] init``) to
    one :class:`Target` per parameter key: the directory, the tower (by the component's embedding: a
    ``patch_embed`` is CLIP's vision tower, a ``token_embed`` its text tower), the part and the layer index.
-   It also compares the spec's hyper-parameters with the checkpoint's ``config.json`` (:mod:`.config`) and
+   It also compares the spec's hyper-parameters with the checkpoint's ``config.json`` (:mod:`.hf_config`) and
    refuses a difference in one line naming the module, the key and both values.
 2. :func:`sources` gives, for each parameter of the layer (megatron.core's names), a :class:`Src`: a
    checkpoint tensor (:class:`Part`, possibly a row range of it), a concatenation (:class:`Cat`) or zeros.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..planner.workload.graph import LayerConfig, TaskGraph
 from ..planner.workload.spec_layers import match_fields
-from .config import Tower, towers
+from .hf_config import Tower, towers
 
 
 @dataclass(frozen=True)

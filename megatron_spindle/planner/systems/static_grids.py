@@ -12,21 +12,22 @@ pipelines micro-batches from the encoders' grids into the consuming module's gri
 2. **Pipeline.** A grid's stage is its depth in the module graph (encoders 0, the module consuming them 1,
    ...). Per micro-batch a grid computes ``t_g = Σ_m L_m · T_m(n_m)`` (forward + backward, every task's
    MetaOps of the module, on the micro-batch's curves) and a stage lasts ``t_s = max_g t_g`` plus the
-   transfer of its inputs from the grids before it (:func:`.link_costs.boundary_time_ms` of the activations
+   transfer of its inputs from the grids before it (:func:`..simulation.link_costs.boundary_time_ms` of the activations
    of one micro-batch, each source device sending its samples to the consuming grid's devices, and back
    for the gradients). With 1F1B over ``M`` micro-batches and ``S`` stages the pass takes
    ``Σ_s t_s + (M - 1) · max_s t_s`` (fill and drain, then the bottleneck stage's pace).
 3. **Sync.** Each grid all-reduces its module's gradients over its devices in megatron.core DDP buckets
-   (:mod:`.grad_buckets`' sizes and rule): in the grid's last backward its MetaOps run in reverse order, a
+   (:mod:`..simulation.grad_buckets`' sizes and rule): in the grid's last backward its MetaOps run in reverse order, a
    weight's gradient is complete after the last backward that uses it (a module shared by several tasks:
    after the task that ran first), a bucket when its last weight is; in the drain the last stage finishes
    first, stage ``s`` ``s`` stage paces before the pass ends. Scheduled by
-   :func:`.link_costs.schedule_collectives`; what runs past the pass is exposed.
+   :func:`..simulation.link_costs.schedule_collectives`; what runs past the pass is exposed.
 4. **Memory.** A device holds its module's states (sharded by the distributed optimizer over the grid when it
    is on) and, in 1F1B, the activations of up to ``S - s`` micro-batches in flight at stage ``s``.
 
 This schedule interleaves micro-batches across grids, which a wave plan cannot express, so it is timed here
-with the simulator's own cost primitives (curves, :mod:`.link_costs`, the memory model) instead of as a plan.
+with the simulator's own cost primitives (curves, :mod:`..simulation.link_costs`, the memory model) instead of
+as a plan.
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ from ..workload.memory import layer_state_bytes, slice_activation_bytes
 from ..workload.metaops import MetaOp
 from ..workload.recompute import FORWARD_SHARE
 from .shares import best_count, finish_together_shares, min_share
-from .grad_buckets import bucket_params
-from .link_costs import boundary_time_ms, schedule_collectives
-from .simulate import GRAD_BYTES_PER_PARAM, Breakdown, StepSimulation
+from ..simulation.grad_buckets import bucket_params
+from ..simulation.link_costs import boundary_time_ms, schedule_collectives
+from ..simulation.simulate import GRAD_BYTES_PER_PARAM, Breakdown, StepSimulation
 
-ACTIVATION_BYTES = 2  # bf16 activations cross grids (as :mod:`.dataflow` counts them)
+ACTIVATION_BYTES = 2  # bf16 activations cross grids (as :mod:`..step.dataflow` counts them)
 
 
 @dataclass(frozen=True)
