@@ -85,19 +85,30 @@ WORLD = 64
 
 
 def _tensor_parallel_plan(g, n):
-    """Every MetaOp on all ``n`` ranks in level order, vision layers with tensor parallelism 4 and text layers 2
-    (data-parallel replicas of TP groups, their gradient groups across the replicas), split across two waves."""
+    """Each level's MetaOps side by side on blocks of ranks, vision layers with tensor parallelism 4 and the
+    others' layers 2; a transformer MetaOp's second half runs in a second wave on the next block (TP group to TP
+    group messages; shared weights' gradient groups span blocks)."""
     from megatron_spindle.planner.step.manual import plan_from_waves
     from megatron_spindle.planner.workload.metaops import contract
 
+    by_level: dict[int, list] = {}
+    for m in contract(g):
+        by_level.setdefault(m.level, []).append(m)
     tp, waves = {}, []
-    for m in sorted(contract(g), key=lambda m: m.level):
-        if m.op_type == "transformer_layer":
-            tp[m.name] = 4 if m.name.split(".")[1] == "vision" else 2
-            half = m.num_layers // 2
-            waves += [[(m.name, 0, half, tuple(range(n)))], [(m.name, half, m.num_layers - half, tuple(range(n)))]]
-        else:
-            waves.append([(m.name, 0, m.num_layers, tuple(range(n if m.batch_splittable else 1)))])
+    for level in sorted(by_level):
+        ms = by_level[level]
+        size = n // len(ms) // 4 * 4
+        block = [tuple(range(i * size, (i + 1) * size)) for i in range(len(ms))]
+        first, second = [], []
+        for i, m in enumerate(ms):
+            if m.op_type == "transformer_layer":
+                tp[m.name] = 4 if m.name.split(".")[1] == "vision" else 2
+                half = m.num_layers // 2
+                first.append((m.name, 0, half, block[i]))
+                second.append((m.name, half, m.num_layers - half, block[(i + 1) % len(ms)]))
+            else:
+                first.append((m.name, 0, m.num_layers, block[i] if m.batch_splittable else block[i][:1]))
+        waves += [first] + ([second] if second else [])
     return plan_from_waves(g, n, waves, tp=tp)
 
 
