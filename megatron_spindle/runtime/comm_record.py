@@ -53,7 +53,7 @@ _C10D = "torch.distributed.distributed_c10d"
 _MCORE_MODULES = ("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings",
                   "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.utils")
 
-#: collective name -> (which argument's shape is recorded, or None for "()"), dtype when no tensor
+#: collective name -> the argument whose shape and dtype are recorded (None: shape ``()``, dtype ``"none"``)
 _COLLECTIVES: dict[str, str | None] = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",
     "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
@@ -64,6 +64,7 @@ _COLLECTIVES: dict[str, str | None] = {
 _OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 _P2P = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
 _GROUPS = ("new_group", "destroy_process_group")
+
 
 class BatchWork:
     """One work for a whole ``batch_isend_irecv`` batch, as NCCL returns: waits for every operation's work."""
