@@ -12,14 +12,19 @@ is a member of: what eager creation would hold on its GPU), P2P peers per rank, 
 plus P2P operations), each as max/mean over the ranks, the verdict (``ok`` or the number of problems; the
 first ones are printed below the table) and the seconds the dry run took. Exit status 1 when a row fails.
 
-    python scripts/comm_check.py [--models a,b] [--ranks 8,64,256,1024] [--markdown]
+    python scripts/comm_check.py [--models a,b] [--ranks 8,64,256,1024] [--jobs N] [--markdown]
+
+``--jobs N`` dry-runs the ranks in N processes (each rank is independent: its own fake group); the seconds in
+the table are wall seconds of the dry run.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -38,14 +43,30 @@ def member_groups(events: list[tuple], rank: int) -> int:
     return 1 + sum(1 for e in events if e[0] == "new_group" and rank in e[1])
 
 
-def run_one(model: str, n: int, *, gpus_per_node: int) -> dict:
+def _ranks_events(plan, graph, ranks: list[int]) -> list[list[tuple]]:
+    from megatron_spindle.runtime.comm_dryrun import dry_run
+    events = dry_run(plan, graph, ranks=ranks, timeout_s=60)
+    return [events[r] for r in ranks]
+
+
+def run_one(model: str, n: int, *, gpus_per_node: int, jobs: int = 1) -> dict:
     from megatron_spindle.runtime.comm_check import check, summary
-    from megatron_spindle.runtime.comm_dryrun import dry_run, for_graph, narrow_graph
+    from megatron_spindle.runtime.comm_dryrun import for_graph, narrow_graph
 
     plan = make_plan(build_graph(model), load_cluster(None, num_devices=n, gpus_per_node=gpus_per_node))
     narrow = narrow_graph(model)
+    plan = for_graph(plan, narrow)
     t0 = time.perf_counter()
-    events = dry_run(for_graph(plan, narrow), narrow, timeout_s=60)
+    chunks = [list(range(n))[i::jobs] for i in range(min(jobs, n))]
+    if len(chunks) == 1:
+        parts = [_ranks_events(plan, narrow, chunks[0])]
+    else:  # ranks are independent: each process joins its own fake group per rank
+        with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_ranks_events, [plan] * len(chunks), [narrow] * len(chunks), chunks))
+    events: list[list[tuple]] = [[] for _ in range(n)]
+    for chunk, part in zip(chunks, parts):
+        for r, ev in zip(chunk, part):
+            events[r] = ev
     seconds = time.perf_counter() - t0
     errors = check(events)
     s = summary(events)
@@ -70,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(shipped_models()), help="comma-separated shipped models")
     ap.add_argument("--ranks", default="8,64,256,1024", help="comma-separated device counts")
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=1, help="processes that dry-run ranks side by side (default 1)")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -82,6 +104,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"comm_check: --ranks {args.ranks!r} is not a comma-separated list of integers", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        print(f"comm_check: --jobs {args.jobs} must be at least 1", file=sys.stderr)
+        return 2
     if not counts or min(counts) < 1:
         print(f"comm_check: --ranks {args.ranks!r} needs positive device counts", file=sys.stderr)
         return 2
@@ -93,7 +118,7 @@ def main(argv=None) -> int:
     failed = []
     for model in models:
         for n in counts:
-            r = run_one(model, n, gpus_per_node=args.gpus_per_node)
+            r = run_one(model, n, gpus_per_node=args.gpus_per_node, jobs=args.jobs)
             cells = row(r)
             if args.markdown:
                 print("| " + " | ".join(cells) + " |", flush=True)
