@@ -4,7 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SCRIPT=examples/pretrain_qwen_val.py OUT=${OUT:-out/qwen_val} TASKS=${TASKS:-3}
-if ! { [ -e /proc/driver/nvidia/version ] || [ -e /dev/kfd ]; }; then  # no GPU driver: CPU ranks
-  export MICRO_BATCH=${MICRO_BATCH:-1}
-fi
+export CPU_MICRO_BATCH=${CPU_MICRO_BATCH:-1}  # CPU ranks (torch sees no GPU): 1 sample per rank unless MICRO_BATCH
 exec scripts/run_multitask_clip.sh "$@"

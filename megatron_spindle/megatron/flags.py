@@ -58,9 +58,14 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="train on real data: DIR/<task> is one megatron-energon dataset per task (energon "
                         "prepare); each rank reads only the samples of its slices (default: synthetic data)")
     g.add_argument("--spindle-gpus-per-node", type=int, default=None,
-                   help="devices per NVLink island for placement (default: ranks per node, at most 8)")
+                   help="devices per NVLink island for placement (default: GPU 0's NVLink island as NVML "
+                        "reports it, else the node's GPUs; at most the ranks per node and 8)")
     g.add_argument("--spindle-memory-gib", type=float, default=None,
-                   help="device memory the planner may fill, GiB (default 80)")
+                   help="device memory the planner may fill, GiB (default: the GPU's, else the curves file's "
+                        "device, else the preset's)")
+    g.add_argument("--spindle-cluster", default=None, metavar="NAME|FILE.json",
+                   help="cluster preset the planner prices links and peak with (a100, a800-8x8, h100, h200) or a "
+                        "cluster JSON file (default: the preset of the GPU the job runs on; a800-8x8 on CPUs)")
     g.add_argument("--spindle-trace", default=None, metavar="DIR",
                    help="write a per-rank Chrome trace of every wave (forward, backward, transfer, sync) to DIR")
     g.add_argument("--spindle-gantt", default=None, metavar="PNG", help="draw the plan's waves per device")
@@ -119,7 +124,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
                         "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient "
+                   "accumulation and reductions, master weights and optimizer (as Megatron-LM's --bf16)")
+    g.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
+                   help="the layers' implementation, as Megatron-LM's flag: local (megatron.core's own modules) or "
+                        "transformer_engine (TransformerEngine's; needs it installed and a GPU). Default local in "
+                        "both loops: the layers never switch on because TransformerEngine happens to import")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "
                         "iteration-time, samples-per-second, Spindle's predicted and measured step")
@@ -319,6 +329,10 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
+    need(getattr(args, "transformer_impl", "local") != "transformer_engine"
+         or importlib.util.find_spec("transformer_engine") is not None,
+         "--transformer-impl transformer_engine: TransformerEngine is not installed here; install it or use "
+         "--transformer-impl local")
     need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
          "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
          "first plan's layout)")

@@ -80,9 +80,13 @@ def check_spindle_inputs(args, world: int, graph) -> None:
     if curves is not None:
         check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
     per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    load_cluster(None, num_devices=world, gpus_per_node=per_node,
-                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
-                 (curves.device.memory_gib if curves else None))
+    spec = getattr(args, "spindle_cluster", None)
+    try:
+        load_cluster(spec, num_devices=world, gpus_per_node=per_node,
+                     memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
+                     (curves.device.memory_gib if curves else None))
+    except ValueError as e:
+        raise ValueError(f"--spindle-cluster {spec}: {e}" if spec else str(e)) from None
     init = init_of(args)
     if init:
         init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading

@@ -10,7 +10,8 @@ changes, progress lines, predictions, checkpoints, the trace). Without ``--spind
 ``sequential`` baseline: every task over all ranks, one after another, as Megatron runs multi-task models.
 
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
-samples/s), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
+samples/s, model TFLOP/s per GPU and MFU against the planning cluster's peak, as Megatron-LM users read them;
+recompute not counted), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
 ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import comm
 from ..log import get_logger, setup_logging
 from ..planner.step.render import grid
+from ..planner.workload.flops import mfu, step_model_flops, tflops_per_device
 from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
@@ -40,7 +42,8 @@ from .ckpt_dir import latest_iteration
 from .guard import NumericGuard
 from .lifeline import LIFE, signal_name
 from .logs import TrainLogs
-from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
+from .model import (build_model, graph_for, layer_backend, log_plan, make_cluster, plan_for, run_device,
+                    step_passes)
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
 from .preflight import check_save_space, hold_save_lock
 from .session import Stopped, join_job, restart_source, run_entry
@@ -93,6 +96,7 @@ class Trainer:
         self.args = args
         self.extra_json = dict(extra_json or {})
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
+        layer_backend(args)  # --transformer-impl transformer_engine where TE cannot run: the same line, before joining
         join_job(args)
         self.lock = hold_save_lock(args.save)
         try:
@@ -203,9 +207,24 @@ class Trainer:
     def _log_progress(self, it: int, losses: dict[str, float], norm: float, dt: float) -> None:
         per = " ".join(f"{t} {v:.4f}" for t, v in losses.items())
         samples = self.accum * self.micro * len(self.plan.tasks)
+        flops, peak = self._model_flops()
+        tf = tflops_per_device(flops, dt * 1e3, self.world)
         log.info(f"iteration {it + 1:5d}/{self.args.train_iters} | loss {sum(losses.values()):.4f} ({per}) | "
-                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | grad norm {norm:.3f} | "
+                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | {tf:.3g} TFLOP/s per GPU | "
+                 f"MFU {mfu(flops, dt * 1e3, self.world, peak):.2%} of {peak:g} | grad norm {norm:.3f} | "
                  f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
+
+    def _model_flops(self) -> tuple[float, float]:
+        """(model FLOPs of one step of the current task set, peak TFLOP/s per device of the planning cluster)."""
+        key = (tuple(self.plan.tasks), self.accum)
+        if getattr(self, "_flops_key", None) != key:
+            tasks = list(self.plan.tasks)
+            g = self.graph if list(self.graph.tasks) == tasks else self.graph.subset(tasks)
+            cluster, curves = make_cluster(self.args, self.world)
+            self._flops_key = key
+            self._flops = (step_model_flops(g, self.accum),
+                           curves.device.peak_tflops if curves is not None else cluster.peak_tflops)
+        return self._flops
 
     def _log_prediction(self, it: int) -> None:
         rows = metaop_errors(self.model, it)
