@@ -83,6 +83,7 @@ class BatchWork:
         return all(w.is_completed() for w in self.works)
 
     def get_future(self):
+        """A future of every operation's future (gloo's P2P works have none: ``RuntimeError``, as theirs)."""
         futs = [w.get_future() for w in self.works]
         return torch.futures.collect_all(futs)
 
