@@ -94,9 +94,10 @@ class RanksFailed(AssertionError):
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              nccl_rules: bool = True) -> list[Any]:
+              nccl_rules: bool = True, grace_s: float = 1.0) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process, under NCCL's
-    rules unless ``nccl_rules=False`` (see the module docstring)."""
+    rules unless ``nccl_rules=False`` (see the module docstring). After the first failure the other ranks'
+    failures are collected for ``grace_s`` seconds before every rank is killed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -115,7 +116,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                 rank, ok, value = results.get(timeout=0.2)
                 (values if ok else errors)[rank] = value
                 if errors:
-                    _drain(results, values, errors, grace_s=1.0)  # tracebacks of ranks failing with it
+                    _drain(results, values, errors, grace_s=grace_s)  # tracebacks of ranks failing with it
                     break
             except queue.Empty:
                 pass

@@ -113,6 +113,10 @@ class TransferPlumbing:
             return
         t0 = time.perf_counter()
         works = post_p2p(ops)
+        if len(ops) > 1 and all(w is works[0] for w in works):  # one work for the batch (NCCL): a failed wait
+            peers = sorted({op[2] for op in ops})              # may be any of its messages' peers
+            recs = [(owner, f"{desc} (one work for the boundary's batch with ranks {peers})", *rest)
+                    for owner, desc, *rest in recs]
         for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
             item = Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
             (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
