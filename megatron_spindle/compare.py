@@ -29,6 +29,7 @@ from typing import Sequence
 
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
+from .compare_explain import explain_row
 from .planner.systems.baselines import BASELINES, SYSTEMS
 from .planner.step.build import make_plan
 from .planner.step.execution import Execution
@@ -98,6 +99,8 @@ class Comparison:
     results: dict[str, SystemResult] = field(default_factory=dict)
     tuned: bool = True
     """Every system at its own best configuration (``False``: ``--fixed-passes``)."""
+    explanation: object | None = None
+    """Where Spindle and the best baseline differ, the winning candidate, the bounds (:mod:`.compare_explain`)."""
 
     def step_ms(self, system: str) -> float | None:
         r = self.results.get(system)
@@ -116,7 +119,8 @@ class Comparison:
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": self.tasks, "gpus": self.gpus, "cluster": self.cluster,
                 "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned,
-                "systems": {k: r.to_json() for k, r in self.results.items()}}
+                "systems": {k: r.to_json() for k, r in self.results.items()},
+                **({"explain": self.explanation.to_json()} if self.explanation is not None else {})}
 
 
 def _result(t: Tuned, cluster, fixed: bool) -> SystemResult:
@@ -163,6 +167,8 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
                 cmp.results[system] = _naive(workload, cl, spindle, curves_file, device)
             else:
                 cmp.results[system] = _result(tuned[system], cl, fixed is not None)
+        if len(cmp.results) > 1:  # a row with something to compare against
+            cmp.explanation = explain_row(cmp, workload, cl, curves_file=curves_file, device=device)
         out.append(cmp)
     return out
 
@@ -222,6 +228,8 @@ def format_table(cmp: Comparison) -> str:
     if sp is not None and sp.ok and sp.schedule:
         lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
                      f"candidates (see planner/step/choose.py)")
+    if cmp.explanation is not None:
+        lines.extend(cmp.explanation.lines())
     grids = cmp.results.get("static-grids")
     if grids is not None and grids.ok and grids.tuned is not None and grids.tuned.extra.get("grids"):
         g = grids.tuned.extra["grids"]
