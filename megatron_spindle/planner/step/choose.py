@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Sequence
 from ..systems import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
+from .lanes import lane_plans
 from .execution import Execution
 from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
@@ -270,6 +271,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
                                             naive=naive, steps=steps)
         plans = list(plans) + by_step \
             + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b, picked=picked) \
+            + lane_plans(plans[0][1], graph, cluster, metaops, curves, (execution or Execution()).groups) \
             + (_cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples, b) if one_phase else [])
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
