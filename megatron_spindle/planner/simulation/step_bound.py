@@ -38,6 +38,7 @@ checked against their recorded steps by the tests, not proved for them.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -203,13 +204,20 @@ class _Model:
             v, c, d, Y = self.value(lam, pi, sigma)
             if v > best[0]:
                 best = (v, pi, sigma, Y)
-            step = 2.0 / np.sqrt(r + 1)
-            pi = pi * np.exp(step * c / (float(c.max()) or 1.0))
-            pi = pi / pi.sum()
+            step = 2.0 / math.sqrt(r + 1)
+            pi = _reweight(pi, c, step)
             if lam < 1:
-                sigma = sigma * np.exp(step * d / (float(d.max()) or 1.0))
-                sigma = sigma / sigma.sum()
+                sigma = _reweight(sigma, d, step)
         return best
+
+
+def _reweight(w: np.ndarray, gain: np.ndarray, step: float) -> np.ndarray:
+    """Multiplicative update of simplex weights (``math`` per element and ``fsum``: the same bytes on every
+    machine)."""
+    scale = float(gain.max()) or 1.0
+    out = [float(x) * math.exp(step * float(g) / scale) for x, g in zip(w, gain)]
+    total = math.fsum(out)
+    return np.array([x / total for x in out])
 
 
 def step_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], cluster: Cluster, passes: int, *,

@@ -35,7 +35,7 @@ from ..level.waves import Wave, WaveSlice
 from ..systems.shares import min_share
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp, levels
-from .assemble import schedule
+from .assemble import assemble_plan, schedule
 
 #: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
 #: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
@@ -248,7 +248,6 @@ def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[s
                groups: Sequence[Sequence[str]] = ()) -> list[tuple[str, object]]:
     """The candidates as ``(name, plan)`` (balanced lanes, then packed; none where the lanes do not fit), with
     ``own``'s levels, passes and optimizer (``own``: Spindle's own plan)."""
-    from .assemble import assemble_plan
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
     out = []
