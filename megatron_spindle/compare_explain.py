@@ -80,7 +80,7 @@ class Explanation:
         if self.bound is not None:
             b = self.bound
             out.append(f"whole-step bound {b.bound_ms:.1f} ms at Spindle's configuration (compute and paths "
-                       f"{b.compute_ms:.1f} ms, sync adds {b.sync_ms:.1f}; no plan of that configuration is "
+                       f"{b.compute_ms:.1f} ms, sync adds {b.sync_ms:.1f}; no wave plan of that configuration is "
                        f"faster); lowest over the systems' configurations {self.row_bound_ms:.1f} ms; Spindle's "
                        f"step is {self.spindle_ms / b.bound_ms:.2f}x its bound")
         n = len(self.candidates)
