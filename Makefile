@@ -38,7 +38,8 @@ demo: $(VENV)/.installed
 
 # Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
 # on 2 cores (8-11 and about 5 minutes here).
-FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py
+FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py \
+	tests/test_faults_files.py
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests $(addprefix --ignore=,$(FAULT_TESTS))
@@ -58,7 +59,8 @@ $(MLM_VENV)/.installed: requirements-mlm.txt setup.py
 # tests that involve megatron.core directly, so the newest megatron-core line runs them too.
 test-megatron-lm: $(MLM_VENV)/.installed
 	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_frozen_megatron_lm.py tests/test_megatron_hooks.py \
-		tests/test_megatron_backend.py tests/test_layers.py tests/test_comm_discipline.py tests/test_bf16.py tests/test_gpu_check_script.py
+		tests/test_megatron_backend.py tests/test_layers.py tests/test_comm_discipline.py tests/test_bf16.py tests/test_gpu_check_script.py \
+		tests/test_gpu_node.py
 
 clean:
 	rm -rf $(VENV) $(MLM_VENV) out

@@ -5,8 +5,11 @@ Every command turns bad input into one line on stderr naming the offending value
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
+import threading
 import time
 
 from . import compare
@@ -40,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--progress-interval", type=float, default=10.0, metavar="S",
+                   help="while planning, a 'planning: N s so far' line every S seconds (0: none; on stderr with "
+                        "--json)")
     p.set_defaults(func=cmd_plan)
     compare.add_parser(sub)
     profiler_cli.add_parser(sub)
@@ -60,18 +66,8 @@ def cmd_plan(args) -> int:
         if path:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
-    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/systems/tuning.py)
-        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
-                                      freeze=args.freeze), cluster,
-                             curves_file=curves)
-        if tuned.plan is None:
-            raise ValueError(f"no configuration fits: {tuned.error}")
-        plan, passes = tuned.plan, tuned.execution.passes
-        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
-                            freeze=args.freeze)
-        print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
-    else:
-        plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
+    with _progress(args, cluster, auto):
+        plan, passes, graph = _make(args, graph, cluster, curves, passes, auto)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
@@ -115,10 +111,55 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _make(args, graph, cluster, curves, passes, auto: bool):
+    """The plan of ``spindle plan``: ``(plan, passes, graph)``."""
+    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
+        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
+                                      freeze=args.freeze), cluster,
+                             curves_file=curves)
+        if tuned.plan is None:
+            raise ValueError(f"no configuration fits: {tuned.error}")
+        plan, passes = tuned.plan, tuned.execution.passes
+        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
+                            freeze=args.freeze)
+        print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
+    else:
+        plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
+    return plan, passes, graph
+
+
+@contextlib.contextmanager
+def _progress(args, cluster, auto: bool):
+    """A 'planning: N s so far' line every ``--progress-interval`` seconds while the planner runs (a large
+    cluster or batch, ``--passes auto``: minutes), so a long plan is not taken for a hang."""
+    every = args.progress_interval
+    if not (math.isfinite(every) and every >= 0):
+        raise ValueError(f"--progress-interval {every}: must be zero or more seconds")
+    done = threading.Event()
+    out = sys.stderr if args.json else sys.stdout
+    what = (f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
+            + (", every pass count (--passes auto)" if auto else ""))
+
+    def beat():
+        t0 = time.perf_counter()
+        while not done.wait(every):
+            print(f"planning: {time.perf_counter() - t0:.0f} s so far ({what})", file=out, flush=True)
+
+    thread = threading.Thread(target=beat, name="spindle-plan-progress", daemon=True) if every > 0 else None
+    if thread:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread:
+            thread.join()
+
+
 def main(argv=None) -> int:
-    setup_logging(announce=False)
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_logging(announce=False, stream=sys.stderr if getattr(args, "json", False) else None)  # stdout: JSON only
     try:
         return args.func(args)
     except (ValueError, KeyError) as e:  # bad input: one clear line

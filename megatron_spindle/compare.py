@@ -18,6 +18,10 @@ Spindle itself has no plan for a requested device count.
 
 Curves: the analytic device model takes the cluster's peak rate and memory (``--cluster h200`` plans with
 H200 curves); a ``--curves`` file replaces it entirely.
+
+Beside every step: the model TFLOP/s per device and MFU (model FLOPs over the cluster's peak), and, with the
+analytic curves, the step at the slow edge of the published anchors with whether the winner or the ranking
+changes between the edges (:mod:`.compare_band`; ``--no-band`` skips it).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from typing import Sequence
 
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
+from .compare_band import band_lines, fill_band, fill_mfu
 from .compare_explain import explain_row
 from .planner.systems.baselines import BASELINES, SYSTEMS
 from .planner.step.build import make_plan
@@ -37,7 +42,7 @@ from .planner.simulation.simulate import StepSimulation, simulate
 from .planner.systems.tune_spindle import tune_spindle
 from .planner.systems.tuning import Tuned, Workload, tune_baseline, tune_static_grids
 from .planner.workload.analytic import CurvesFile, DeviceModel
-from .planner.workload.cluster import DEFAULT_PRESET, load_cluster
+from .planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
 from .planner.workload.workloads import resolve_passes
 
 #: The paper's Figure 8 labels for our systems.
@@ -58,6 +63,13 @@ class SystemResult:
     schedule: str | None = None
     """Spindle: the baseline whose schedule won the whole-step choice (:mod:`.planner.step.choose`), else ``None``."""
     tuned: Tuned | None = None
+    model_flops: float | None = None
+    """Model FLOPs of one step (forward + backward at the system's passes, recompute not counted)."""
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilization: ``tflops_per_gpu`` over the cluster's peak per device."""
+    slow_ms: float | None = None
+    """The step at the slow edge of the analytic model's band (the same configuration re-planned)."""
 
     @property
     def ok(self) -> bool:
@@ -70,7 +82,9 @@ class SystemResult:
             s = self.sim
             d = {"step_ms": s.step_ms, "breakdown": s.breakdown.to_json(), "shares": s.breakdown.shares(),
                  "peak_memory_gib": s.max_memory_gib, "peak_memory_spread_gib": s.memory_spread_gib,
-                 "makespan_ms": s.makespan_ms, "num_waves": len(s.waves)}
+                 "makespan_ms": s.makespan_ms, "num_waves": len(s.waves), "model_flops": self.model_flops,
+                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                 "band_ms": None if self.slow_ms is None else {"fitted": s.step_ms, "slow": self.slow_ms}}
         if self.execution is not None:
             d["configuration"] = {**self.execution.to_json(), "label": self.execution.label()}
         if self.over_memory:
@@ -99,6 +113,13 @@ class Comparison:
     results: dict[str, SystemResult] = field(default_factory=dict)
     tuned: bool = True
     """Every system at its own best configuration (``False``: ``--fixed-passes``)."""
+    peak_tflops: float = 0.0
+    """The cluster's peak per device, the MFU's denominator."""
+    curves: str = "analytic"
+    """``analytic`` (the device model) or ``file`` (a ``--curves`` file: measured, no band)."""
+    band: dict | None = None
+    """The band's edges, rankings and whether the winner changes (:func:`.compare_band.fill_band`); ``None``
+    with measured curves or ``band=False``."""
     explanation: object | None = None
     """Where Spindle and the best baseline differ, the winning candidate, the bounds (:mod:`.compare_explain`)."""
 
@@ -118,8 +139,8 @@ class Comparison:
 
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": self.tasks, "gpus": self.gpus, "cluster": self.cluster,
-                "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned,
-                "systems": {k: r.to_json() for k, r in self.results.items()},
+                "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned, "peak_tflops": self.peak_tflops,
+                "curves": self.curves, "band": self.band, "systems": {k: r.to_json() for k, r in self.results.items()},
                 **({"explain": self.explanation.to_json()} if self.explanation is not None else {})}
 
 
@@ -140,9 +161,9 @@ def _result(t: Tuned, cluster, fixed: bool) -> SystemResult:
 
 def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DEFAULT_PRESET,
             curves_file: CurvesFile | None = None, systems: Sequence[str] = SYSTEMS,
-            fixed: Execution | None = None) -> list[Comparison]:
+            fixed: Execution | None = None, band: bool = True) -> list[Comparison]:
     """Every system of ``systems`` on every device count, each at its own best configuration (``fixed``: all at
-    that one)."""
+    that one), with its MFU and (``band``, analytic curves only) its step at the slow edge of the band."""
     out = []
     for n in gpus:
         cl = load_cluster(cluster, num_devices=n)
@@ -160,13 +181,17 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
         graph0 = workload.graph(1)
         spindle = tuned.get("spindle")
         cmp = Comparison(model=graph0.model, tasks=len(graph0.tasks), gpus=n, cluster=cl.name,
-                         gpus_per_node=cl.gpus_per_node, tuned=fixed is None,
+                         gpus_per_node=cl.gpus_per_node, tuned=fixed is None, peak_tflops=cl.peak_tflops,
+                         curves="file" if curves_file else "analytic",
                          lower_bound_ms=spindle.plan.lower_bound_ms if spindle and spindle.plan else 0.0)
         for system in systems:
             if system == "spindle-naive-placement":
                 cmp.results[system] = _naive(workload, cl, spindle, curves_file, device)
             else:
                 cmp.results[system] = _result(tuned[system], cl, fixed is not None)
+        fill_mfu(cmp.results, workload, n, cl.peak_tflops)
+        if band and device is not None and fixed is None:
+            cmp.band = fill_band(cmp.results, workload, cl, device)
         if len(cmp.results) > 1:  # a row with something to compare against
             cmp.explanation = explain_row(cmp, workload, cl, curves_file=curves_file, device=device)
         out.append(cmp)
@@ -196,19 +221,20 @@ def format_table(cmp: Comparison) -> str:
     head = (f"{cmp.model} ({cmp.tasks} tasks) on {cmp.gpus} devices, cluster {cmp.cluster} "
             f"({cmp.gpus_per_node} per island), {how}: lower bound ΣC* = {cmp.lower_bound_ms:.1f} ms per pass "
             f"at Spindle's {cmp.passes} pass{'es' if cmp.passes != 1 else ''} per step")
-    cols = ("system", "step ms", "Spindle speedup", "configuration", "compute", "transfer", "sync", "idle",
-            "mem max GiB")
+    cols = ("system", "step ms", "Spindle speedup", "configuration", "TFLOP/s/GPU", "MFU", "slow-edge ms", "compute",
+            "transfer", "sync", "idle", "mem max GiB")
     rows = []
     notes = []
     for name, r in cmp.results.items():
         conf = r.execution.label() if r.execution is not None else ""
         if not r.ok:
-            rows.append((name, "-", "-", conf, "", "", "", "", ""))
+            rows.append((name, "-", "-", conf, "", "", "", "", "", "", "", ""))
             notes.append(f"  {name}: {r.error}")
             continue
         sh = r.sim.breakdown.shares()
         sp = cmp.speedup("spindle", name)
         rows.append((name, f"{r.sim.step_ms:.1f}", "-" if name == "spindle" or sp is None else f"{sp:.2f}x", conf,
+                     f"{r.tflops_per_gpu:.1f}", f"{r.mfu:.1%}", "-" if r.slow_ms is None else f"{r.slow_ms:.1f}",
                      f"{sh['compute']:.1%}", f"{sh['transfer']:.1%}", f"{sh['sync']:.1%}", f"{sh['idle']:.1%}",
                      f"{r.sim.max_memory_gib:.1f}" + ("!" if r.over_memory else "")))
         if r.over_memory:
@@ -228,6 +254,10 @@ def format_table(cmp: Comparison) -> str:
     if sp is not None and sp.ok and sp.schedule:
         lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
                      f"candidates (see planner/step/choose.py)")
+    lines.append(f"MFU: model FLOPs per step (recompute not counted) / (step · {cmp.gpus} devices · "
+                 f"{cmp.peak_tflops:g} TFLOP/s peak); for scale: DistTrain 54.7 %, OrchMLLM 41.6 % end to end")
+    if cmp.band is not None or cmp.curves == "file":
+        lines.extend(band_lines(cmp.band, cmp.results))
     if cmp.explanation is not None:
         lines.extend(cmp.explanation.lines())
     grids = cmp.results.get("static-grids")
@@ -313,10 +343,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--gpus", type=positive_int_list, required=True, metavar="N[,N...]", help="device counts, e.g. 8,16,32")
     p.add_argument("--cluster", default=DEFAULT_PRESET, metavar="PRESET|FILE",
-                   help=f"cluster preset (a800-8x8, h200) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
+                   help=f"cluster preset ({', '.join(PRESETS)}) or a JSON file of cluster fields (default {DEFAULT_PRESET})")
     p.add_argument("--fixed-passes", action="store_true",
                    help="hold every system to one configuration (--passes, default the model's; nothing recomputed) "
                         "instead of tuning each to its own best")
+    p.add_argument("--no-band", action="store_true",
+                   help="skip the slow-edge re-plan of every system (the analytic model's band; no band with --curves)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw grouped bars of the speedups")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_compare)
@@ -336,7 +368,8 @@ def cmd_compare(args) -> int:
         workload.graph(passes)  # passes that do not divide a task's batch: fail now
         fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None
-    cmps = compare(workload, args.gpus, cluster=args.cluster, curves_file=curves, fixed=fixed)
+    cmps = compare(workload, args.gpus, cluster=args.cluster, curves_file=curves, fixed=fixed,
+                   band=not args.no_band and fixed is None)
     if args.plot:
         plot([(f"{graph.model}, {len(graph.tasks)} tasks", cmps)], args.plot)
     if args.json:

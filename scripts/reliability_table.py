@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Run every bad input and fault of issues 12 and 24 the way users run them; write what each gets as a table
+"""Run every bad input and fault of issues 12, 24 and 33 the way users run them; write what each gets as a table
 (docs/reliability.md).
 
-    .venv/bin/python scripts/reliability_table.py [--out docs/reliability.md] [--only SUBSTRING]
+    .venv/bin/python scripts/reliability_table.py [--out docs/reliability.md] [--only GROUP[,GROUP]]
 
 Each case starts what a user starts, in a scratch directory: ``scripts/run_multitask_clip.sh`` (its
 one-process check, then torchrun through ``megatron_spindle.launch``) on 2 CPU ranks of the tiny model, a bare
@@ -295,14 +295,42 @@ def cases(w: str):
     yield from kills(w)
 
 
+def issue33(w: str):
+    from reliability_issue33 import issue33 as cases33
+    yield from cases33(w, row, tmpfs)
+
+
+GROUPS = ("bad_inputs", "owned_save_and_sigint", "sigterm_without_handler", "orphans_then_exit_signal_handler",
+          "peer_faults", "restart", "failed_save", "issue12", "kills", "issue33")
+
+
+def selected(w: str, only: list[str]):
+    """The cases of the groups named in ``only`` (all without it)."""
+    if not only:
+        yield from cases(w)
+        yield from issue33(w)
+        return
+    files = make_inputs(os.path.join(w, "inputs"))
+    for name in only:
+        fn = globals()[name]
+        yield from (fn(w, files) if name in ("bad_inputs", "peer_faults") else fn(w))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "reliability.md"))
+    ap.add_argument("--only", default="", metavar="GROUP[,GROUP]",
+                    help=f"run these groups only ({', '.join(GROUPS)}); their rows replace the table's rows of the "
+                         f"same issues, the other rows stay")
     a = ap.parse_args(argv)
+    only = [g for g in a.only.split(",") if g]
+    bad = [g for g in only if g not in GROUPS]
+    if bad:
+        ap.error(f"unknown group {bad[0]!r}; groups: {', '.join(GROUPS)}")
     rows = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="spindle-reliability-") as work:
-        for r in cases(work):
+        for r in selected(work, only):
             r = tuple(re.sub(r"/tmp/spindle-full-\w+", "$FULL", str(x).replace(work, "$WORK")).replace("|", "\\|")
                       for x in r)
             rows.append(r)
@@ -315,7 +343,16 @@ def main(argv=None) -> int:
         doc = fh.read()
     begin, end = "<!-- table: begin -->", "<!-- table: end -->"
     i, j = doc.index(begin) + len(begin), doc.index(end)
-    doc = doc[:i] + f"\n(generated in {time.time() - t0:.0f} s)\n\n" + "\n".join(table) + "\n" + doc[j:]
+    took = f"(generated in {time.time() - t0:.0f} s)"
+    if only:  # keep the rows of the issues not run, and the note of how long they took
+        issues = {r[0].split(".")[0] for r in rows}
+        old = doc[i:j].strip().splitlines()
+        kept = [x for x in old[1:] if x.startswith("| ") and x.split("|")[1].strip().split(".")[0] not in issues
+                and not x.startswith(("| issue.finding", "| ---"))]
+        took = f"{old[0].split(' (issue')[0] if old and old[0].startswith('(generated') else ''} (issue {', '.join(sorted(issues))} " \
+               f"rows: {time.time() - t0:.0f} s, `--only {a.only}`)"
+        table = table[:2] + kept + table[2:]
+    doc = doc[:i] + f"\n{took}\n\n" + "\n".join(table) + "\n" + doc[j:]
     from megatron_spindle.atomic import write_file
     write_file(a.out, doc, "reliability table")
     print(f"table written to {a.out}")

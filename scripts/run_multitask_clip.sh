@@ -3,11 +3,12 @@
 #
 # Environment (defaults in brackets):
 #   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29517]
-#   GPUS_PER_NODE [all GPUs; 4 CPU ranks with gloo when there is no GPU]
+#   GPUS_PER_NODE [all GPUs torch sees; 4 CPU ranks with gloo when it sees none; more than it sees: refused]
 #   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30]
-#   MICRO_BATCH [model default on GPU; 4 on CPU]: samples per task per rank in one pass (as in Megatron);
+#   MICRO_BATCH [model default on GPU; CPU_MICRO_BATCH (4) on CPU]: samples per task per rank in one pass (as in Megatron);
 #     a pass of the plan carries MICRO_BATCH x ranks samples of every task
-#   OUT [out/multitask_clip]: plan.png, trace.json and checkpoints go here
+#   OUT [out/multitask_clip in the checkout]: plan.png and trace.json go here; a relative OUT, like every relative
+#     path in the flags, is relative to the directory the script is started from
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
 #   TORCHRUN_ARGS: more torchrun flags, e.g. "--max-restarts 2" (a killed rank's group restarts and resumes
 #     from the last checkpoint in --save)
@@ -19,21 +20,37 @@
 # started); then torchrun runs through megatron_spindle.launch, which ends as the workers say (one line each,
 # exit status 2 bad input, 3 a failed peer, 130/143 stopped by SIGINT/SIGTERM) instead of torchrun's traceback.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SCRIPT=${SCRIPT:-examples/pretrain_multitask_clip.py}
-OUT=${OUT:-out/multitask_clip}
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-if [ -e /proc/driver/nvidia/version ] || [ -e /dev/kfd ]; then  # a GPU driver: ask torch how many GPUs
-  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-else
-  NGPU=0
-fi
+# No cd: relative paths the user gives (OUT, --save, --load, --spindle-data...) mean where the user stands.
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+SCRIPT=${SCRIPT:-$REPO/examples/pretrain_multitask_clip.py}
+OUT=${OUT:-$REPO/out/multitask_clip}
+PY=${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3 )}
+# The device is what torch sees (not a driver file); one line says what was chosen. GPUS_PER_NODE asking for
+# more GPUs than torch sees, or for GPUs where the driver is there but torch sees none, is refused (exit 2).
+read -r NGPU GPU_NAME <<<"$("$PY" -c 'import torch; n = torch.cuda.device_count()
+print(n, torch.cuda.get_device_name(0).replace(" ", "_") if n else "-")' 2>/dev/null || echo "0 -")"
+case "${GPUS_PER_NODE:-1}" in ''|*[!0-9]*|0) echo "error: GPUS_PER_NODE=${GPUS_PER_NODE} must be a positive integer" >&2; exit 2;; esac
 if [ "$NGPU" -gt 0 ]; then
+  if [ "${GPUS_PER_NODE:-$NGPU}" -gt "$NGPU" ]; then
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE asks for more GPUs than torch sees on this node: $NGPU (${GPU_NAME//_/ })" >&2
+    exit 2
+  fi
   GPUS_PER_NODE=${GPUS_PER_NODE:-$NGPU}; MODEL_SIZE=${MODEL_SIZE:-full}; MICRO=${MICRO_BATCH:-}
+  DEVICE="$GPUS_PER_NODE x ${GPU_NAME//_/ } per node (NCCL)"
+  # the workers' own choice (hooks.choose_backend): Megatron-LM's loop where megatron.training imports
+  BACKEND=${SPINDLE_BACKEND:-$("$PY" -c "import megatron.training.training" >/dev/null 2>&1 && echo megatron || echo loop)}
 else
-  GPUS_PER_NODE=${GPUS_PER_NODE:-4}; MODEL_SIZE=${MODEL_SIZE:-tiny}; MICRO=${MICRO_BATCH:-4}
+  if [ -n "${GPUS_PER_NODE:-}" ] && [ -e /proc/driver/nvidia/version ]; then
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE: this node has an NVIDIA driver but torch ($PY) sees no CUDA device (a CPU build of torch, or CUDA_VISIBLE_DEVICES empty)" >&2
+    exit 2
+  fi
+  GPUS_PER_NODE=${GPUS_PER_NODE:-4}; MODEL_SIZE=${MODEL_SIZE:-tiny}; MICRO=${MICRO_BATCH:-${CPU_MICRO_BATCH:-4}}
+  DEVICE="$GPUS_PER_NODE CPU processes per node (gloo; torch sees no CUDA device)"
+  BACKEND=${SPINDLE_BACKEND:-loop}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 fi
+echo "spindle launch: backend $BACKEND ($([ "$BACKEND" = megatron ] && echo "Megatron-LM's pretrain" || echo "built-in megatron.core loop")), device $DEVICE, model size $MODEL_SIZE, ranks $(( ${NNODES:-1} * GPUS_PER_NODE )) (${NNODES:-1} node(s) x $GPUS_PER_NODE)"
 ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"
       --spindle-trace "$OUT")
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('matplotlib') is None)" 2>/dev/null; then

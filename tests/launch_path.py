@@ -118,7 +118,7 @@ class Result:
         return [line for line in self.err if "error:" in line]
 
 
-def start(cmd: list[str], env: dict, tmp: str) -> Run:
+def start(cmd: list[str], env: dict, tmp: str, cwd: str = ROOT) -> Run:
     marker = uuid.uuid4().hex
     env = {**env, "SPINDLE_RUN_MARK": marker}
     fd, out = tempfile.mkstemp(dir=tmp, prefix="out-", suffix=".txt")
@@ -126,14 +126,15 @@ def start(cmd: list[str], env: dict, tmp: str) -> Run:
     fd, err = tempfile.mkstemp(dir=tmp, prefix="err-", suffix=".txt")
     os.close(fd)
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=cwd, start_new_session=True)
     return Run(proc, out, err, marker)
 
 
-def launch(args: list[str], tmp: str, **env_extra) -> Run:
-    """``scripts/run_multitask_clip.sh ARGS`` on 2 CPU ranks (tiny model, 3 iterations unless told)."""
+def launch(args: list[str], tmp: str, cwd: str = ROOT, **env_extra) -> Run:
+    """``scripts/run_multitask_clip.sh ARGS`` on 2 CPU ranks (tiny model, 3 iterations unless told), started
+    in ``cwd`` (the checkout unless told)."""
     env = base_env(**{"MASTER_PORT": free_port(), "OUT": os.path.join(tmp, "out"), **env_extra})
-    return start(["bash", SCRIPT, *QUIET, *args], env, tmp)
+    return start(["bash", SCRIPT, *QUIET, *args], env, tmp, cwd)
 
 
 def bare_torchrun(args: list[str], tmp: str, nproc: int = 2, torchrun_args=(), **env_extra) -> Run:

@@ -1,6 +1,7 @@
 """bf16 the way Megatron does it: bf16 layers take fp32 inputs (cast like ``Float16Module``), losses are fp32,
-gradients are reduced in bf16 (megatron.core DDP's default; fp32 with ``grad_reduce_in_fp32``, see
-``runtime/grad_sync.py``), the optimizer steps fp32 master weights; a bf16 run tracks an fp32 run.
+under ``--bf16`` gradients accumulate and are reduced in fp32 (``main_grad`` buffers in fp32, as Megatron-LM forces
+``accumulate_allreduce_grads_in_fp32``; see ``runtime/grad_sync.py``), the optimizer steps fp32 master weights;
+a bf16 run tracks an fp32 run.
 
 Stated tolerance (``BF16_LOSS_RTOL``): over 3 steps of the tiny Multitask-CLIP on 2 gloo ranks, every task's
 bf16 loss is within 3e-2 relative of the fp32 loss (bf16 keeps 8 significant bits, about 4e-3 per rounding;
@@ -40,10 +41,14 @@ def _bf16_rank(rank: int, world: int) -> dict:
     out = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
         got, original = [], Trainer.train_step
+        dtypes = out.setdefault(f"{name}_dtypes", set())
 
-        def train_step(self, it, _o=original, _g=got):
+        def train_step(self, it, _o=original, _g=got, _d=dtypes):
             result = _o(self, it)
             _g.append(result[0])
+            for p in self.model.unique_parameters():  # (parameter dtype, gradient buffer dtype) after the sync
+                main = getattr(p, "main_grad", None)
+                _d.add((str(p.dtype), None if main is None else str(main.dtype)))
             return result
 
         Trainer.train_step = train_step
@@ -65,6 +70,9 @@ def test_bf16_training_tracks_fp32():
         for task in f:
             assert abs(b[task] - f[task]) <= BF16_LOSS_RTOL * abs(f[task]), (step, task, b[task], f[task])
     assert result["bf16"] != result["fp32"]  # it really ran in bf16
+    # --bf16: bf16 weights, fp32 gradient buffers (accumulated and all-reduced in fp32, as Megatron-LM does)
+    assert result["bf16_dtypes"] == {("torch.bfloat16", "torch.float32")}, result["bf16_dtypes"]
+    assert result["fp32_dtypes"] == {("torch.float32", "torch.float32")}, result["fp32_dtypes"]
 
 
 def test_master_weights_optimizer_steps_in_fp32():

@@ -76,3 +76,97 @@ def test_local_groups_need_only_their_members():
     errors = check(missing)
     assert any(e.startswith("local groups of ranks 0 and 1") for e in errors), errors
     assert any("rank 0 stuck" in e for e in errors), errors
+
+
+# -- the executor's own calls at 64 ranks ------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+WORLD = 64
+
+
+def _tensor_parallel_plan(g, n):
+    """Each level's MetaOps side by side on blocks of ranks, vision layers with tensor parallelism 4 and the
+    others' layers 2; a transformer MetaOp's second half runs in a second wave on the next block (TP group to TP
+    group messages; shared weights' gradient groups span blocks)."""
+    from megatron_spindle.planner.step.manual import plan_from_waves
+    from megatron_spindle.planner.workload.metaops import contract
+
+    by_level: dict[int, list] = {}
+    for m in contract(g):
+        by_level.setdefault(m.level, []).append(m)
+    tp, waves = {}, []
+    for level in sorted(by_level):
+        ms = by_level[level]
+        size = n // len(ms) // 4 * 4
+        block = [tuple(range(i * size, (i + 1) * size)) for i in range(len(ms))]
+        first, second = [], []
+        for i, m in enumerate(ms):
+            if m.op_type == "transformer_layer":
+                tp[m.name] = 4 if m.name.split(".")[1] == "vision" else 2
+                half = m.num_layers // 2
+                first.append((m.name, 0, half, block[i]))
+                second.append((m.name, half, m.num_layers - half, block[(i + 1) % len(ms)]))
+            else:
+                first.append((m.name, 0, m.num_layers, block[i] if m.batch_splittable else block[i][:1]))
+        waves += [first] + ([second] if second else [])
+    return plan_from_waves(g, n, waves, tp=tp)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The executor's calls on every rank of two 64-rank plans of tiny Multitask-CLIP (one training pass each on
+    the fake process group): the planner's plan of 10 tasks, and a hand-made plan of 4 tasks with tensor
+    parallelism. (The full-size plans run the same way in ``scripts/comm_check.py``; at 64 ranks they take
+    minutes on two cores, the tiny graphs seconds.)"""
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    from megatron_spindle.runtime.comm_dryrun import dry_run
+
+    g10 = build_graph("multitask-clip", tasks=10, size="tiny")
+    g4 = build_graph("multitask-clip", tasks=4, size="tiny")
+    planned = make_plan(g10, load_cluster(None, num_devices=WORLD, gpus_per_node=8))
+    tp = _tensor_parallel_plan(g4, WORLD)
+    return {"planner": (planned, dry_run(planned, g10, timeout_s=60)), "tp": (tp, dry_run(tp, g4, timeout_s=60))}
+
+
+@pytest.mark.parametrize("case", ["planner", "tp"])
+def test_the_executor_at_64_ranks_keeps_nccls_rules(runs, case):
+    import torch.distributed as dist
+
+    from megatron_spindle.runtime import comm_record
+
+    plan, events = runs[case]
+    assert not dist.is_initialized() and comm_record.recorder() is None  # the dry run cleaned up
+    assert len(events) == WORLD and all(events), "every rank communicates"
+    assert check(events) == []
+    colls = {e[2] for ev in events for e in ev if e[0] == "coll"}
+    for t in {s.tp for s in plan.slices() if s.tp > 1}:  # tensor parallelism's collectives were recorded
+        assert any(len(k) == t for k in colls), (t, sorted(map(len, colls)))
+    s = summary(events)
+    assert s["groups"]["max"] > 1 and s["ops"]["mean"] > 0
+    if case == "planner":
+        assert s["peers"]["max"] > 1 and any(e[0] == "p2p" for ev in events for e in ev)
+
+
+def test_perturbed_streams_fail_the_check(runs):
+    events = [list(ev) for ev in runs["tp"][1]]
+    # one rank issues two collectives of different communicators that share another rank q in the other order:
+    # q issues them in the original order (else the original streams would deadlock), so they wait on each other
+    r, i = next((r, i) for r, ev in enumerate(events) for i in range(len(ev) - 1)
+                if ev[i][0] == ev[i + 1][0] == "coll" and ev[i][2] != ev[i + 1][2]
+                and len(set(ev[i][2]) & set(ev[i + 1][2])) > 1)
+    swapped = [list(ev) for ev in events]
+    swapped[r][i], swapped[r][i + 1] = swapped[r][i + 1], swapped[r][i]
+    assert any("deadlock" in e for e in check(swapped))
+    # a receive dropped from one batch of the planner's plan: its send has no match, the sender waits forever
+    events = [list(ev) for ev in runs["planner"][1]]
+    r, i = next((r, i) for r, ev in enumerate(events) for i, e in enumerate(ev)
+                if e[0] == "p2p" and any(op[0] == "recv" for op in e[1]))
+    ops = events[r][i][1]
+    j = next(j for j, op in enumerate(ops) if op[0] == "recv")
+    dropped = [list(ev) for ev in events]
+    dropped[r][i] = ("p2p", ops[:j] + ops[j + 1:])
+    errors = check(dropped)
+    assert any(f"->{r}: rank" in e and "receives" in e for e in errors), errors
+    assert any("deadlock" in e for e in errors), errors

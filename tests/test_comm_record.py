@@ -27,7 +27,7 @@ def _ranks(rank, world):
            comm.send_op(torch.full((5,), 10.0 * rank + 1), nxt, tag=2), comm.recv_op(bufs[1], prv, tag=2)]
     works = comm.batch_isend_irecv(ops)
     out["works"] = len(works)
-    works[0].wait()
+    out["done"] = works[0].wait() and works[0].is_completed()
     out["received"] = [b.tolist() for b in bufs]
     # a tensor off the communication device (meta here) is refused before any communication
     try:
@@ -49,7 +49,7 @@ def test_recorder_on_three_gloo_ranks():
     out = run_ranks(_ranks, world, timeout_s=120)
     w = (0, 1, 2)
     for rank, o in enumerate(out):
-        assert o["works"] == 1, o  # NCCL's one work per batch
+        assert o["works"] == 1 and o["done"], o  # NCCL's one work per batch, complete once waited
         prv = (rank - 1) % world
         assert o["received"] == [[10.0 * prv] * 2, [10.0 * prv + 1] * 5]
         assert o["refused"] and "meta" in o["refused"]

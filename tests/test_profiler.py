@@ -275,3 +275,20 @@ def test_bad_profile_input_is_one_line_and_status_2(tmp_path):
     r = _spindle(["profile", "--model", "nope", "--nproc", "1", "--out", str(tmp_path / "c.json"), "--no-cache"])
     assert r.returncode == 2 and "spindle profile: error: unknown model 'nope'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_one_process_names_what_it_cannot_measure(tmp_path):
+    """``--skip-unmeasurable`` (the GPU check on one device): MetaOps planned at tensor parallelism above
+    ``--nproc`` are left out and named with the reason; the rest is measured. Without it: one line, status 2."""
+    args = ["profile", "--model", "qwen-val", "--size", "tiny", "--nproc", "1", "--memory-gib", "0.005",
+            "--max-devices", "4", "--warmup", "0", "--repeats", "1", "--min-time", "0", "--no-link", "--no-cache",
+            "--out", str(tmp_path / "c.json")]
+    r = _spindle([*args, "--skip-unmeasurable"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.load(open(tmp_path / "c.json"))
+    missing = {m for n in doc["not_measured"] for m in n["metaops"]}
+    assert "language.llm.layers" in missing and all("tensor parallelism" in n["reason"] for n in doc["not_measured"])
+    measured = {m for c in doc["curves"] for m in c["metaops"]}
+    assert measured and not measured & missing and {c["signature"]["tp"] for c in doc["curves"]} == {1}
+    refused = _spindle(args)
+    assert refused.returncode == 2 and "--nproc" in refused.stderr, refused.stderr[-2000:]

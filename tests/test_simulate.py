@@ -308,9 +308,12 @@ def test_presets_and_cluster_files(tmp_path):
     assert (a800.island(a800.num_devices - 1) + 1, a800.intra_bandwidth_gbps,
             a800.inter_bandwidth_gbps) == (2, 160.0, 40.0)
     assert load_cluster("h200", num_devices=32).memory_gib == 141.0
-    assert set(PRESETS) == {"a800-8x8", "h200"}
-    with pytest.raises(ValueError, match="unknown cluster preset 'a100'"):
-        load_cluster("a100", num_devices=8)
+    assert set(PRESETS) == {"a800-8x8", "a100", "h100", "h200"}
+    a100, h100 = load_cluster("a100", num_devices=8), load_cluster("h100", num_devices=8)
+    assert (a100.intra_bandwidth_gbps, a100.peak_tflops, a100.memory_gib) == (240.0, 312.0, 80.0)
+    assert (h100.intra_bandwidth_gbps, h100.peak_tflops, h100.memory_gib) == (360.0, 989.0, 80.0)
+    with pytest.raises(ValueError, match="unknown cluster preset 'b200'"):
+        load_cluster("b200", num_devices=8)
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"preset": "h200", "inter_bandwidth_gbps": 100}))
     c = load_cluster(str(f), num_devices=16)

@@ -31,6 +31,13 @@ failing here without their stand-in, and all seven are applied on both lines:
    ``TorchFunctionMode`` around the ``pretrain`` call, turns a CUDA device into the CPU. It cannot reach code
    inside autograd Functions, which is why megatron.core's own allocations keep their patches below.
 
+On every machine, GPU included (:func:`apply_wheel_standins`): megatron-core wheels (0.16.1 to 0.19.2) ship the
+C++ dataset helpers prebuilt (``megatron/core/datasets/helpers_cpp*.so``) and no ``Makefile``, but Megatron-LM's
+``initialize._compile_dependencies`` still runs ``compile_helpers`` (``make -C .../megatron/core/datasets``) on
+rank 0, which fails there ("No targets specified and no makefile found") and exits the run. Where that folder
+has no Makefile, ``compile_helpers`` is replaced by an import of the prebuilt module (nothing to compile); a
+checkout with its Makefile keeps Megatron's own step.
+
 Also needed, and applied with them: :func:`megatron_spindle.compat.cpu.apply_cpu_patches` (megatron.core's
 own CUDA allocations: RNG tracker, causal mask, ``torch.cuda.current_device``, ``torch.cuda.synchronize``).
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -106,6 +114,25 @@ def apply_cpu_standins() -> bool:
     torch.cuda.set_rng_state = _cpu_set_rng_state
     _APPLIED = True
     return True
+
+
+def apply_wheel_standins() -> bool:
+    """Stand in for ``compile_helpers`` where the installed megatron-core has no Makefile to run (a wheel), with or
+    without CUDA; idempotent. Returns whether the stand-in is in place."""
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return False
+    dataset_utils.compile_helpers = _prebuilt_helpers
+    return True
+
+
+def _prebuilt_helpers() -> None:
+    """Stands in for ``megatron.core.datasets.utils.compile_helpers`` where the wheel ships the helpers built and
+    no Makefile: imports them (Spindle's data never uses them; a missing build is said, not fatal)."""
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401  # optional: the wheel's prebuilt dataset helpers
+    except ImportError as e:
+        print(f"note: megatron.core.datasets.helpers_cpp is not built here ({e}) and there is no Makefile to "
+              f"build it: Megatron's own datasets would fail; Spindle's data does not use them", flush=True)
 
 
 def _no_compile_helpers() -> None:

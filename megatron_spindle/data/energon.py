@@ -167,7 +167,13 @@ class EnergonData:
             for lane in r.lanes:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    samples = next(self._loaders[(task, lane)])
+                    try:
+                        samples = next(self._loaders[(task, lane)])
+                    except Exception as e:  # noqa: BLE001 - a damaged shard deep in the loader: name the dataset
+                        first = (str(e).strip().splitlines() or [""])[0][:300]
+                        raise ValueError(f"--spindle-data {self.root}: reading task {task!r} (lane {lane}) failed: "
+                                         f"{type(e).__name__}: {first}; a shard of {os.path.join(self.root, task)} "
+                                         f"is damaged? restore it or prepare the dataset again") from None
                 if len(samples) != per:
                     raise ValueError(f"{self.root}/{task}: lane {lane} gave {len(samples)} samples, wanted {per}")
                 self.read_log.append((self._position, task, lane, tuple(s.__key__ for s in samples)))

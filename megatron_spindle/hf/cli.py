@@ -13,6 +13,7 @@ import os
 
 from ..argtypes import positive_int
 from ..models.hf_config import model_spec_toml, modules_toml, read_config, temperature, towers
+from ..models.hf_files import check_weight_files
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -84,6 +85,7 @@ def cmd_check(args) -> int:
     if not (math.isfinite(args.tolerance) and args.tolerance > 0):
         raise ValueError(f"--tolerance {args.tolerance}: must be a positive number")
     read_config(args.dir)
+    check_weight_files(args.dir)  # a truncated file or a missing shard: one line before torch loads
     if args.tp == 1:
         rows = compare(0, 1, args.dir, args.batch, args.seed)
     else:

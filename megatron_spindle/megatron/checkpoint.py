@@ -106,7 +106,63 @@ def sharded_state_dict(model, optimizer=None) -> dict:
                     out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)
                 out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1,
                                                      (shard, idx))
+    out.update(_parked_state_dict(model, optimizer is not None))
     return out
+
+
+def _parked(model) -> dict:
+    """``{(param_key, shard, tp): [(layer, {param name: optimizer state})]}``: the layers a task-mix change
+    parked on this rank (:func:`..runtime.replan.replan`), weights of tasks that left with their state."""
+    out: dict = {}
+    for (key, tp_ranks), (layer, states) in sorted(getattr(model, "parked", {}).items(),
+                                                   key=lambda kv: (kv[0][0], kv[0][1])):
+        out.setdefault((key, tp_ranks.index(model.rank), len(tp_ranks)), []).append((layer, states))
+    return out
+
+
+def _parked_state_dict(model, with_optimizer: bool) -> dict:
+    """The parked layers' weights and AdamW state under the same keys as live ones, so every checkpoint of a
+    run with ``--spindle-task-schedule`` holds every module trained so far. Collective once any task-mix
+    change happened (every rank replans together, so every rank has ``parked`` or none has): the ranks that
+    park one shard agree on which copy is the main one."""
+    if not hasattr(model, "parked"):
+        return {}
+    mine = _parked(model)
+    holders: dict = {}
+    for r, have in enumerate(comm.all_gather_object(sorted(mine))):
+        for k in have:
+            holders.setdefault(k, []).append(r)
+    out = {}
+    for (key, shard, tp), copies in mine.items():
+        idx = holders[(key, shard, tp)].index(model.rank)
+        layer, states = copies[0]
+        for name, p in sorted(layer.core.named_parameters()):
+            replica = (0, idx) if shard_spec(p) is not None else (shard, idx)
+            base = f"{key}/{name}"
+            out[f"model/{base}"] = _sharded(f"model/{base}", p.data, p, shard, tp, replica)
+            if not with_optimizer or not p.requires_grad:
+                continue
+            st = states.setdefault(name, {})
+            if not all(k in st for k in ADAM_KEYS + ("step",)):  # parked before its first step: empty state
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                          exp_avg_sq=torch.zeros_like(p))
+            for k in ADAM_KEYS:
+                out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)
+            out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1, (shard, idx))
+    return out
+
+
+def _copy_parked_duplicates(model) -> None:
+    """A shard parked twice on this rank (two tensor-parallel groups) takes the loaded copy's values."""
+    with torch.no_grad():
+        for copies in _parked(model).values():
+            (first, first_states), rest = copies[0], copies[1:]
+            params = dict(first.core.named_parameters())
+            for layer, states in rest:
+                for name, p in layer.core.named_parameters():
+                    p.copy_(params[name])
+                    if first_states.get(name):
+                        states[name] = {k: v.clone() for k, v in first_states[name].items()}
 
 
 def checkpoint_bytes(model, optimizer) -> int:
@@ -223,8 +279,15 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta}
     mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
-    every = comm.all_gather_object(mine)  # report the weights no rank found, wherever they live
-    missing = sorted(set().union(*every))
+    found = sum(1 for k in present if k.startswith("model/"))
+    every = comm.all_gather_object((mine, found))  # report the weights no rank found, wherever they live
+    missing = sorted(set().union(*(m for m, _ in every)))
+    if missing and not any(n for _, n in every):  # nothing would load: another model's (renamed) checkpoint
+        theirs = sorted({k.split("/")[1] for k in meta if k.startswith("model/")})
+        raise CheckpointError(f"checkpoint {path} holds none of this model's weights (it has {len(theirs)} such as "
+                              f"{', '.join(theirs[:2])}; this model needs {', '.join(missing[:2])}...): a checkpoint of "
+                              f"another model or of renamed modules? --load the checkpoint of this model, or start "
+                              f"without --load")
     wrong = sorted(f"{v.key} has shape {list(meta[v.key].global_shape)}, this model needs {list(v.global_shape)}"
                    for v in present.values() if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
     wrong = sorted(w for ws in comm.all_gather_object(wrong) for w in ws)  # the same line on every rank
@@ -251,5 +314,6 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
                     for key in ADAM_KEYS + ("step",):
                         if p in optimizer.state and first[name] in optimizer.state:
                             optimizer.state[p][key] = optimizer.state[first[name]][key].clone()
+    _copy_parked_duplicates(model)
     inner = common.get("common", common) if isinstance(common, dict) else {}
     return it, inner, missing

@@ -32,6 +32,9 @@ def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
+    if not os.path.isfile(path):  # a FIFO would block the read forever, a directory would fail it
+        raise CheckpointFileError(f"checkpoint tracker {path} is not a regular file; remove it (it should hold "
+                                  f"the number of the last saved iteration)")
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read().strip()
@@ -74,6 +77,24 @@ def check_save_dir(root: str, need_bytes: int | None = None) -> None:
             raise CheckpointFileError(f"--save {root!r}: {_mib(free)} free, a checkpoint needs about "
                                       f"{_mib(need_bytes)} and the last one is kept while the next is written "
                                       f"(free space for two)")
+
+
+def check_save_reuse(save: str, load: str | None, overwrite: bool) -> None:
+    """Refuse ``--save save`` when it already holds a checkpoint this run would not resume: without
+    ``--load`` pointing at the same directory (Megatron-LM's way to resume) the run's saves would replace
+    that run's iterations and move its tracker back. A torchrun restart (``--max-restarts``) resumes from its
+    own ``--save`` and is not refused; ``overwrite`` (``--spindle-overwrite-save``) says to replace them."""
+    if overwrite or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        return
+    it = latest_iteration(save) if os.path.isdir(save) else None
+    if it is None:
+        return
+    raise CheckpointFileError(
+        f"--save {save!r} already holds the checkpoints of another run (up to iteration {it}); this run would "
+        f"replace them: resume that run with --load {save}, give another --save, or pass "
+        f"--spindle-overwrite-save to replace them")
 
 
 def _os_errors(e: BaseException):

@@ -19,7 +19,8 @@ from ..models.reference import ReferenceModel
 from ..runtime.executor import fp32_grad
 
 
-def check_first_step(model, graph, batch, seed: int) -> float:
+def check_first_step(model, graph, batch, seed: int, *, backend: str = "local") -> float:
+    """The largest relative difference (see the module doc); ``backend``: the run's layers (the reference's)."""
     batch = {t: batch[t] for t in model.plan.tasks}
     state = model(batch)
     model.backward(state)
@@ -38,7 +39,8 @@ def check_first_step(model, graph, batch, seed: int) -> float:
     worst = torch.zeros((), dtype=torch.float64, device=model.device)
     if dist.get_rank() == 0:
         # fp32 reference on the run's device: a bf16 run is measured against full precision
-        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init)
+        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init,
+                             backend=backend)
         out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}

@@ -25,7 +25,7 @@ from .logs import check_log_args
 from ..planner.workload.workloads import build_graph
 from .input_files import (_need, check_curves_model, check_plan_fields, check_spindle_inputs,  # noqa: F401
                           init_of, load_plan)
-from .ckpt_dir import TRACKER, check_save_dir, latest_iteration, probe_save_lock
+from .ckpt_dir import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from .lifeline import report_once
 
 STARTUP_TIMEOUT_S = 120.0
@@ -58,9 +58,14 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="train on real data: DIR/<task> is one megatron-energon dataset per task (energon "
                         "prepare); each rank reads only the samples of its slices (default: synthetic data)")
     g.add_argument("--spindle-gpus-per-node", type=int, default=None,
-                   help="devices per NVLink island for placement (default: ranks per node, at most 8)")
+                   help="devices per NVLink island for placement (default: GPU 0's NVLink island as NVML "
+                        "reports it, else the node's GPUs; at most the ranks per node and 8)")
     g.add_argument("--spindle-memory-gib", type=float, default=None,
-                   help="device memory the planner may fill, GiB (default 80)")
+                   help="device memory the planner may fill, GiB (default: the GPU's, else the curves file's "
+                        "device, else the preset's)")
+    g.add_argument("--spindle-cluster", default=None, metavar="NAME|FILE.json",
+                   help="cluster preset the planner prices links and peak with (a100, a800-8x8, h100, h200) or a "
+                        "cluster JSON file (default: the preset of the GPU the job runs on; a800-8x8 on CPUs)")
     g.add_argument("--spindle-trace", default=None, metavar="DIR",
                    help="write a per-rank Chrome trace of every wave (forward, backward, transfer, sync) to DIR")
     g.add_argument("--spindle-gantt", default=None, metavar="PNG", help="draw the plan's waves per device")
@@ -87,6 +92,12 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="a step whose loss or gradient norm is NaN or infinite is skipped (no optimizer step) "
                         "up to N times in a run; the next one stops training with the task and MetaOp named "
                         "(default 0: stop at the first)")
+    g.add_argument("--spindle-overwrite-save", action="store_true",
+                   help="let --save replace the checkpoints another run left there (without it a --save that holds "
+                        "checkpoints is refused unless --load names the same directory, which resumes)")
+    g.add_argument("--spindle-trace-max-spans", type=int, default=200_000, metavar="N",
+                   help="spans each rank keeps for the trace and the prediction lines (a few per wave and step); "
+                        "past it a warning, and iterations are no longer traced")
     return parser
 
 
@@ -117,9 +128,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM finish the step, save a checkpoint (with --save) and exit 0, as Megatron-LM "
-                        "does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient reductions, master weights and optimizer")
+                   help="on SIGTERM (or SIGHUP) finish the step, save a checkpoint (with --save) and exit 0, as "
+                        "Megatron-LM does (a scheduler's preemption); without it SIGTERM stops after the step, unsaved")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations; fp32 losses, gradient "
+                   "accumulation and reductions, master weights and optimizer (as Megatron-LM's --bf16)")
+    g.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
+                   help="the layers' implementation, as Megatron-LM's flag: local (megatron.core's own modules) or "
+                        "transformer_engine (TransformerEngine's; needs it installed and a GPU). Default local in "
+                        "both loops: the layers never switch on because TransformerEngine happens to import")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="rank 0 writes TensorBoard events here: each task's loss, learning-rate, grad-norm, "
                         "iteration-time, samples-per-second, Spindle's predicted and measured step")
@@ -319,6 +335,10 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
+    need(getattr(args, "transformer_impl", "local") != "transformer_engine"
+         or importlib.util.find_spec("transformer_engine") is not None,
+         "--transformer-impl transformer_engine: TransformerEngine is not installed here; install it or use "
+         "--transformer-impl local")
     need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
          "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
          "first plan's layout)")
@@ -336,6 +356,8 @@ def check_args(args, world: int) -> None:
                                      f"checkpoint in {args.load!r}: nothing to train")
     if args.save:
         check_save_dir(args.save)
+        probe_save_lock(args.save)  # a run writing there now is named before its checkpoints are
+        check_save_reuse(args.save, args.load, getattr(args, "spindle_overwrite_save", False))
 
 
 def check_spindle_values(args) -> None:
@@ -343,7 +365,8 @@ def check_spindle_values(args) -> None:
     for flag, v, low in (("--spindle-tasks", args.spindle_tasks, 1),
                          ("--spindle-gpus-per-node", args.spindle_gpus_per_node, 1),
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
-                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0)):
+                         ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
+                         ("--spindle-trace-max-spans", getattr(args, "spindle_trace_max_spans", 1), 1)):
         _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     for flag, v in (("--spindle-timeout", args.spindle_timeout),
                     ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
@@ -370,6 +393,9 @@ def preflight_main(argv, description: str = "") -> int:
             args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
+            if save:
+                probe_save_lock(save)
+                check_save_reuse(save, _known(argv, "--load"), args.spindle_overwrite_save)
         else:
             args, _ = fallback_args(argv)
             check_args(args, world)

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron.core.enums import ModelType
 
 from ..compat.mcore import run_pretrain
-from ..compat.megatron_lm import apply_cpu_standins, cuda_on_cpu
+from ..compat.megatron_lm import apply_cpu_standins, apply_wheel_standins, cuda_on_cpu
 from ..log import get_logger, setup_logging
 from ..runtime.trace import gather_chrome_trace
 from . import trainer
@@ -62,7 +62,7 @@ from .ckpt_dir import latest_iteration
 from .lifeline import LIFE, signal_name
 from .preflight import agree_on_inputs, hold_save_lock
 from .session import run_entry
-from .model import build_model, graph_for, log_plan, plan_for, step_passes
+from .model import build_model, graph_for, layer_backend, log_plan, plan_for, step_passes
 from .schedule import forward_step
 
 __all__ = ["install", "uninstall", "pretrain_spindle", "spindle_model_provider", "forward_step",
@@ -201,6 +201,7 @@ def build_chunk(args, *, config=None, pg_collection=None, device=None) -> Megatr
     problems = check_megatron_args(args)
     if problems:
         raise ValueError("Megatron settings a Spindle run cannot use:\n  " + "\n  ".join(problems))
+    layer_backend(args)  # Megatron's parsed --transformer-impl: one line where it cannot run here
     LIFE.stage = "comparing flags and input files with the other ranks; a rank stopped or is still starting"
     agree_on_inputs(args, [k for k in vars(args) if k.startswith("spindle") or k in AGREED])
     if getattr(args, "save", None):
@@ -333,6 +334,15 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
     return "megatron", ""
 
 
+def local_layers_default(parser):
+    """``extra_args_provider`` of :func:`pretrain_spindle`: Megatron-LM's ``--transformer-impl`` defaults to
+    ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
+    path is chosen with the flag, never by Megatron's default meeting a container that has TE)."""
+    if any(a.dest == "transformer_impl" for a in parser._actions):
+        parser.set_defaults(transformer_impl="local")
+    return parser
+
+
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,
                      argv=None, backend: str | None = None):
     """Train a Spindle multi-task model with Megatron-LM's ``pretrain``, or the built-in loop where it can't run.
@@ -363,6 +373,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     from megatron.training import get_args  # optional: megatron.training
 
 
+    apply_wheel_standins()  # a megatron-core wheel: no Makefile for Megatron's `make` of the dataset helpers
     apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
     if argv is not None:  # Megatron parses sys.argv
         sys.argv = [sys.argv[0], *argv]
@@ -373,7 +384,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     try:
         with cuda_on_cpu():
             run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
-                         forward_step, extra_args_provider=chain_args(extra_args_provider),
+                         forward_step, extra_args_provider=chain_args(local_layers_default, extra_args_provider),
                          args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
     finally:
         LIFE.disarm()

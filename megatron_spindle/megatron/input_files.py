@@ -10,6 +10,8 @@ import importlib.util
 import os
 
 from ..atomic import check_output
+from ..data.shards import check_dataset_shards
+from ..models.hf_files import check_weight_files
 from ..models.hf_mapping import init_targets
 from ..planner.step.plan import Plan
 from ..planner.workload.analytic import CurvesFile
@@ -80,12 +82,21 @@ def check_spindle_inputs(args, world: int, graph) -> None:
     if curves is not None:
         check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)
     per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    load_cluster(None, num_devices=world, gpus_per_node=per_node,
-                 memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
-                 (curves.device.memory_gib if curves else None))
+    spec = getattr(args, "spindle_cluster", None)
+    try:
+        load_cluster(spec, num_devices=world, gpus_per_node=per_node,
+                     memory_gib=args.spindle_memory_gib if args.spindle_memory_gib is not None else
+                     (curves.device.memory_gib if curves else None))
+    except ValueError as e:
+        raise ValueError(f"--spindle-cluster {spec}: {e}" if spec else str(e)) from None
     init = init_of(args)
     if init:
         init_targets(graph, init)  # names, directories, config.json against the spec; shapes when loading
+        for module, path in sorted(init.items()):
+            try:
+                check_weight_files(path)  # truncated files, an index naming a missing shard
+            except ValueError as e:
+                raise ValueError(f"pretrained weights of {module} ({path}): {e}") from None
     if args.spindle_plan:
         check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan, world)
     if getattr(args, "spindle_data", None):
@@ -94,6 +105,8 @@ def check_spindle_inputs(args, world: int, graph) -> None:
         need(not missing, f"--spindle-data {args.spindle_data}: no energon dataset for task(s) {', '.join(missing)} "
                           f"(expected {os.path.join(args.spindle_data, missing[0]) if missing else ''} prepared with "
                           f"`energon prepare`)")
+        for task in graph.tasks:
+            check_dataset_shards(args.spindle_data, task, max(op.batch for op in graph.operators if op.task == task))
     if args.spindle_gantt:
         check_output(args.spindle_gantt, "--spindle-gantt")
         need(importlib.util.find_spec("matplotlib") is not None,

@@ -6,8 +6,8 @@ Exit statuses, the same in both loops and every entry point:
 * ``2``: bad input, one line naming the value (under torchrun once: the first rank that fails says it);
 * ``3``: a peer failed (died, stopped, never joined, or the start-up ran out of time), one line on every
   surviving rank naming the operation and the peer;
-* ``128 + N``: stopped by signal N (``130`` SIGINT, ``143`` SIGTERM), one line naming the iteration and the
-  last checkpoint.
+* ``128 + N``: stopped by signal N (``130`` SIGINT, ``143`` SIGTERM, ``129`` SIGHUP: a closed terminal, handled
+  as SIGTERM is), one line naming the iteration and the last checkpoint.
 
 The mechanisms, each what the kernel or torchrun already offers where one exists:
 
@@ -18,7 +18,7 @@ The mechanisms, each what the kernel or torchrun already offers where one exists
    that died even before that is seen as a parent that changed.
 2. **Signals seen while blocked** (:class:`Lifeline`): Python runs a signal handler only when the main thread
    returns to Python, which a rank blocked in a rendezvous or a collective does not do for minutes. So the
-   handlers do nothing themselves; ``signal.set_wakeup_fd`` hands every SIGINT and SIGTERM to a watchdog
+   handlers do nothing themselves; ``signal.set_wakeup_fd`` hands every SIGINT, SIGTERM and SIGHUP to a watchdog
    thread, which decides: during start-up the process stops at once (one line on rank 0); during training
    the signal is recorded and the loop, after the step, agrees with every rank on stopping
    (:meth:`Lifeline.pending`, an all-reduce in the trainer, as Megatron-LM's ``DistributedSignalHandler``
@@ -50,6 +50,10 @@ EXIT_PEER = 3
 REPEAT_S = 2.0
 """A signal repeated at least this long after the first stops at once (torchrun's forwarded copy is faster)."""
 _PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a run after the step (SIGHUP: the terminal closed; torchrun forwards it as it does SIGTERM)."""
+SAVE_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals on which ``--exit-signal-handler`` finishes the step, saves and exits 0."""
 
 
 def under_torchrun() -> bool:
@@ -145,7 +149,7 @@ class Lifeline:
         r, w = os.pipe()
         os.set_blocking(w, False)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, _note)
         self._thread = threading.Thread(target=self._watch, args=(r,), name="spindle-lifeline", daemon=True)
         self._thread.start()
@@ -185,7 +189,7 @@ class Lifeline:
                           f"{self.stage}", EXIT_PEER, once=True)
 
     def _on_signal(self, sig: int) -> None:
-        if sig not in (signal.SIGINT, signal.SIGTERM) or (sig in self.owned and self.phase == "training"):
+        if sig not in STOP_SIGNALS or (sig in self.owned and self.phase == "training"):
             return
         now = time.monotonic()
         if self.phase == "finishing":

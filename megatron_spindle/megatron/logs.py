@@ -11,11 +11,22 @@ it has one):
 * ``samples-per-second`` (Megatron logs FLOP/s as ``throughput`` instead);
 * ``spindle/predicted-step-ms`` and ``spindle/measured-step-ms`` at every prediction line
   (``--spindle-predict-interval``).
+
+A logger that fails (a full disk, a directory gone read-only, a W&B error) is dropped with one warning line
+naming the flag and the cause; training goes on. TensorBoard's writer thread keeps its exception for the next
+write (where it becomes that warning) and would also print it as a traceback: that printout is left out.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import threading
+
+from ..atomic import describe_os_error
+from ..log import get_logger
+
+log = get_logger(__name__)
 
 _PACKAGES = {"--tensorboard-dir": ("tensorboard_dir", "tensorboard", "pip install .[logs]"),
              "--wandb-project": ("wandb_project", "wandb", "pip install wandb (logged offline: no network)")}
@@ -37,8 +48,11 @@ class TrainLogs:
         self.interval = max(1, getattr(args, "tensorboard_log_interval", 1) or 1)
         if rank != 0:
             return
+        self.what = {"tb": f"--tensorboard-dir {getattr(args, 'tensorboard_dir', None)}",
+                     "wandb": f"--wandb-project {getattr(args, 'wandb_project', None)}"}
         if getattr(args, "tensorboard_dir", None):
             from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard (--tensorboard-dir)
+            _quiet_writer_threads()
             self.tb = SummaryWriter(log_dir=args.tensorboard_dir,
                                     max_queue=getattr(args, "tensorboard_queue_size", 1000) or 1000)
         if getattr(args, "wandb_project", None):
@@ -50,10 +64,25 @@ class TrainLogs:
 
     def _scalars(self, it: int, values: dict[str, float]) -> None:
         if self.tb is not None:
-            for tag, v in values.items():
-                self.tb.add_scalar(tag, v, it)
+            with self._guard("tb"):
+                for tag, v in values.items():
+                    self.tb.add_scalar(tag, v, it)
         if self.wandb is not None:
-            self.wandb.log(values, step=it)
+            with self._guard("wandb"):
+                self.wandb.log(values, step=it)
+
+    @contextlib.contextmanager
+    def _guard(self, which: str):
+        """A failing logger is dropped with one warning; training goes on."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failure of a logger: it is dropped, the run goes on
+            cause = describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            log.warning(f"warning: {self.what[which]}: cannot write ({' '.join(str(cause).split())[:200]}); "
+                        f"{'TensorBoard' if which == 'tb' else 'W&B'} logging stopped, training goes on")
+            writer, _ = getattr(self, which), setattr(self, which, None)
+            with contextlib.suppress(Exception):
+                writer.close() if which == "tb" else writer.finish()
 
     def step(self, it: int, *, losses: dict[str, float], grad_norm: float, lr: float, batch_size: int,
              step_s: float) -> None:
@@ -68,7 +97,25 @@ class TrainLogs:
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            with self._guard("tb"):
+                self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            with self._guard("wandb"):
+                self.wandb.finish()
         self.tb = self.wandb = None
+
+
+def _quiet_writer_threads() -> None:
+    """Leave out the traceback TensorBoard's writer thread prints when a write fails (it keeps the exception
+    and raises it at the next write in the main thread, where :meth:`TrainLogs._guard` names it)."""
+    previous = threading.excepthook
+    if getattr(previous, "_spindle", False):
+        return
+
+    def hook(a):
+        if type(a.thread).__name__ == "_AsyncWriterThread" and "tensorboard" in type(a.thread).__module__:
+            return
+        previous(a)
+
+    hook._spindle = True
+    threading.excepthook = hook

@@ -13,8 +13,6 @@ builds the same graph and plan either way:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -35,6 +33,7 @@ from ..planner.step.validate import check_plan
 from ..runtime.executor import SpindleModel
 from .equivalence import check_first_step
 from .flags import check_plan_fields, init_of, load_plan, run_graph
+from .gpu_node import node_cluster
 
 log = get_logger(__name__)
 
@@ -45,14 +44,18 @@ def graph_for(args, world: int):
     return run_graph(args, world)
 
 
-def make_cluster(args, world: int):
-    """``(cluster, curves file or None)`` for planning: islands of ``--spindle-gpus-per-node`` (default the
-    ranks per node, at most 8), memory from ``--spindle-memory-gib`` or the curves file's device."""
+def make_cluster(args, world: int, *, say: bool = False):
+    """``(cluster, curves file or None)`` for planning, from the node this runs on (:func:`.gpu_node.node_cluster`):
+    ``--spindle-cluster`` or the GPU's preset, islands of ``--spindle-gpus-per-node`` or the node's NVLink island
+    (at most the ranks per node), memory from ``--spindle-memory-gib``, the device, or the curves file's device."""
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
-    per_node = args.spindle_gpus_per_node or min(8, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    mem = args.spindle_memory_gib if args.spindle_memory_gib is not None else (
-        curves.device.memory_gib if curves else None)
-    return load_cluster(None, num_devices=world, gpus_per_node=per_node, memory_gib=mem), curves
+    node = node_cluster(args, world)
+    mem = node.memory_gib if node.memory_gib is not None else (curves.device.memory_gib if curves else None)
+    cluster = load_cluster(node.preset, num_devices=world, gpus_per_node=node.gpus_per_node, memory_gib=mem)
+    if say:  # the plan's log: what the planner was told about the node, and from where
+        log.info(f"spindle: cluster {cluster.name}, {cluster.memory_gib:.1f} GiB per device, islands of "
+                 f"{cluster.gpus_per_node} devices" + (f" ({node.source})" if node.source else ""))
+    return cluster, curves
 
 
 def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
@@ -72,7 +75,7 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     box = [None]
     if dist.get_rank() == 0:
         try:
-            cluster, curves = make_cluster(args, world)
+            cluster, curves = make_cluster(args, world, say=True)
             try:
                 p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
                                 passes=passes)
@@ -106,6 +109,27 @@ def step_passes(plan: Plan, global_batch: int | None, per_pass: int) -> int:
                          f"(--micro-batch-size x ranks) = {want}: give --global-batch-size {want} or a plan made "
                          f"for {global_batch / per_pass:g} passes")
     return plan.passes
+
+
+def layer_backend(args) -> str:
+    """The layers' implementation by Megatron-LM's ``--transformer-impl`` (``args.transformer_impl``): ``"local"``
+    (megatron.core's modules) or ``"te"`` (TransformerEngine's), never by whether TransformerEngine imports.
+    ``transformer_engine`` where it cannot run is a ``ValueError`` naming the flag (one line, exit status 2)."""
+    impl = getattr(args, "transformer_impl", None) or "local"
+    if impl == "local":
+        return "local"
+    if impl != "transformer_engine":
+        raise ValueError(f"--transformer-impl {impl}: Spindle builds its layers with local or transformer_engine")
+    try:
+        import transformer_engine.pytorch  # noqa: F401  # optional: TransformerEngine, asked for by the flag
+    except Exception as e:  # noqa: BLE001 - missing, or built against another torch or CUDA
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ValueError(f"--transformer-impl transformer_engine: TransformerEngine does not import here ({why}); "
+                         f"install it or use --transformer-impl local") from None
+    if not torch.cuda.is_available():
+        raise ValueError("--transformer-impl transformer_engine needs a CUDA device (TransformerEngine's layers run "
+                         "on GPUs only); use --transformer-impl local here")
+    return "te"
 
 
 def run_device() -> torch.device:
@@ -146,12 +170,15 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     if plan.distributed_optimizer and args.spindle_check_equivalence:
         raise ValueError("--spindle-check-equivalence compares whole gradients, but the plan shards them "
                          "(distributed_optimizer): drop the flag or use a plan without the distributed optimizer")
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float32
+    bf16 = bool(getattr(args, "bf16", False))
+    dtype = torch.bfloat16 if bf16 else torch.float32
     init = init_of(args)
+    backend = layer_backend(args)
+    # fp32 gradient buffers and reductions under --bf16, as Megatron-LM forces (accumulate_allreduce_grads_in_fp32)
+    fp32_grads = bf16 or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
     model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
-                         layer_graph=layer_graph, bucket_size=getattr(args, "ddp_bucket_size", None),
-                         grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
-                         init=init)
+                         backend=backend, layer_graph=layer_graph, bucket_size=getattr(args, "ddp_bucket_size", None),
+                         grad_reduce_in_fp32=fp32_grads, init=init)
     if init:
         log.info("pretrained weights: " + ", ".join(f"{m} <- {d}" for m, d in init.items())
                  + " (each rank read its own shards)"
@@ -160,6 +187,6 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
         full = layer_graph or graph
         if first_batch is None:
             first_batch = SyntheticData(full, seed=args.seed).batch(0)
-        diff = check_first_step(model, full, first_batch, args.seed)
+        diff = check_first_step(model, full, first_batch, args.seed, backend=backend)
         log.info(f"equivalence: max relative difference {diff:.3e}")
     return model

@@ -143,7 +143,9 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
     asked = {steps} if isinstance(steps, int) else set(steps)
     wanted = asked & {s.step for s in trace.spans if s.cat == "step"}  # a replanned model traces anew
     if not wanted:
-        raise ValueError(f"no traced step among {sorted(asked)} to compare the prediction with")
+        few = sorted(asked)
+        raise ValueError(f"no traced step among {few if len(few) <= 3 else f'steps {few[0]}-{few[-1]}'} to compare "
+                         f"the prediction with")
     meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "step end": 0.0, "optimizer": 0.0, "data": 0.0,
             "step": 0.0}
     for s in trace.spans:

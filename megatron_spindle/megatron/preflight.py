@@ -139,3 +139,66 @@ def check_save_space(root: str, model, optimizer) -> int:
     if first:
         raise CheckpointError(first)
     return need
+
+
+def _host_available_bytes() -> int | None:
+    """Memory this machine can still give: ``MemAvailable``, less where a cgroup limit leaves less."""
+    have = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    have = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as fh:
+            used = int(fh.read().strip())
+        if limit != "max" and have is not None:
+            have = min(have, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return have
+
+
+def check_machine_memory(plan, device) -> None:
+    """Collective: :func:`machine_memory_error` on every rank, raised on every rank at once (a rank that
+    raised alone would be ended by torchrun while the others still print)."""
+    error = None
+    try:
+        machine_memory_error(plan, device)
+    except ValueError as e:
+        error = str(e)
+    first = next((x for x in comm.all_gather_object(error) if x), None)
+    if first:
+        raise ValueError(first)
+
+
+def machine_memory_error(plan, device) -> None:
+    """Refuse a plan that cannot fit this machine before any layer is built, the same line on every rank:
+    on a GPU, the device memory the plan fills on its fullest rank against the device's; on CPU ranks, which
+    share the host's memory, the sum over the ranks of this node against what the host has available. The
+    amounts are the planner's estimate (weights, gradients, optimizer state, activations)."""
+    need = list(plan.device_memory_bytes)
+    gib = 2.0 ** 30
+    if device.type == "cuda":
+        import torch  # optional here: only a CUDA run gets this far with a cuda device
+        have = torch.cuda.get_device_properties(device).total_memory
+        worst = max(range(len(need)), key=need.__getitem__)
+        if need[worst] > have:
+            raise ValueError(f"the plan fills {need[worst] / gib:.1f} GiB on rank {worst}'s device, this GPU has "
+                             f"{have / gib:.1f} GiB: pass --spindle-memory-gib {have / gib * 0.9:.0f} (the planner "
+                             f"fits the plan to it), or use more GPUs or a smaller --micro-batch-size")
+        return
+    have = _host_available_bytes()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", len(need)) or len(need)))
+    rank = dist.get_rank()
+    here = [r for r in range(len(need)) if r // local == rank // local]
+    total = sum(need[r] for r in here)
+    if have is not None and total > have:
+        raise ValueError(f"the plan needs about {total / gib:.1f} GiB of host memory for the {len(here)} rank(s) "
+                         f"on this machine (the planner's estimate of weights, gradients, optimizer state and "
+                         f"activations), {have / gib:.1f} GiB are available: use a smaller model (--spindle-size, "
+                         f"MODEL_SIZE=tiny), fewer ranks per machine or a smaller --micro-batch-size")

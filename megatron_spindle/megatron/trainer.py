@@ -10,7 +10,8 @@ changes, progress lines, predictions, checkpoints, the trace). Without ``--spind
 ``sequential`` baseline: every task over all ranks, one after another, as Megatron runs multi-task models.
 
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
-samples/s), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
+samples/s, model TFLOP/s per GPU and MFU against the planning cluster's peak, as Megatron-LM users read them;
+recompute not counted), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
 ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -30,6 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import comm
 from ..log import get_logger, setup_logging
 from ..planner.step.render import grid
+from ..planner.workload.flops import mfu, step_model_flops, tflops_per_device
 from ..runtime.mixed_precision import MasterWeightsOptimizer
 from ..runtime.replan import replan
 from ..runtime.trace import gather_chrome_trace
@@ -38,11 +39,12 @@ from .data import train_batches
 from .flags import build_parser, check_args, parse_task_schedule, world_from_env
 from .ckpt_dir import latest_iteration
 from .guard import NumericGuard
-from .lifeline import LIFE, signal_name
+from .lifeline import LIFE, SAVE_SIGNALS, signal_name
 from .logs import TrainLogs
-from .model import build_model, graph_for, log_plan, make_cluster, plan_for, run_device, step_passes
+from .model import (build_model, graph_for, layer_backend, log_plan, make_cluster, plan_for, run_device,
+                    step_passes)
 from .prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
-from .preflight import check_save_space, hold_save_lock
+from .preflight import check_machine_memory, check_save_space, hold_save_lock
 from .session import Stopped, join_job, restart_source, run_entry
 from .schedule import forward_step, reduce_reports, spindle_forward_backward
 
@@ -93,6 +95,7 @@ class Trainer:
         self.args = args
         self.extra_json = dict(extra_json or {})
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
+        layer_backend(args)  # --transformer-impl transformer_engine where TE cannot run: the same line, before joining
         join_job(args)
         self.lock = hold_save_lock(args.save)
         try:
@@ -126,21 +129,28 @@ class Trainer:
             raise ValueError("the plan shards the optimizer state (distributed_optimizer), but the built-in "
                              "trainer's checkpoints and task-mix changes keep it per parameter: drop "
                              "--save/--load/--spindle-task-schedule or use a plan without the distributed optimizer")
+        check_machine_memory(self.plan, self.device)  # before any layer is built
         log_plan(args, self.plan, self.graph, self.world, passes=self.accum)
         LIFE.stage = "creating this rank's process groups and layers; a rank stopped"
         self.start = 0
         self.data = train_batches(args, self.graph, self.plan, self.rank)
         self.model = build_model(args, self.plan, sub, layer_graph=self.graph, device=self.device,
                                  first_batch=self.data.peek())
+        self.model.trace.max_spans = args.spindle_trace_max_spans
+        self.trace_full = 0  # the iteration at which the trace reached its cap (0: not yet)
         self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
         self.scheduler = make_scheduler(self.optimizer, args)
         LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
+        self.phase = 0
         self.load, attempt = restart_source(args)
         if self.load:
+            for j in range(1, self._phase_of(latest_iteration(self.load) or 0) + 1):
+                self.change_tasks(self.schedule[j][0])  # the task mixes so far: every module trained is held
             self.start, _, missing = load_checkpoint(self.load, self.model, self.optimizer)
             log.info((f"torchrun restart {attempt}: " if self.load != args.load else "")
                      + f"resumed from {self.load} at iteration {self.start}"
                      + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
+            self.scheduler = make_scheduler(self.optimizer, args)
             if self.start:
                 self.scheduler.step(self.start)
         self.data.position = self.start * self.accum
@@ -149,9 +159,6 @@ class Trainer:
         self.guard = NumericGuard(args.spindle_nonfinite_skips)
         self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
                                                        "world_size": self.world, "system": self.plan.system})
-        self.phase = self._phase_of(self.start)
-        if self.phase and self.load:
-            raise ValueError("resuming inside a later phase of --spindle-task-schedule is not supported")
         self.step_times: list[float] = []
         self.last: dict[str, float] = {}
         self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
@@ -168,6 +175,7 @@ class Trainer:
         self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
                                             seed=self.args.seed,
                                             make_optimizer=lambda ps: make_optimizer(ps, self.args))
+        self.model.trace.max_spans = self.args.spindle_trace_max_spans
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         self.scheduler = make_scheduler(self.optimizer, self.args)
@@ -203,9 +211,24 @@ class Trainer:
     def _log_progress(self, it: int, losses: dict[str, float], norm: float, dt: float) -> None:
         per = " ".join(f"{t} {v:.4f}" for t, v in losses.items())
         samples = self.accum * self.micro * len(self.plan.tasks)
+        flops, peak = self._model_flops()
+        tf = tflops_per_device(flops, dt * 1e3, self.world)
         log.info(f"iteration {it + 1:5d}/{self.args.train_iters} | loss {sum(losses.values()):.4f} ({per}) | "
-                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | grad norm {norm:.3f} | "
+                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | {tf:.3g} TFLOP/s per GPU | "
+                 f"MFU {mfu(flops, dt * 1e3, self.world, peak):.2%} of {peak:g} | grad norm {norm:.3f} | "
                  f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
+
+    def _model_flops(self) -> tuple[float, float]:
+        """(model FLOPs of one step of the current task set, peak TFLOP/s per device of the planning cluster)."""
+        key = (tuple(self.plan.tasks), self.accum)
+        if getattr(self, "_flops_key", None) != key:
+            tasks = list(self.plan.tasks)
+            g = self.graph if list(self.graph.tasks) == tasks else self.graph.subset(tasks)
+            cluster, curves = make_cluster(self.args, self.world)
+            self._flops_key = key
+            self._flops = (step_model_flops(g, self.accum),
+                           curves.device.peak_tflops if curves is not None else cluster.peak_tflops)
+        return self._flops
 
     def _log_prediction(self, it: int) -> None:
         rows = metaop_errors(self.model, it)
@@ -269,14 +292,14 @@ class Trainer:
 
     def stop(self, sig: int, it: int, saved: bool) -> None:
         """After iteration ``it`` every rank agreed to stop on ``sig``: with ``--exit-signal-handler`` and
-        SIGTERM, save (unless just saved) and return (exit 0); otherwise one line and :class:`Stopped`."""
+        SIGTERM or SIGHUP, save (unless just saved) and return (exit 0); otherwise one line and :class:`Stopped`."""
         args = self.args
-        if sig == signal.SIGTERM and args.exit_signal_handler:
+        if sig in SAVE_SIGNALS and args.exit_signal_handler:
             LIFE.phase = "finishing"
             if args.save and not saved:
                 save_checkpoint(args.save, it + 1, self.model, self.optimizer)
             where = f"saved checkpoint {args.save} at iteration {it + 1}" if args.save else "nothing saved (no --save)"
-            log.info(f"SIGTERM: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
+            log.info(f"{signal_name(sig)}: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
                      f"(--exit-signal-handler)")
             return
         if self.rank == 0:
@@ -303,7 +326,12 @@ class Trainer:
                            batch_size=self.accum * self.micro * len(self.plan.tasks), step_s=dt)
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 self._log_progress(it, losses, norm, dt)
-            if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0:
+            if not self.trace_full and len(self.model.trace.spans) >= self.model.trace.max_spans:
+                self.trace_full = it + 1
+                log.warning(f"warning: the step trace reached its cap of {self.model.trace.max_spans} spans at "
+                            f"iteration {it + 1}: later iterations are not traced (the trace file ends there, no "
+                            f"more prediction lines); raise the cap with --spindle-trace-max-spans")
+            if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0 and not self.trace_full:
                 self._log_prediction(it)
             stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
             saved = bool(args.save) and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
@@ -321,7 +349,12 @@ class Trainer:
                 log.info(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
                 break
         if args.spindle_trace:
-            path = gather_chrome_trace(self.model.trace, args.spindle_trace)
+            try:
+                path = gather_chrome_trace(self.model.trace, args.spindle_trace)
+            except ValueError as e:  # rank 0 could not write it (a full disk...): the training is done all the same
+                path = None
+                log.warning(f"warning: --spindle-trace {args.spindle_trace}: {' '.join(str(e).split())}; no trace "
+                            f"written, training finished")
             if path:
                 log.info(f"Chrome trace of every rank written to {path}")
         return self.summary()

@@ -77,18 +77,22 @@ def pg_collection(tp_group) -> ProcessGroupCollection:
 
 
 def use_te_backend(backend: str) -> bool:
+    """Whether layers use TransformerEngine's modules: only for ``backend="te"`` (Megatron-LM's
+    ``--transformer-impl transformer_engine``), which needs TE and a CUDA device. ``"local"`` and ``"auto"``
+    (the old default, kept for callers that pass it) build megatron.core's local modules: the layers never
+    switch to TE because it happens to import (an NGC container has it; that path is chosen, not stumbled into)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "local":
+    if backend != "te":
         return False
     try:
-        import transformer_engine  # noqa: F401  # optional: TransformerEngine
+        import transformer_engine  # noqa: F401  # optional: TransformerEngine, asked for
         available = torch.cuda.is_available()
     except ImportError:
         available = False
-    if backend == "te" and not available:
-        raise ValueError("backend='te' needs transformer_engine and a CUDA device")
-    return available
+    if not available:
+        raise ValueError("backend='te' (--transformer-impl transformer_engine) needs transformer_engine and a CUDA device")
+    return True
 
 
 # --------------------------------------------------------------------------------------------------

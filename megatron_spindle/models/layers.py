@@ -342,7 +342,7 @@ def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, row
 def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1, seed: int,
                 graph: TaskGraph | None = None, task_weight: float | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                share_with: OperatorLayer | None = None, backend: str = "auto",
+                share_with: OperatorLayer | None = None, backend: str = "local",
                 recompute_mode: str = "none") -> OperatorLayer:
     """The layer of one operator, on this rank's tensor-parallel shard.
 
@@ -356,7 +356,8 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         task_weight: weight of the task's loss (default: from ``graph``, else 1.0); loss layers only.
         dtype: parameter dtype (float32 on CPU; bfloat16 on GPU). device: where parameters live (CPU).
         share_with: an existing layer with the same ``param_key`` and tp layout whose core to reuse.
-        backend: ``auto`` (TransformerEngine specs when TE imports and CUDA is available), ``local``, ``te``.
+        backend: ``local`` (megatron.core's modules) or ``te`` (TransformerEngine specs: TE and CUDA needed);
+            ``auto`` is ``local`` (see :func:`.blocks.use_te_backend`).
         recompute_mode: the operator's activation recompute (the plan's ``MetaOp.recompute``, :mod:`.recompute`).
     """
     layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)

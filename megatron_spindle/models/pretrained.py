@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from .hf_files import check_weight_files
 from .hf_mapping import Cat, Part, Zeros, init_targets, sources
 from ..planner.workload.graph import TaskGraph
 from .layer_state import shard_spec
@@ -35,6 +36,7 @@ class Checkpoint:
             from safetensors import safe_open  # optional: safetensors (pip install .[hf])
         except ImportError:
             raise ValueError("loading Hugging Face weights needs safetensors: pip install .[hf]") from None
+        check_weight_files(path)  # every rank, before the first read: a damaged file is one line naming it
         self.path, self._open, self._files = path, safe_open, {}
         index = os.path.join(path, _INDEX)
         if os.path.isfile(index):
@@ -56,7 +58,11 @@ class Checkpoint:
 
     def _file(self, fn: str):
         if fn not in self._files:
-            self._files[fn] = self._open(fn, framework="pt", device="cpu")
+            try:
+                self._files[fn] = self._open(fn, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors' own errors: name the file in one line
+                raise ValueError(f"cannot read {fn}: {type(e).__name__}: "
+                                 f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
         return self._files[fn]
 
     def shape(self, name: str) -> tuple[int, ...] | None:

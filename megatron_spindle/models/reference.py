@@ -52,10 +52,10 @@ class ReferenceModel(nn.Module):
 
     def __init__(self, graph: TaskGraph, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init: Mapping[str, str] | None = None,
-                 recompute: str = "none") -> None:
+                 recompute: str = "none", backend: str = "local") -> None:
         """``init``: module name -> Hugging Face directory to load (as ``SpindleModel``'s); ``recompute``: the
         activation recompute of every transformer and decoder layer (:mod:`.recompute`; the other layers never
-        recompute)."""
+        recompute); ``backend``: the layers' implementation (``local`` or ``te``, as :func:`.layers.build_layer`)."""
         super().__init__()
         self.graph = graph
         self.seed = seed
@@ -66,7 +66,7 @@ class ReferenceModel(nn.Module):
             share = by_key.get(op.param_key) if op.param_key else None
             mode = recompute if op.op_type in RECOMPUTABLE else "none"
             layer = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device, share_with=share,
-                                recompute_mode=mode)
+                                recompute_mode=mode, backend=backend)
             self._layers[op.name] = layer
             if op.param_key and share is None:
                 by_key[op.param_key] = layer

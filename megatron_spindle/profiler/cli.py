@@ -51,6 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="measure every point again (replacing their cache entries)")
     p.add_argument("--no-link", action="store_true", help="do not measure the backend's latency and bandwidth")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--skip-unmeasurable", action="store_true",
+                   help="leave out MetaOps that need more tensor-parallel processes than --nproc and points that "
+                        "run out of device memory (listed in the curves file's not_measured with the reason; "
+                        "the planner times them analytically) instead of failing")
     p.set_defaults(func=cmd_profile)
     return p
 
@@ -72,6 +76,7 @@ def cmd_profile(args) -> int:
                         memory_gib=args.memory_gib, warmup=args.warmup, repeats=args.repeats,
                         min_seconds=args.min_time, out=args.out,
                         cluster_out=args.cluster_out, cache=None if args.no_cache else args.cache,
-                        fresh=args.fresh, measure_link=not args.no_link, verbose=not args.quiet)
+                        fresh=args.fresh, measure_link=not args.no_link, verbose=not args.quiet,
+                        skip_unmeasurable=args.skip_unmeasurable)
     profile(cfg)
     return 0

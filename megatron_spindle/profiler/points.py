@@ -23,12 +23,16 @@ How a point at ``n`` devices is measured (our choice; the paper profiles on the 
 
 The cache (:class:`ProfileCache`) is one JSON file of measured points keyed by the target's signature and layer
 configuration, the device count, and where it was measured (backend, device type, dtype, CPU threads), so a
-rerun measures only what is missing. Each entry keeps every repeat, the median is the point.
+rerun measures only what is missing. Each entry keeps every repeat, the median is the point. Several
+profiles may share one cache at once: each save takes ``FILE.lock`` (``flock``), reads what the file holds
+then, adds this run's points and writes the union atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import json
 import os
 from dataclasses import dataclass, field
@@ -218,6 +222,8 @@ class ProfileCache:
 
     path: str | None
     entries: dict[str, dict] = field(default_factory=dict)
+    mine: set[str] = field(default_factory=set)
+    """Keys of the entries this process measured (they win over the file's when saving)."""
 
     @classmethod
     def load(cls, path: str | None, *, fresh: bool = False) -> "ProfileCache":
@@ -268,13 +274,41 @@ class ProfileCache:
              "samples_ms": [float(s) for s in samples_ms], "warmup": warmup,
              "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         self.entries[_key(target, devices, where)] = e
+        self.mine.add(_key(target, devices, where))
         return e
 
     def save(self) -> None:
+        """Write the cache: under ``FILE.lock``, the file's entries as they are now (another profile may
+        have added some since this one read it) with this run's measured points over them, atomically."""
         if self.path is None:
             return
-        write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "kind": CACHE_KIND,
-                               "entries": list(self.entries.values())}, "profile cache")
+        with self._locked():
+            try:
+                on_disk = ProfileCache._load(self.path).entries
+            except ValueError:  # unreadable (this run was started with --fresh): replaced
+                on_disk = {}
+            merged = {**on_disk, **{k: self.entries[k] for k in self.mine}}
+            for k, e in self.entries.items():
+                merged.setdefault(k, e)
+            self.entries = merged
+            write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "kind": CACHE_KIND,
+                                   "entries": list(self.entries.values())}, "profile cache")
+
+    @contextlib.contextmanager
+    def _locked(self):
+        lock = f"{self.path}.lock"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no lock file possible here: the atomic write still keeps the file whole
+            yield
+            return
+        try:
+            with contextlib.suppress(OSError):  # a file system without flock: as before, atomic only
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def __len__(self) -> int:
         return len(self.entries)

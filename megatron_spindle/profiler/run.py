@@ -85,6 +85,10 @@ class ProfileConfig:
     """Measure the backend's latency and bandwidth (needs two or more processes)."""
     verbose: bool = True
     """Print progress lines and the summary (process 0)."""
+    skip_unmeasurable: bool = False
+    """Leave out what this machine cannot measure instead of failing: targets whose tensor parallelism exceeds
+    ``nproc``, and one-process points that run out of device memory. The curves file lists them under
+    ``not_measured`` with the reason; the planner times them with its analytic model."""
 
     def __post_init__(self) -> None:
         for f in ("nproc", "max_devices", "gpus_per_node", "repeats"):
@@ -136,6 +140,13 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     targets = targets_of(metaops, cfg.max_devices)
     points = points_of(targets)
 
+    not_measured = []
+    if cfg.skip_unmeasurable:
+        not_measured = [{"metaops": list(t.metaops), "signature": dict(t.signature),
+                         "reason": f"planned at tensor parallelism {t.tp} on {memory_gib:.1f} GiB devices (the "
+                                   f"MetaOp does not fit tp 1); {world} process(es) cannot run a {t.tp}-rank "
+                                   f"group"} for t in targets if t.tp > world]
+        points = [p for p in points if p.tp <= world]
     cache = None
     if rank == 0:
         cache = ProfileCache.load(cfg.cache, fresh=cfg.fresh)
@@ -167,10 +178,16 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
             if rank not in ranks:
                 continue
             t = targets[p.target]
-            samples = time_layer(graph, t.operator, p.local_batch, warmup=cfg.warmup, repeats=cfg.repeats,
-                                 min_seconds=cfg.min_seconds,
-                                 tp_group=groups.get(ranks), tp_rank=ranks.index(rank), tp_size=p.tp,
-                                 seed=cfg.seed, dtype=dtype, device=device)
+            try:
+                samples = time_layer(graph, t.operator, p.local_batch, warmup=cfg.warmup, repeats=cfg.repeats,
+                                     min_seconds=cfg.min_seconds,
+                                     tp_group=groups.get(ranks), tp_rank=ranks.index(rank), tp_size=p.tp,
+                                     seed=cfg.seed, dtype=dtype, device=device)
+            except torch.OutOfMemoryError:
+                if not (cfg.skip_unmeasurable and p.tp == 1):  # a tensor-parallel peer would wait forever
+                    raise
+                samples = None
+                torch.cuda.empty_cache()
             if rank == ranks[0]:
                 result = (p, samples)
         gathered = comm.all_gather_object(result)
@@ -181,6 +198,12 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                 continue
             p, samples = item
             t = targets[p.target]
+            if samples is None:
+                not_measured.append({"metaops": list(t.metaops), "signature": dict(t.signature),
+                                     "devices": p.devices, "local_batch": p.local_batch,
+                                     "reason": f"out of memory at local batch {p.local_batch} on {where.device_type}"})
+                say(f"{t.label} n={p.devices} (local batch {p.local_batch}): out of memory, not measured")
+                continue
             e = cache.put(t, p.devices, where, samples_ms=samples, local_batch=p.local_batch,
                           warmup=cfg.warmup)
             done += 1
@@ -229,6 +252,8 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
         measured["link"] = link
     measured["optimizer"] = opt
     doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
+    if cfg.skip_unmeasurable:
+        doc["not_measured"] = not_measured
     if cfg.out:
         write_json(cfg.out, doc, "curves file")
     if cfg.cluster_out and cl is not None:

@@ -74,8 +74,7 @@ def for_graph(plan: Plan, graph: TaskGraph) -> Plan:
 
 
 def dry_run(plan: Plan, graph: TaskGraph, *, ranks: Sequence[int] | None = None, seed: int = 0,
-            progress: Callable[[int], None] | None = None, gpu_path: bool = True,
-            **model_kwargs) -> list[list[tuple]]:
+            progress: Callable[[int], None] | None = None, **model_kwargs) -> list[list[tuple]]:
     """Every rank's recorded events (index = rank) of one training pass of ``plan`` on ``graph``; ``ranks``
     limits the run to some ranks (the others get empty lists). ``model_kwargs`` go to ``SpindleModel``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # optional: torch's test backend "fake"
@@ -85,26 +84,29 @@ def dry_run(plan: Plan, graph: TaskGraph, *, ranks: Sequence[int] | None = None,
     apply_cpu_patches()
     world = plan.world_size
     batch = SyntheticData(graph, seed=seed).batch(0)
+    mine = comm_record.recorder() is None
     rec = comm_record.install()
     out: list[list[tuple]] = [[] for _ in range(world)]
-    for r in (range(world) if ranks is None else ranks):
-        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
-        rec.clear()
-        try:
-            model = SpindleModel(plan, graph, seed=seed, **model_kwargs)
-            if gpu_path:  # the executor chose its P2P posting by the device (CPU here): take the GPU's
-                model._early = False
-            with torch.random.fork_rng(devices=[]):
-                st = model(batch)
-                model.backward(st)
-                model.finalize_grads()
-                model.grad_norm()
-                model.reduce_losses(st)
-            model.destroy()
-            out[r] = list(rec.events)
-        finally:
-            dist.destroy_process_group()
-            blocks._SELF_GROUPS.clear()  # cached by id(default group): the next rank's group may reuse the id
-        if progress is not None:
-            progress(r)
+    try:
+        for r in (range(world) if ranks is None else ranks):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
+            rec.clear()
+            try:
+                model = SpindleModel(plan, graph, seed=seed, **model_kwargs)
+                with torch.random.fork_rng(devices=[]):
+                    st = model(batch)
+                    model.backward(st)
+                    model.finalize_grads()
+                    model.grad_norm()
+                    model.reduce_losses(st)
+                model.destroy()
+                out[r] = list(rec.events)
+            finally:
+                dist.destroy_process_group()
+                blocks._SELF_GROUPS.clear()  # cached by id(default group): the next rank's may reuse the id
+            if progress is not None:
+                progress(r)
+    finally:
+        if mine:
+            comm_record.uninstall()
     return out

@@ -2,8 +2,9 @@
 
 :func:`install` wraps, by name, the communication functions of ``torch.distributed`` (and of
 ``torch.distributed.distributed_c10d``, whose functions call each other through that module's globals, and of
-megatron.core's gradient buffer, which keeps its own references to ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` taken at import). Every call made at the outermost level appends one event to
+every loaded megatron module that keeps its own references taken at import: the gradient buffer's and
+tensor parallelism's ``dist_all_gather_func`` / ``dist_reduce_scatter_func``, ``from torch.distributed import
+...``). Every call made at the outermost level appends one event to
 :attr:`Recorder.events`; calls that torch makes inside another wrapped call (an object collective's
 ``all_gather``, ``batch_isend_irecv``'s ``isend``) are not recorded again. Events are tuples of plain values
 (they pickle, and :mod:`.comm_check` reads them without torch):
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import threading
 from typing import Any, Callable
 
@@ -46,9 +48,12 @@ from .. import comm
 __all__ = ["Recorder", "BatchWork", "install", "uninstall", "recorder"]
 
 _C10D = "torch.distributed.distributed_c10d"
-_MCORE_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+#: megatron.core modules that keep references to torch.distributed functions taken at import
+#: (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``); imported at install so they are patched
+_MCORE_MODULES = ("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings",
+                  "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.utils")
 
-#: collective name -> (which argument's shape is recorded, or None for "()"), dtype when no tensor
+#: collective name -> the argument whose shape and dtype are recorded (None: shape ``()``, dtype ``"none"``)
 _COLLECTIVES: dict[str, str | None] = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",
     "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
@@ -59,9 +64,6 @@ _COLLECTIVES: dict[str, str | None] = {
 _OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 _P2P = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
 _GROUPS = ("new_group", "destroy_process_group")
-#: megatron.core's buffer module keeps these under its own names (taken at import)
-_MCORE_ALIASES = {"dist_all_gather_func": ("all_gather_into_tensor", "_all_gather_base"),
-                  "dist_reduce_scatter_func": ("reduce_scatter_tensor", "_reduce_scatter_base")}
 
 
 class BatchWork:
@@ -81,6 +83,7 @@ class BatchWork:
         return all(w.is_completed() for w in self.works)
 
     def get_future(self):
+        """A future of every operation's future (gloo's P2P works have none: ``RuntimeError``, as theirs)."""
         futs = [w.get_future() for w in self.works]
         return torch.futures.collect_all(futs)
 
@@ -260,6 +263,11 @@ def install(*, nccl_rules: bool = False) -> Recorder:
     if _recorder is not None:
         _recorder.nccl_rules = _recorder.nccl_rules or nccl_rules
         return _recorder
+    for name in _MCORE_MODULES:  # first: they take their references at import
+        try:
+            importlib.import_module(name)
+        except ImportError:  # megatron.core absent: only torch's own references matter
+            pass
     c10d = importlib.import_module(_C10D)
     names = [*_COLLECTIVES, *_OBJECT_COLLECTIVES, *_P2P, "batch_isend_irecv", *_GROUPS]
     wrapped: dict[str, Callable] = {}
@@ -272,17 +280,14 @@ def install(*, nccl_rules: bool = False) -> Recorder:
             if getattr(mod, name, None) is original:
                 _saved.append((mod, name, original))
                 setattr(mod, name, wrapped[name])
-    try:
-        buffer = importlib.import_module(_MCORE_BUFFER)
-    except ImportError:
-        buffer = None
-    if buffer is not None:
-        for alias, candidates in _MCORE_ALIASES.items():
-            current = getattr(buffer, alias, None)
-            for name in candidates:
-                if name in wrapped and current is wrapped[name].__spindle_original__:
-                    _saved.append((buffer, alias, current))
-                    setattr(buffer, alias, wrapped[name])
+    by_original = {id(w.__spindle_original__): w for w in wrapped.values()}
+    for modname, mod in list(sys.modules.items()):  # every megatron module's own references to the originals
+        if mod is None or not modname.startswith("megatron."):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if callable(value) and id(value) in by_original and not attr.startswith("__"):
+                _saved.append((mod, attr, value))
+                setattr(mod, attr, by_original[id(value)])
     _recorder = Recorder(nccl_rules)
     return _recorder
 

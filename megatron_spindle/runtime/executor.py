@@ -105,7 +105,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
 
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 backend: str = "auto", layer_graph: TaskGraph | None = None,
+                 backend: str = "local", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
                  grad_reduce_in_fp32: bool = False, distributed_optimizer: bool | None = None,

@@ -38,7 +38,25 @@ A800_NODE_IB_GBPS = 400 / 8
 A800_PEAK_TFLOPS = 312.0
 A800_MEMORY_GIB = 80.0
 
-#: NVIDIA H200 SXM datasheet: fourth-generation NVLink 900 GB/s bidirectional, 450 GB/s each way.
+#: NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), SXM 80 GB column:
+#: "NVIDIA NVLink: 600GB/s" (third generation, both directions together), i.e. 300 GB/s each way; the A800 is
+#: the A100 with NVLink cut to 400 GB/s (above); peak and memory as the A800's.
+A100_NVLINK_ONE_WAY_GBPS = 300.0
+#: An HGX A100 node (the DGX A100 reference design): eight 200 Gb/s HDR InfiniBand NICs for compute, 8 x 25 GB/s.
+A100_NODE_IB_GBPS = 8 * 200 / 8
+
+#: NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: "BFLOAT16 Tensor Core 1,979 teraFLOPS*" with
+#: "* With sparsity" (the dense rate is half: 989.5), "GPU memory 80GB", "Interconnect NVIDIA NVLink: 900GB/s"
+#: (fourth generation, both directions together: 450 GB/s each way).
+H100_PEAK_TFLOPS = 989.0
+H100_MEMORY_GIB = 80.0
+H100_NVLINK_ONE_WAY_GBPS = 450.0
+#: An HGX H100 node (the DGX H100 reference design): one 400 Gb/s ConnectX-7 NIC per GPU, 8 x 50 GB/s.
+H100_NODE_IB_GBPS = 8 * 400 / 8
+
+#: NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: "GPU Memory 141GB", "BFLOAT16 Tensor Core
+#: 1,979 TFLOPS" (with sparsity; 989 dense, the H100's GH100 at the same clocks), "NVIDIA NVLink: 900GB/s"
+#: (450 GB/s each way).
 H200_NVLINK_ONE_WAY_GBPS = 450.0
 #: An HGX H200 node with one 400 Gb/s ConnectX-7 NIC per GPU (the DGX H200 reference design): 8 × 50 GB/s.
 H200_NODE_IB_GBPS = 8 * 400 / 8
@@ -124,22 +142,25 @@ class Cluster:
         return dataclasses.asdict(self)
 
 
-#: Presets (values are the achieved bandwidths derived above; see the constants for sources).
+#: Presets (values are the achieved bandwidths derived above; see the constants for sources). Each is a node
+#: type of 8 GPUs on NVSwitch with InfiniBand between nodes; ``num_devices`` is set by the caller.
 #: ``a800-8x8``: the paper's testbed, 8 nodes × 8 NVIDIA A800 80 GB, NVLink, 400 Gb/s InfiniBand per node:
 #: 160 GB/s per device inside a node, 40 GB/s per node between nodes.
-#: ``h200``: HGX H200 nodes, 8 × H200 141 GB, NVLink 4, 8 × 400 Gb/s InfiniBand per node: 360 GB/s per device
-#: inside a node, 320 GB/s per node between nodes.
+#: ``a100``: HGX A100 80 GB nodes: 240 GB/s per device inside a node, 160 GB/s per node between nodes.
+#: ``h100`` / ``h200``: HGX H100 80 GB / H200 141 GB nodes, NVLink 4, 8 × 400 Gb/s InfiniBand per node: 360 GB/s
+#: per device inside a node, 320 GB/s per node between nodes.
+def _preset(name: str, nvlink: float, node_ib: float, memory: float, peak: float) -> dict:
+    return dict(name=name, num_devices=8, gpus_per_node=8, intra_bandwidth_gbps=nvlink * NCCL_EFFICIENCY,
+                inter_bandwidth_gbps=node_ib * NCCL_EFFICIENCY, intra_latency_us=NVLINK_LATENCY_US,
+                inter_latency_us=IB_LATENCY_US, memory_gib=memory, peak_tflops=peak)
+
+
 PRESETS: Mapping[str, dict] = {
-    "a800-8x8": dict(name="a800-8x8", num_devices=64, gpus_per_node=8,
-                     intra_bandwidth_gbps=A800_NVLINK_ONE_WAY_GBPS * NCCL_EFFICIENCY,
-                     inter_bandwidth_gbps=A800_NODE_IB_GBPS * NCCL_EFFICIENCY,
-                     intra_latency_us=NVLINK_LATENCY_US, inter_latency_us=IB_LATENCY_US,
-                     memory_gib=A800_MEMORY_GIB, peak_tflops=A800_PEAK_TFLOPS),
-    "h200": dict(name="h200", num_devices=8, gpus_per_node=8,
-                 intra_bandwidth_gbps=H200_NVLINK_ONE_WAY_GBPS * NCCL_EFFICIENCY,
-                 inter_bandwidth_gbps=H200_NODE_IB_GBPS * NCCL_EFFICIENCY,
-                 intra_latency_us=NVLINK_LATENCY_US, inter_latency_us=IB_LATENCY_US,
-                 memory_gib=H200_MEMORY_GIB, peak_tflops=H200_PEAK_TFLOPS),
+    "a800-8x8": {**_preset("a800-8x8", A800_NVLINK_ONE_WAY_GBPS, A800_NODE_IB_GBPS, A800_MEMORY_GIB,
+                           A800_PEAK_TFLOPS), "num_devices": 64},
+    "a100": _preset("a100", A100_NVLINK_ONE_WAY_GBPS, A100_NODE_IB_GBPS, A800_MEMORY_GIB, A800_PEAK_TFLOPS),
+    "h100": _preset("h100", H100_NVLINK_ONE_WAY_GBPS, H100_NODE_IB_GBPS, H100_MEMORY_GIB, H100_PEAK_TFLOPS),
+    "h200": _preset("h200", H200_NVLINK_ONE_WAY_GBPS, H200_NODE_IB_GBPS, H200_MEMORY_GIB, H200_PEAK_TFLOPS),
 }
 DEFAULT_PRESET = "a800-8x8"
 

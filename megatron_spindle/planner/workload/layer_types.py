@@ -125,7 +125,7 @@ def custom_cost(op_type: str, config) -> LayerCost:
         raise ValueError(f"no cost formula for op_type {op_type!r} (not built in, not registered)")
     try:
         got = t.cost(config)
-    except Exception as e:  # noqa: BLE001 - a user's function: any failure is named, in one line
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function: any failure (exit too) in one line
         raise ValueError(f"the cost function of {t.described} failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     if not isinstance(got, LayerCost):
@@ -133,15 +133,16 @@ def custom_cost(op_type: str, config) -> LayerCost:
     return got
 
 
-def load_plugin(ref: str, base_dir: str = "") -> None:
-    """Import a plugin that registers layer types: a ``.py`` path (relative to ``base_dir``) or a module name."""
+def load_plugin(ref: str, base_dir: str = "") -> str | None:
+    """Import a plugin that registers layer types: a ``.py`` path (relative to ``base_dir``) or a module name.
+    Returns the file it ran (``None`` when this process had imported it already)."""
     if ref.endswith(".py"):
         path = ref if os.path.isabs(ref) else os.path.join(base_dir, ref)
         if not os.path.isfile(path):
             raise FileNotFoundError(path)
         name = "spindle_plugin_" + os.path.splitext(os.path.basename(path))[0]
         if name in sys.modules and getattr(sys.modules[name], "__file__", None) == os.path.abspath(path):
-            return
+            return None
         spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -153,9 +154,12 @@ def load_plugin(ref: str, base_dir: str = "") -> None:
             raise
         finally:
             _LOADING.pop()
-    else:
-        _LOADING.append(ref)
-        try:
-            importlib.import_module(ref)
-        finally:
-            _LOADING.pop()
+        return os.path.abspath(path)
+    if ref in sys.modules:
+        return None
+    _LOADING.append(ref)
+    try:
+        module = importlib.import_module(ref)
+    finally:
+        _LOADING.pop()
+    return getattr(module, "__file__", None) or ref

@@ -37,12 +37,15 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ...log import get_logger
 from ..limits import MAX_MODULES, MAX_OPERATORS, MAX_TASKS
 from .graph import DATA_PREFIX, Operator, TaskGraph
 from .layer_types import load_plugin
 from .spec_layers import (NO_PARAMS, NO_VALUE, SpecError, check_int, check_module, check_name, check_task_values,
                           module_operators, warn_unused)
 from .spec_tables import _flatten_modules, _flatten_overrides, _init_table, _table
+
+log = get_logger(__name__)
 
 __all__ = ["ModelSpec", "SpecError", "load_spec", "parse_spec", "resolve", "shipped_models", "SIZE_FULL"]
 
@@ -284,12 +287,19 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         raise SpecError(file, "model.layer_plugins", plugins, "must be a list of strings")
     for i, ref in enumerate(plugins):
         try:
-            load_plugin(ref, os.path.dirname(os.path.abspath(file)))
+            ran = load_plugin(ref, os.path.dirname(os.path.abspath(file)))
         except FileNotFoundError as e:
             raise SpecError(file, f"model.layer_plugins[{i}]", ref, f"no such file {e}") from None
+        except SystemExit as e:  # a plugin must register layer types, not end the command (exit 0, no plan)
+            raise SpecError(file, f"model.layer_plugins[{i}]", ref,
+                            f"called sys.exit({e.code!r}) while being imported; a plugin may only define and "
+                            f"register layer types") from None
         except Exception as e:  # noqa: BLE001 - a user's plugin: any failure becomes the spec's one-line error
             raise SpecError(file, f"model.layer_plugins[{i}]", ref,
                             f"cannot import: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        if ran:  # a spec with plugins is code: say which file ran, once per process
+            log.info(f"layer plugin: ran {ran} (model.layer_plugins of {file}: a spec that names plugins runs "
+                     f"their code; use only specs you trust)")
 
     modules = _flatten_modules(file, doc.get("modules", {}))
     if not modules:
