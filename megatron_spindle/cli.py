@@ -21,6 +21,8 @@ from .planner.step.build import make_plan
 from .planner.systems.tune_spindle import tune_spindle
 from .planner.systems.tuning import Workload
 from .planner.workload.cluster import load_cluster
+from .planner.simulation.simulate import step_time_ms
+from .planner.simulation.step_bound import plan_step_bound
 from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
 from .hf import cli as hf_cli
@@ -74,6 +76,8 @@ def cmd_plan(args) -> int:
     idle = idle_warning(plan)
     if idle:
         print(idle, file=sys.stderr)
+    whole = plan_step_bound(plan, cluster)  # issue 32: the whole step's bound, beside Σ C*
+    step = step_time_ms(plan, cluster)
     if args.json:
         print(json.dumps({
             "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
@@ -82,7 +86,8 @@ def cmd_plan(args) -> int:
             "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
-            "passes": passes, "plan": args.out, "gantt": args.gantt}))
+            "passes": passes, "plan": args.out, "gantt": args.gantt, "step_ms": step,
+            "step_bound_ms": whole.bound_ms, "step_bound": whole.to_json()}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]
@@ -94,6 +99,11 @@ def cmd_plan(args) -> int:
     print(grid(plan))
     print()
     print(summary(plan, planning_s))
+    print(f"step          {step:10.2f} ms   (simulated: {plan.passes} pass{'es' if plan.passes != 1 else ''}, "
+          f"transfers and the gradient sync)")
+    print(f"step bound    {whole.bound_ms:10.2f} ms   (every wave plan of this configuration: compute and paths "
+          f"{whole.compute_ms:.2f} ms, the cheapest sync adds {whole.sync_ms:.2f}); step / bound "
+          f"{step / whole.bound_ms:.3f}")
     if args.out:
         print(f"plan written to {args.out}")
     if args.gantt:

@@ -34,6 +34,7 @@ from typing import Sequence
 from .argtypes import add_workload_args, positive_int_list
 from .atomic import check_output, write_file
 from .compare_band import band_lines, fill_band, fill_mfu
+from .compare_explain import explain_row
 from .planner.systems.baselines import BASELINES, SYSTEMS
 from .planner.step.build import make_plan
 from .planner.step.execution import Execution
@@ -119,6 +120,8 @@ class Comparison:
     band: dict | None = None
     """The band's edges, rankings and whether the winner changes (:func:`.compare_band.fill_band`); ``None``
     with measured curves or ``band=False``."""
+    explanation: object | None = None
+    """Where Spindle and the best baseline differ, the winning candidate, the bounds (:mod:`.compare_explain`)."""
 
     def step_ms(self, system: str) -> float | None:
         r = self.results.get(system)
@@ -137,7 +140,8 @@ class Comparison:
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": self.tasks, "gpus": self.gpus, "cluster": self.cluster,
                 "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned, "peak_tflops": self.peak_tflops,
-                "curves": self.curves, "band": self.band, "systems": {k: r.to_json() for k, r in self.results.items()}}
+                "curves": self.curves, "band": self.band, "systems": {k: r.to_json() for k, r in self.results.items()},
+                **({"explain": self.explanation.to_json()} if self.explanation is not None else {})}
 
 
 def _result(t: Tuned, cluster, fixed: bool) -> SystemResult:
@@ -188,6 +192,8 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
         fill_mfu(cmp.results, workload, n, cl.peak_tflops)
         if band and device is not None and fixed is None:
             cmp.band = fill_band(cmp.results, workload, cl, device)
+        if len(cmp.results) > 1:  # a row with something to compare against
+            cmp.explanation = explain_row(cmp, workload, cl, curves_file=curves_file, device=device)
         out.append(cmp)
     return out
 
@@ -252,6 +258,8 @@ def format_table(cmp: Comparison) -> str:
                  f"{cmp.peak_tflops:g} TFLOP/s peak); for scale: DistTrain 54.7 %, OrchMLLM 41.6 % end to end")
     if cmp.band is not None or cmp.curves == "file":
         lines.extend(band_lines(cmp.band, cmp.results))
+    if cmp.explanation is not None:
+        lines.extend(cmp.explanation.lines())
     grids = cmp.results.get("static-grids")
     if grids is not None and grids.ok and grids.tuned is not None and grids.tuned.extra.get("grids"):
         g = grids.tuned.extra["grids"]

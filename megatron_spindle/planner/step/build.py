@@ -24,7 +24,7 @@ from ..level.scheduler import LevelSchedule
 def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
               device: DeviceModel | None = None, search: bool = True, placement: str = "spindle",
               validate: bool = True, passes: int | None = None, execution: Execution | None = None,
-              placement_budget: int = NODE_BUDGET) -> Plan:
+              placement_budget: int = NODE_BUDGET, report: dict | None = None) -> Plan:
     """Plan one pass of ``graph`` on ``cluster`` under ``execution`` (default: one pass per step, nothing
     recomputed, one phase); candidates are compared on a step of ``execution.passes`` passes and one gradient
     sync. ``passes`` is a shorthand for ``Execution(passes=passes)``.
@@ -32,7 +32,8 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
     With several task groups (``execution.groups``) each group is scheduled on its own (its levels after the
     previous group's) and its waves form one phase. ``search=False`` runs only the paper's pipeline per level;
     ``placement="sequential"`` is the naive placement ablation (consecutive devices in slice order);
-    ``placement_budget``: the placement search's node limit (the tuner's feasibility probes use a small one).
+    ``placement_budget``: the placement search's node limit (the tuner's feasibility probes use a small one);
+    ``report``: receives the whole-step choice's scoreboard (:func:`.choose.choose_whole_step`).
     """
     if execution is None:
         execution = Execution(passes=1 if passes is None else passes)
@@ -69,7 +70,7 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
         own = [("spindle, naive placement", naive)] if unplaced else [("spindle", plan), ("spindle, naive placement", naive)]
         plan = choose_whole_step(own, graph, cluster, metaops, curves, baselines=search,
                                  level_schedules=None if unplaced else sched, execution=execution,
-                                 placement_budget=placement_budget)
+                                 placement_budget=placement_budget, report=report)
         if unplaced is not None and max(plan.device_memory_bytes) > cluster.memory_limit_bytes * (1 + 1e-9):
             raise unplaced  # no candidate fits either: the placement's message says where memory ran out
     if validate:

@@ -21,7 +21,10 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
    shorter than the level-by-level one;
 4. the schedules of the baselines (:mod:`..systems.baselines`): sequential, task-level and intra-task, on the same
    MetaOps, curves and execution; and 5. every module on a fixed block of devices, level after level
-   (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks).
+   (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks);
+6. Spindle's waves inside task lanes (:mod:`.lanes`, issue 32): each task's MetaOps scheduled by the level
+   scheduler on a block of its own (no activations move between device sets), the blocks balanced, or
+   packed in time so that a task starts on the devices of one that has finished.
 
 ``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
 others are not bound by them and may end below ``Σ C*``.
@@ -39,6 +42,7 @@ from typing import Callable, Mapping, Sequence
 from ..systems import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
+from .lanes import lane_plans
 from .execution import Execution
 from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
@@ -234,17 +238,31 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
     return out, pick
 
 
+def _report(report: dict, scored, fitting, winner: str, own: int, cluster: Cluster) -> None:
+    """``winner``: the name of the candidate that won; ``candidates``: every candidate's name, simulated step
+    and whether it fits memory, in the order tried; ``own_name`` / ``own_plan``: the best fitting candidate
+    built from Spindle's own waves (the first ``own`` candidates, not a baseline's schedule), if any."""
+    fits = {s[1] for s in fitting if _fits(s[3], cluster)}
+    report["winner"] = winner
+    report["candidates"] = [{"name": name, "step_ms": t, "fits": i in fits} for t, i, name, _ in scored]
+    mine = [s for s in scored if s[1] < own and s[1] in fits]
+    if mine:
+        _, _, report["own_name"], report["own_plan"] = min(mine, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+
+
 def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
                       metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
                       baselines: bool = True, level_schedules: Sequence | None = None,
-                      execution: Execution | None = None, placement_budget: int = NODE_BUDGET) -> Plan:
+                      execution: Execution | None = None, placement_budget: int = NODE_BUDGET,
+                      report: dict | None = None) -> Plan:
     """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
 
     ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
     unless ``baselines`` is false (``--no-search``: the paper's pipeline only), and, when the levels'
     schedules are given, their alternatives chosen by the step and the waves across levels (one phase
     only: waves across levels would cross phases). The step is the execution's passes of the plan and one
-    gradient sync (gradient accumulation).
+    gradient sync (gradient accumulation). ``report``, when given, receives the scoreboard
+    (:func:`_report`).
     """
     one_phase = len({w.phase for w in plans[0][1].waves}) <= 1
     steps = _Steps(cluster)
@@ -256,6 +274,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
                                             naive=naive, steps=steps)
         plans = list(plans) + by_step \
             + first_search_plans(plans[0][1], graph, cluster, metaops, curves, level_schedules, b, picked=picked) \
+            + lane_plans(plans[0][1], graph, cluster, metaops, curves, (execution or Execution()).groups) \
             + (_cross_level_plans(plans[0][1], graph, cluster, metaops, curves, tuples, b) if one_phase else [])
     scored: list[tuple[float, int, str, Plan]] = []
     for i, (name, p) in enumerate(plans):
@@ -269,6 +288,8 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
         scored.append((steps(p), len(plans) + j, name, p))
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
     t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+    if report is not None:
+        _report(report, scored, fitting, name, len(plans), cluster)
     if best.system == "spindle":
         return best  # Spindle's own level-by-level waves (1, 1' or 2)
     own = plans[0][1]

@@ -1,0 +1,260 @@
+"""Spindle's waves inside task lanes: a whole-step candidate that pays neither the transfers of waves that move a
+MetaOp between device sets nor the idle devices of fixed power-of-two task shares (issue 32, part 1).
+
+On thin per-device batches the whole step is decided by what Spindle's level-by-level waves pay beyond
+compute: a MetaOp that moves between device sets from wave to wave moves its activations (across islands,
+often), and a shared weight spread over many devices pays a large all-reduce. The task-level baseline pays
+neither (each task stays on its own devices) but idles a third of the cluster: its shares are whole valid
+counts and its lanes finish at different times. This candidate keeps the lanes and fills them:
+
+1. **Lanes.** Within each phase (the execution's task groups; one phase: every task), one lane per task on a
+   contiguous block of devices. Lane sizes balance the lanes' estimated makespans: a lane's estimate on ``n``
+   devices is the sum over its levels of ``C*`` (:func:`..level.allocate.allocate_level`, the relaxed optimum
+   the waves approach), and devices move from the lane that would finish first to the one that would finish
+   last while that lowers the latest (halving the step, from an eighth of the smaller lane down to one device).
+   Sizes need not be valid counts: Spindle's bi-point waves use every device of a lane.
+2. **Waves per lane.** Each lane's MetaOps are scheduled by the level scheduler (:func:`.assemble.schedule`,
+   the paper's pipeline) on the lane's devices, each wave's slices on consecutive devices of the lane, a slice
+   of a MetaOp that ran in the lane's previous wave starting where that one started (its activations mostly
+   stay where they are).
+3. **Merging.** The ``k``-th waves of a phase's lanes form one wave (lanes on disjoint devices run at their own
+   pace in the simulator and the runtime: no barrier at a wave's end), phase after phase.
+
+The whole-step choice (:mod:`.choose`) times it with the others; it wins only where its simulated step is the
+shortest, so it can make no plan slower.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..level.allocate import allocate_level
+from ..level.waves import Wave, WaveSlice
+from ..systems.shares import min_share
+from ..workload.curves import ScalingCurve
+from ..workload.metaops import MetaOp, levels
+from .assemble import assemble_plan, schedule
+
+#: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
+#: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
+LANES_MAX_DEVICES = 512
+#: Bisection steps on the lanes' common makespan target.
+TARGET_STEPS = 40
+
+
+def lane_estimate(ms: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], n: int) -> float:
+    """A lane's makespan on ``n`` devices, estimated per level: a level of one MetaOp runs at its best valid
+    count ``≤ n`` (one slice per wave: devices beyond it idle), a level of several at ``C*``."""
+    out = 0.0
+    for lv in levels(ms):
+        if len(lv) == 1:
+            m = lv[0]
+            counts = [c for c in m.valid_counts(n) if c <= n]
+            out += m.num_layers * min((curves[m.name].count_time(c) for c in counts), default=float("inf"))
+        else:
+            out += allocate_level({m.name: m.num_layers for m in lv}, curves, n).c_star_ms
+    return out
+
+
+def lane_sizes(lanes: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCurve], num_devices: int,
+               island: int = 8) -> list[int] | None:
+    """Devices per lane (summing to ``num_devices``), ``None`` when the lanes' smallest sizes do not fit: the
+    smallest sizes whose estimates (:func:`lane_estimate`, non-increasing in ``n``) meet a common target,
+    the target bisected to the least that fits; devices left over go to the lane estimated to finish last
+    while that shortens it."""
+    N = num_devices
+    mins = [min_share(ms, N) for ms in lanes]
+    if sum(mins) > N:
+        return None
+    memo: dict[tuple[int, int], float] = {}
+
+    def t(i: int, n: int) -> float:
+        if (i, n) not in memo:
+            memo[(i, n)] = lane_estimate(lanes[i], curves, n)
+        return memo[(i, n)]
+
+    def need(i: int, target: float) -> int:
+        lo, hi = mins[i], N  # the smallest n in [lo, hi] with t(i, n) <= target (hi when none)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if t(i, mid) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    lo = max(t(i, N) for i in range(len(lanes)))
+    hi = max(t(i, mins[i]) for i in range(len(lanes)))
+    best = mins
+    for _ in range(TARGET_STEPS):
+        mid = (lo + hi) / 2
+        sizes = [need(i, mid) for i in range(len(lanes))]
+        if sum(sizes) <= N:
+            hi, best = mid, sizes
+        else:
+            lo = mid
+    sizes = [need(i, hi) for i in range(len(lanes))] if sum(need(i, hi) for i in range(len(lanes))) <= N else best
+    for _ in range(N - sum(sizes)):  # leftovers: to the lane that would finish last, while that helps
+        i = max(range(len(lanes)), key=lambda i: (t(i, sizes[i]), -i))
+        if not t(i, sizes[i] + 1) < t(i, sizes[i]) * (1 - 1e-12):
+            i = min(range(len(lanes)), key=lambda i: (sizes[i], i))  # none helps: the smallest lane
+        sizes[i] += 1
+    return sizes
+
+
+def _lane_ranks(waves: Sequence[Wave], first: int, size: int) -> list[list[tuple[int, ...]]]:
+    """Ranks of every slice of a lane's waves on devices ``first .. first + size - 1``: a MetaOp that ran in
+    the previous wave starts where it started when that block is free; the others take the first free
+    consecutive block (the first free devices when no block is left), in slice order."""
+    out: list[list[tuple[int, ...]]] = []
+    prev: dict[str, int] = {}  # MetaOp -> first device offset in the previous wave
+    for w in waves:
+        used: set[int] = set()
+        got: list[tuple[int, ...] | None] = [None] * len(w.slices)
+        for si, s in enumerate(w.slices):
+            o = prev.get(s.metaop)
+            if o is not None and o + s.devices <= size and not used & set(range(o, o + s.devices)):
+                got[si] = tuple(range(o, o + s.devices))
+                used.update(got[si])
+        for si, s in enumerate(w.slices):
+            if got[si] is None:
+                o = next((o for o in range(size - s.devices + 1) if not used & set(range(o, o + s.devices))), None)
+                got[si] = tuple(range(o, o + s.devices)) if o is not None else \
+                    tuple([d for d in range(size) if d not in used][:s.devices])
+                used.update(got[si])
+        prev = {s.metaop: r[0] for s, r in zip(w.slices, got)}
+        out.append([tuple(first + d for d in r) for r in got])
+    return out
+
+
+def _best_valid(ms: Sequence[MetaOp], curves, n: int, memo) -> int:
+    """The smallest size ``≤ n`` with the same estimate as ``n`` (devices beyond it would idle)."""
+    t = memo(n)
+    while n > 1 and memo(n - 1) <= t * (1 + 1e-12):
+        n -= 1
+    return n
+
+
+#: Orders in which :func:`pack` places the tasks: longest first, largest area first, widest first.
+ORDERS = ("time", "area", "size")
+#: Rounds of the size search in :func:`pack_sizes`.
+SIZE_ROUNDS = 3
+
+
+def pack(sizes: Sequence[int], times: Sequence[float], num_devices: int, island: int, order: str = "time"
+         ) -> tuple[float, list[tuple[int, float]]]:
+    """List scheduling of task blocks: tasks in ``order`` (:data:`ORDERS`), each on the contiguous block of
+    its size (aligned to its size within an island, to whole islands beyond) that frees first, lowest device
+    first on ties. ``(makespan, [(first device, start)] per task)``."""
+    key = {"time": lambda i: (-times[i], i), "area": lambda i: (-times[i] * sizes[i], i),
+           "size": lambda i: (-sizes[i], -times[i], i)}[order]
+    free = np.zeros(num_devices)
+    out: list = [None] * len(sizes)
+    for i in sorted(range(len(sizes)), key=key):
+        n = sizes[i]
+        align = n if n <= island and island % n == 0 else (island if n % island == 0 else 1)
+        if align > 1:
+            offsets = np.arange(0, num_devices - n + 1, align)
+        else:  # the lowest earliest block starts where the free times change (sliding left never hurts)
+            offsets = np.concatenate(([0], np.flatnonzero(np.diff(free)) + 1))
+            offsets = offsets[offsets <= num_devices - n]
+        starts = sliding_window_view(free, n)[offsets].max(axis=1)
+        j = int(np.argmin(starts))  # the first of the earliest
+        o, start = int(offsets[j]), float(starts[j])
+        free[o:o + n] = start + times[i]
+        out[i] = (o, start)
+    return float(free.max()), out
+
+
+def best_pack(sizes: Sequence[int], times: Sequence[float], num_devices: int, island: int):
+    """The shortest of :func:`pack` over :data:`ORDERS`: ``(makespan, order, placement)``."""
+    return min(((*pack(sizes, times, num_devices, island, o), o) for o in ORDERS),
+               key=lambda r: (r[0], ORDERS.index(r[2])))
+
+
+def pack_sizes(lanes: Sequence[Sequence[MetaOp]], curves, num_devices: int, island: int) -> list[int] | None:
+    """Sizes for :func:`pack`: the balanced lane sizes (:func:`lane_sizes`) cut to the devices their
+    estimates use, then improved by :data:`SIZE_ROUNDS` rounds of the best move among doubling or halving one
+    task's size or doubling two, judged by :func:`best_pack`'s makespan."""
+    sizes = lane_sizes(lanes, curves, num_devices, island)
+    if sizes is None:
+        return None
+    mins = [min_share(ms, num_devices) for ms in lanes]
+    memo: dict[tuple[int, int], float] = {}
+
+    def t(i: int, n: int) -> float:
+        if (i, n) not in memo:
+            memo[(i, n)] = lane_estimate(lanes[i], curves, n)
+        return memo[(i, n)]
+
+    def span(sz):
+        return best_pack(sz, [t(i, n) for i, n in enumerate(sz)], num_devices, island)[0]
+
+    sizes = [_best_valid(lanes[i], curves, n, lambda k, i=i: t(i, k)) for i, n in enumerate(sizes)]
+    best = span(sizes)
+    k = len(lanes)
+    for _ in range(SIZE_ROUNDS):
+        moves = [{i: f} for i in range(k) for f in (2, 0.5)] + \
+            [{i: 2, j: 2} for i in range(k) for j in range(i + 1, k)]
+        found = None
+        for mv in moves:
+            trial = [int(n * mv.get(i, 1)) for i, n in enumerate(sizes)]
+            if any(n < mins[i] or n > num_devices for i, n in enumerate(trial)) or trial == sizes:
+                continue
+            got = span(trial)
+            if got < (found[0] if found else best) * (1 - 1e-9):
+                found = (got, trial)
+        if found is None:
+            break
+        best, sizes = found
+    return sizes
+
+
+def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
+               groups: Sequence[Sequence[str]] = (), island: int = 8, *, packed: bool = True
+               ) -> tuple[list[Wave], dict[tuple[int, int], tuple[int, ...]]] | None:
+    """The candidate's waves and ranks (module docstring), ``None`` when the lanes do not fit; ``packed``:
+    tasks packed in time (:func:`pack_sizes`), else every task from the start on its balanced lane
+    (:func:`lane_sizes`, consecutive blocks in task order)."""
+    tasks = list(dict.fromkeys(m.task for m in metaops))
+    phases = [list(g) for g in groups] or [tasks]
+    waves: list[Wave] = []
+    ranks: dict[tuple[int, int], tuple[int, ...]] = {}
+    clock = 0.0
+    for phase, names in enumerate(phases):
+        lanes = [ms for ms in ([m for m in metaops if m.task == t] for t in names) if ms]
+        sizes = (pack_sizes if packed else lane_sizes)(lanes, curves, num_devices, island)
+        if sizes is None:
+            return None
+        own = [[w for ls in schedule(ms, curves, n, search=False) for w in ls.waves] for ms, n in zip(lanes, sizes)]
+        times = [sum(w.duration_ms for w in lw) for lw in own]
+        where = best_pack(sizes, times, num_devices, island)[1] if packed else \
+            [(sum(sizes[:i]), 0.0) for i in range(len(sizes))]
+        for i in sorted(range(len(lanes)), key=lambda i: (where[i][1], where[i][0])):  # tasks by start
+            for w, rs in zip(own[i], _lane_ranks(own[i], where[i][0], sizes[i])):
+                out = Wave(level=len(waves), start_ms=clock, duration_ms=w.duration_ms, phase=phase)
+                for s, r in zip(w.slices, rs):
+                    ranks[(len(waves), len(out.slices))] = r
+                    out.slices.append(WaveSlice(metaop=s.metaop, layer_start=s.layer_start, layers=s.layers,
+                                                devices=s.devices, time_ms=s.time_ms))
+                clock += w.duration_ms
+                waves.append(out)
+    return waves, ranks
+
+
+def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
+               groups: Sequence[Sequence[str]] = ()) -> list[tuple[str, object]]:
+    """The candidates as ``(name, plan)`` (balanced lanes, then packed; none where the lanes do not fit), with
+    ``own``'s levels, passes and optimizer (``own``: Spindle's own plan)."""
+    if cluster.num_devices > LANES_MAX_DEVICES:
+        return []
+    out = []
+    for name, packed in (("spindle, task lanes", False), ("spindle, task lanes, packed", True)):
+        got = lane_waves(metaops, curves, cluster.num_devices, groups, cluster.gpus_per_node, packed=packed)
+        if got is not None:
+            out.append((name, assemble_plan(graph, cluster, metaops, curves, own.levels, got[0], got[1],
+                                            system="spindle", passes=own.passes,
+                                            distributed_optimizer=own.distributed_optimizer)))
+    return out
