@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 
-from launch_path import ROOT, SPEC, base_env, launch, losses, spindle, start
+from launch_path import ROOT, SPEC, base_env, fill_disk, launch, losses, spindle, start
 
 SCRIPT = "`run_multitask_clip.sh`"
 CLI = "`spindle`"
@@ -96,12 +96,7 @@ def issue33(w: str, row, tmpfs):
             run = launch(["--tensorboard-dir", os.path.join(mnt, "tb"), "--spindle-gantt", "", "--log-interval", "5"],
                          w, TRAIN_ITERS=120, OUT=mnt)
             run.wait_for(r"iteration +5/120")
-            try:
-                with open(os.path.join(mnt, "filler"), "wb") as fh:
-                    while True:
-                        fh.write(b"\0" * (1 << 16))
-            except OSError:
-                pass
+            fill_disk(mnt)
             r = run.wait(600)
             yield row("33.4", "`--tensorboard-dir` and the trace on a disk that fills mid-run", SCRIPT, r,
                       shown=_out(r, "warning:") + ("; trained to 120/120" if "120/120" in r.out else ""))

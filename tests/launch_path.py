@@ -118,6 +118,16 @@ class Result:
         return [line for line in self.err if "error:" in line]
 
 
+def fill_disk(directory: str, chunk: int = 1 << 16) -> None:
+    """Write zeros into ``directory/filler`` until the file system refuses (a disk that fills mid-run)."""
+    try:
+        with open(os.path.join(directory, "filler"), "wb") as fh:
+            while True:
+                fh.write(b"\0" * chunk)
+    except OSError:
+        pass
+
+
 def start(cmd: list[str], env: dict, tmp: str, cwd: str = ROOT) -> Run:
     marker = uuid.uuid4().hex
     env = {**env, "SPINDLE_RUN_MARK": marker}

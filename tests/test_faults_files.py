@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 
-from launch_path import base_env, launch, losses, start
+from launch_path import base_env, fill_disk, launch, losses, start
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -156,12 +156,7 @@ def test_4_a_disk_that_fills_under_tensorboard_and_the_trace_is_a_warning_each(t
         run = launch(["--tensorboard-dir", os.path.join(mnt, "tb"), "--spindle-gantt", "", "--log-interval", "5"],
                      str(tmp_path), TRAIN_ITERS=120, OUT=mnt)
         run.wait_for(r"iteration +5/120")
-        try:
-            with open(os.path.join(mnt, "filler"), "wb") as fh:
-                while True:
-                    fh.write(b"\0" * (1 << 16))
-        except OSError:
-            pass
+        fill_disk(mnt)
         r = run.wait(600)
         assert r.rc == 0 and r.err == [], r.err
         warned = [line for line in r.out.splitlines() if line.startswith("warning:")]

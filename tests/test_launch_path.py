@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from launch_path import (BAD_INPUTS, base_env, bare_torchrun, free_port, launch, make_inputs, run_processes,
-                         spindle, start, substitute)
+from launch_path import (BAD_INPUTS, base_env, bare_torchrun, fill_disk, free_port, launch, make_inputs,
+                         run_processes, spindle, start, substitute)
 
 
 @pytest.fixture(scope="module")
@@ -218,12 +218,7 @@ def test_a_save_that_fails_leaves_no_tmp(tmp_path):
     try:
         run = launch(["--save", mnt, "--save-interval", "1"], str(tmp_path), TRAIN_ITERS=200)
         run.wait_for(r"saved checkpoint \S+ at iteration 1\b")
-        try:
-            with open(os.path.join(mnt, "filler"), "wb") as fh:
-                while True:
-                    fh.write(b"\0" * (1 << 20))
-        except OSError:
-            pass
+        fill_disk(mnt, 1 << 20)
         r = run.wait(300)
         assert r.rc == 2 and len(r.err) == 1, r.err
         assert "cannot write checkpoint" in r.err[0] and "no space left on device" in r.err[0], r.err
