@@ -96,6 +96,13 @@ def test_validation_rules_name_the_wave_and_device():
         dataclasses.replace(s, wave=0) for s in last.slices)),) + p.waves[1:-1] + (dataclasses.replace(last, slices=()),))
     rules, _ = _rules(moved)
     assert 5 in rules
+    # two MetaOps sharing a weight at different tensor-parallel degrees (their shards could not be summed)
+    shared = next(k for k in sorted({k for m in p.metaops for k in m.param_keys if k})
+                  if sum(k in m.param_keys for m in p.metaops) > 1)
+    m = next(m for m in p.metaops if shared in m.param_keys)
+    rules, text = _rules(dataclasses.replace(p, metaops=tuple(
+        dataclasses.replace(x, tp=x.tp * 2) if x is m else x for x in p.metaops)))
+    assert 3 in rules and f"holds weight {shared!r} at tp=" in text
     with pytest.raises(PlanError, match="rule 9"):
         check_plan(p, world_size=8)
     with pytest.raises(PlanError, match="not for this model"):

@@ -6,7 +6,8 @@ Rules:
 2. no device is used twice in one wave;
 3. a slice's device count is valid for its MetaOp (``tp · d``, ``d`` dividing the batch) and its ``tp``
    equals the MetaOp's; every tensor-parallel group lies in one island and lists its ranks in ascending
-   order (a device's position in the group is its rank in the torch process group);
+   order (a device's position in the group is its rank in the torch process group); MetaOps that share a
+   weight shard it one way (the same ``tp``: a device's copies of one shard are summed into one gradient);
 4. every layer of every MetaOp is scheduled exactly once;
 5. dependencies: a slice starts after its MetaOp's earlier layers and its producers' last layers, i.e. in a
    later wave;
@@ -97,6 +98,13 @@ def violations(plan: Plan) -> list[Violation]:
                         out.append(Violation(3, f"slice {s.name}: tensor-parallel group {grp} is not in ascending "
                                                 f"rank order (a device's position must be its rank in the group)",
                                              w.index, grp[0]))
+    held_at: dict[str, tuple[int, str]] = {}  # weight -> (tp, first MetaOp holding it)
+    for m in plan.metaops:
+        for key in dict.fromkeys(k for k in m.param_keys if k):
+            tp, first = held_at.setdefault(key, (m.tp, m.name))
+            if tp != m.tp:
+                out.append(Violation(3, f"{m.name} holds weight {key!r} at tp={m.tp}, {first} at tp={tp}: MetaOps "
+                                        f"that share a weight must shard it the same way"))
     # 4
     layers_of: dict[str, list[tuple[int, int, int]]] = {m.name: [] for m in plan.metaops}
     for w in plan.waves:
