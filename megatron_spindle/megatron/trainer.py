@@ -213,10 +213,11 @@ class Trainer:
         samples = self.accum * self.micro * len(self.plan.tasks)
         flops, peak = self._model_flops()
         tf = tflops_per_device(flops, dt * 1e3, self.world)
+        # MFU only where the peak is the device's: CPU ranks have no GPU peak to be a fraction of
+        util = f"MFU {mfu(flops, dt * 1e3, self.world, peak):.2%} of {peak:g} | " if self.device.type == "cuda" else ""
         log.info(f"iteration {it + 1:5d}/{self.args.train_iters} | loss {sum(losses.values()):.4f} ({per}) | "
-                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | {tf:.3g} TFLOP/s per GPU | "
-                 f"MFU {mfu(flops, dt * 1e3, self.world, peak):.2%} of {peak:g} | grad norm {norm:.3f} | "
-                 f"lr {self.optimizer.param_groups[0]['lr']:.2e}")
+                 f"step {dt:.3f} s | {samples / dt:8.1f} samples/s | {tf:.3g} TFLOP/s per GPU | {util}"
+                 f"grad norm {norm:.3f} | lr {self.optimizer.param_groups[0]['lr']:.2e}")
 
     def _model_flops(self) -> tuple[float, float]:
         """(model FLOPs of one step of the current task set, peak TFLOP/s per device of the planning cluster)."""
