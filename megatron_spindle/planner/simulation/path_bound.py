@@ -17,7 +17,8 @@ Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.ti
    island and ``y`` across take at least ``max(x/B_intra, y/B_inter) ≥ (x+y)/(B_intra+B_inter)`` plus the
    smaller latency (:func:`edge_ms`). Layers in one slice have equal counts, and the bound is 0 there: so
    every plan pays at least ``c(n_{i-1}, n_i)`` forward and (when the producer's backward runs) the mirror
-   image backward.
+   image backward. When the two rank sets differ but the counts are equal, some consumer rank is no producer
+   rank (``moved``), so a change of rank set always costs at least one rank's share of the batch.
 2. **Path.** So the pass is at least ``Σ_i T_i + Σ_edges (forward + backward)``, at the counts that minimise it
    (a chain: dynamic programming over the counts, exact).
 3. **Tail.** Layer ``j``'s gradient on this path is complete (:mod:`.grad_buckets`: a slice's layers complete
@@ -27,10 +28,21 @@ Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.ti
    holding it starts no earlier and runs at least one ring all-reduce of the shard over that many devices
    (:func:`.link_costs.allreduce_time_ms`, with the faster link and the smaller latency unless it cannot fit
    one island): the sync ends at ``E ≥ r_j + AR_j(n_j)``, and ``step = (K−1)·t_pass + max(t_pass, E)``.
-   Minimised over the counts (prefix and suffix programs meeting at layer ``j``), then maximised over ``j``.
-4. **Memory.** Where a count cannot hold one layer's stash and its weight's smallest state (bf16 weight and
+4. **Shared devices.** The layers ``s..j`` since the path last changed rank set run on the same devices, so
+   every one of those devices holds all their weights; their gradients are complete no earlier than
+   layer ``j``'s (the backward runs down the path), and the all-reduces on one device run one after another
+   (:func:`.link_costs.schedule_collectives`): ``E ≥ r_j + Σ_{i=s..j} AR_i`` (the bytes parts, and one latency:
+   weights in one bucket share it). And over every layer ``i ≤ j`` of the path, each weight's groups hold at
+   least ``n_i`` device memberships in all, so some device pays at least the mean ``Σ_i n_i·AR_i / N``:
+   ``E ≥ r_j + Σ_{i≤j} n_i·AR_i/N``. A weight met twice on the path counts once.
+5. **Memory.** Where a count cannot hold one layer's stash and its weight's smallest state (bf16 weight and
    fp32 gradient, the optimizer sharded over every device), no plan that fits memory uses it: such counts
    are left out (``memory_limit``; ``None`` keeps every valid count).
+6. **With the area.** ``step ≥ K·t_pass`` and ``step ≥ (K−1)·t_pass + E``, so for ``λ ∈ [0, 1]``
+   ``step ≥ (K−1+λ)·X + (1−λ)·E`` with ``X`` the area (every layer's ``n·T(n)/N``) at the same counts: the
+   layers off the path at their cheapest, the path's in the chain. For each ``λ`` of :data:`LAMBDAS` the
+   least over the counts (prefix programs for items 3-4 meeting suffix programs at layer ``j``, exact on the
+   chain), then the largest over ``j``, ``λ`` and the paths.
 """
 from __future__ import annotations
 
@@ -96,20 +108,29 @@ def edge_ms(src: MetaOp, ns: np.ndarray, dst: MetaOp, nd: np.ndarray, bytes_per_
     return np.where(load > 0, load / bw * 1e3 + lat, 0.0)
 
 
-def allreduce_floor_ms(h: np.ndarray, nbytes: float, cluster: Cluster) -> np.ndarray:
-    """Least time of a ring all-reduce of ``nbytes`` over at least ``h`` devices (item 3)."""
+def allreduce_parts_ms(h: np.ndarray, nbytes: float, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """``(bytes, latency)`` parts of the least time of a ring all-reduce of ``nbytes`` over at least ``h``
+    devices (item 3). Weights in one bucket share its latencies, their bytes add up: a sum over weights counts
+    the bytes parts and one latency."""
     inside = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
     fits = h <= cluster.gpus_per_node
     bw = np.where(fits, max(cluster.intra_bandwidth_gbps, cluster.inter_bandwidth_gbps),
                   cluster.inter_bandwidth_gbps) * 1e9
     lat = np.where(fits, min(inside, cluster.inter_latency_us), cluster.inter_latency_us) * 1e-3
     hh = np.maximum(h, 1)
-    return np.where(h > 1, 2 * (hh - 1) * lat + 2.0 * (hh - 1) / hh * nbytes / bw * 1e3, 0.0)
+    return (np.where(h > 1, 2.0 * (hh - 1) / hh * nbytes / bw * 1e3, 0.0),
+            np.where(h > 1, 2 * (hh - 1) * lat, 0.0))
+
+
+def allreduce_floor_ms(h: np.ndarray, nbytes: float, cluster: Cluster) -> np.ndarray:
+    """Least time of a ring all-reduce of ``nbytes`` over at least ``h`` devices (item 3)."""
+    moved, lat = allreduce_parts_ms(h, nbytes, cluster)
+    return moved + lat
 
 
 class PathTerms:
-    """Items 1-5 for every path: ``path_ms`` (the largest least pass over the paths) and ``tail_ms`` (the
-    largest least end of the sync)."""
+    """Items 1-6 for every path: ``path_ms`` (the largest least pass over the paths, item 2) and
+    ``sync_step_ms`` (the largest least step by the end of the sync, items 3-6)."""
 
     def __init__(self, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], cluster: Cluster,
                  passes: int = 1, *, grad_bytes: int = 4, memory_limit: float | None = None,
@@ -147,7 +168,7 @@ class PathTerms:
             self.time.append(t)
             self.area.append(np.where(t < UNUSABLE, self.grid * t / N, UNUSABLE))
             self.layer_ar.append([None if not k or k in frozen else
-                                  allreduce_floor_ms(self.grid // m.tp, shard_params[k] * grad_bytes, cluster)
+                                  allreduce_parts_ms(self.grid // m.tp, shard_params[k] * grad_bytes, cluster)
                                   for k in m.param_keys])
         self.paths = paths(self.metaops)
         self._edges: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -172,7 +193,7 @@ class PathTerms:
         return got
 
     def _chain(self, path: Sequence[int]) -> tuple[float, float]:
-        """``(least pass, least step by the sync's end)`` of one path (items 2, 3, 5 and 6)."""
+        """``(least pass, least step by the sync's end)`` of one path (items 2-6)."""
         layers = [(i, j) for i in path for j in range(self.metaops[i].num_layers)]
         seen: set[str] = set()
         ar = []  # a weight met twice on the path counts at its first layer only
@@ -181,7 +202,8 @@ class PathTerms:
             ar.append(self.layer_ar[i][j] if k not in seen else None)
             seen.add(k)
         on = set(path)
-        rest = sum(m.num_layers * float(self.area[i].min()) for i, m in enumerate(self.metaops) if i not in on)
+        rest = sum(m.num_layers * float(self.area[i].min()) for i, m in enumerate(self.metaops)
+                   if i not in on and len(self.counts[i]))  # a MetaOp no plan can run adds nothing
         M, lam = len(layers), self.lambdas
         wa, wt = self.passes - 1 + lam, 1 - lam  # weights of the area and of the sync's end (item 6)
         suf = [None] * M  # layers t.. at full time, every edge after t both ways, given n_t (and its area)
@@ -195,7 +217,7 @@ class PathTerms:
             suf[t] = wa * self.area[a] + wt * self.time[a] + (wt[:, :, None] * (f + g) + suf[t + 1][:, None, :]).min(axis=2)
         length = float(plain.min())
         # prefix: layers before t at their forward share, the edges up to t forward, given n_t; ``run`` adds the
-        # all-reduces of the layers since the last change of rank set (item 3), ``mean`` their mean (item 5)
+        # all-reduces of the layers since the last change of rank set, ``mean`` their mean per device (item 4)
         best = 0.0
         pre = np.zeros((len(lam), len(self.grid)))
         run, mean = pre.copy(), pre.copy()
@@ -209,8 +231,9 @@ class PathTerms:
                                   np.minimum(run + unary[:, :, 0], (pre[:, :, None] + unary + wt[:, :, None] * away).min(axis=1)),
                                   (mean[:, :, None] + unary + wt[:, :, None] * f).min(axis=1))
             if ar[t] is not None:
-                run = run + wt * ar[t]
-                mean = mean + wt * share * ar[t]
-                least = np.maximum((run + suf[t]).min(axis=1), (mean + suf[t]).min(axis=1))
+                moved, lat = ar[t]
+                run = run + wt * moved
+                mean = mean + wt * share * moved
+                least = np.maximum((run + wt * lat + suf[t]).min(axis=1), (mean + wt * share * lat + suf[t]).min(axis=1))
                 best = max(best, float((least + wa[:, 0] * rest).max()))
         return length, best
