@@ -283,3 +283,33 @@ def test_bert_large_pretraining_throughput_on_a100():
     (eager floor) is within 7 % (+5.7 %: slower than measured)."""
     assert dle_error(fast_edge(DEV)) < 0.0 < dle_error(slow_edge(DEV))
     assert abs(dle_error(DEV)) < 0.07
+
+
+#: The only training measurement at several small per-device batches found (issue 31's search): NVIDIA
+#: DeepLearningExamples ``TensorFlow/LanguageModeling/BERT/README.md`` at commit 4b09b347 (2019-03-19), "Training
+#: performance results": SQuAD fine-tuning of BERT-large (24 layers, h 1024, sequence 384) on ONE V100, TensorFlow
+#: 19.03, FP16, XLA on (``scripts/run_squad.sh`` default), sentences/s: batch -> [measurements] (DGX-1 16G: 2, 3;
+#: DGX-1 32G and DGX-2: 4, 10).
+TF_BERT_LARGE_SQUAD_V100 = {2: [11.86], 3: [14.86], 4: [18.14, 17.43], 10: [27.69, 28.72]}
+
+
+def fit_step_intercept(sps: dict) -> tuple[float, float, float]:
+    """Relative least squares of ``step = C + B·w`` on (batch, sentences/s): (C ms, w ms, largest error)."""
+    pts = [(b, b / v * 1e3) for b, vs in sps.items() for v in vs]
+    s11 = sum(1 / t ** 2 for _, t in pts)
+    s12 = sum(b / t ** 2 for b, t in pts)
+    s22 = sum((b / t) ** 2 for b, t in pts)
+    b1, b2 = sum(1 / t for _, t in pts), sum(b / t for b, t in pts)
+    det = s11 * s22 - s12 ** 2
+    c, w = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    return c, w, max(abs((c + b * w) / t - 1) for b, t in pts)
+
+
+def test_training_step_intercept_bounds_every_edge_floor():
+    """A training step of BERT-large at 2-10 samples per device costs C = 129 ms + 22.9 ms per sample (6 points
+    within 4 %). C holds the 24 layers' floors and the per-step work (optimizer, the framework's step), which
+    the data cannot separate: at most C / 24 = 5.4 ms per layer. Every edge's floor fits under that bound."""
+    c, w, err = fit_step_intercept(TF_BERT_LARGE_SQUAD_V100)
+    assert 120 < c < 140 and 20 < w < 26 and err < 0.04, (c, w, err)
+    for dev in (fast_edge(DEV), DEV, slow_edge(DEV)):
+        assert 24 * dev.latency_ms("transformer_layer") < c

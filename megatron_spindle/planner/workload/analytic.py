@@ -60,13 +60,18 @@ tests/test_analytic_curves.py re-checks every anchor point):
   training at their largest batch) and (c) ``results/benchmark-infer-amp-nchw-pt291-cu128-4090.csv``
   (ViT-S/B/L/H/g/G inference at batch 1024): ViT-class shape only, each family with its own level (other
   GPUs). Least squares over the 15 relative errors, with the default (eager) floor in source (a)'s times:
-  ``max_efficiency`` 0.76, ``half_efficiency_hidden`` 390; largest errors 8 % (GPT family), 10 % (ViT
+  ``max_efficiency`` 0.76, ``half_efficiency_hidden`` 390; largest errors 9 % (GPT family), 10 % (ViT
   training), 8 % (ViT inference). (FlashAttention's training is eager PyTorch with fused kernels, no CUDA
   graphs: the eager floor belongs in its fit.)
 * **Not reproduced.** Narayanan et al. (SC21, arXiv 2104.04473) Figure 7 (GPT, h = 4096, 4 layers, one
-  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens
-  that this model (latency only) does not show; whole-iteration overheads of that 4-layer model are the
-  likely cause, but if not, the model is optimistic for wide layers at small batches.
+  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens;
+  the default (eager floor) gives about 9 %. Whole-iteration overheads of that 4-layer model are the likely
+  cause, but if not, the model is optimistic for wide layers at small batches.
+* **A training bound (issue 31).** The only training measurement at several small per-device batches found:
+  DeepLearningExamples ``TensorFlow/LanguageModeling/BERT/README.md`` at commit 4b09b347 (2019-03-19), SQuAD
+  fine-tuning of BERT-large (sequence 384) on one V100, TF 19.03 FP16 + XLA, batch 2 / 3 / 4 / 10: 11.86 /
+  14.86 / 18.14 / 27.69 sentences/s: step = 129 ms + 22.9 ms per sample. The 129 ms holds the 24 layers'
+  floors and the per-step work together (not separable): at most 5.4 ms per layer, above every edge.
 
 * **The band (issue 31).** :func:`fast_edge` is the fused / CUDA-graph floor with the default level (the other
   execution mode); :func:`slow_edge` is the eager column's batch-1 latency as floor with Megatron-LM 2021's end-to-end
