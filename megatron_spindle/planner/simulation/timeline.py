@@ -18,6 +18,12 @@ modules) each run at their own pace, and a wave's shorter slices do not wait for
 
 The pass ends when the last device finishes. Returned with every slice's backward end, which is when its
 weights' gradients are complete (:mod:`.grad_buckets`).
+
+With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank that sends or receives ``k``
+messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
+boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive
+``transit_ms(t_boundary)`` after the later of the two ends has posted (the link's latency less the post it
+contains). Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the boundary.
 """
 from __future__ import annotations
 
@@ -27,13 +33,15 @@ from typing import Mapping
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .link_costs import boundary_time_ms
+from .runtime_costs import RuntimeCosts
 from ..step.plan import Plan
 
 
 def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
-                  transfers: bool = True) -> tuple[float, dict[str, float]]:
+                  transfers: bool = True, runtime: RuntimeCosts | None = None) -> tuple[float, dict[str, float]]:
     """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
-    with free communication (the difference is the pass's exposed transfer)."""
+    with free communication (the difference is the pass's exposed transfer); ``runtime``: the measured costs
+    of posting each boundary's batch (module docstring)."""
     N = plan.world_size
     free = [0.0] * N
     fwd_end: dict[str, float] = {}
@@ -54,13 +62,23 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             flows_b[("wave", t.wave)].append(t.backward)
         cost_f = {k: _batch_ms(v, cluster) for k, v in flows_f.items()}
         cost_b = {k: _batch_ms(v, cluster) for k, v in flows_b.items()}
+    post_f: dict[int, dict[int, float]] = {}  # wave -> rank -> host ms posting its batch (measured costs only)
+    post_b: dict[int, dict[int, float]] = {}
+    if transfers and runtime is not None:
+        post_f, post_b = _post_ms(plan, runtime)
+        cost_f = {k: runtime.transit_ms(v) for k, v in cost_f.items()}
+        cost_b = {k: runtime.transit_ms(v) for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
 
-    def run(wi: int, edges, peer, done: dict, cost: dict, share: float) -> None:
+    def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
-        ``share`` of its time long. Both directions move an edge's messages in the batch of its consumer's
+        ``share`` of its time long; each rank's ``post`` ms at this boundary before the slices (forward) or
+        after them (backward). Both directions move an edge's messages in the batch of its consumer's
         wave (``t.wave``)."""
+        if not backward:  # forward: the boundary's batch is posted before the wave's slices
+            for r, ms in post.get(wi, {}).items():
+                free[r] += ms
         at_boundary = list(free)
         reached: dict[str, float] = {}  # a slice's devices' latest arrival at this boundary
 
@@ -83,13 +101,31 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             e = done[s.name] = start + share * slice_ms[s.name]
             for r in s.ranks:
                 free[r] = e
+        if backward:  # backward: posted after the wave's backward
+            for r, ms in post.get(wi, {}).items():
+                free[r] += ms
 
     for phase in plan.phases:
         for wi in phase:  # forward: inputs from producers, the consumer's wave's batch
-            run(wi, into, lambda t: t.src, fwd_end, cost_f, FORWARD_SHARE)
+            run(wi, into, lambda t: t.src, fwd_end, cost_f, FORWARD_SHARE, post_f, False)
         for wi in reversed(phase):  # backward: gradients from consumers, the consumer's wave's batch
-            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE)
+            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE, post_b, True)
     return max(free, default=0.0), bwd_end
+
+
+def _post_ms(plan: Plan, runtime: RuntimeCosts) -> tuple[dict, dict]:
+    """Forward and backward ``{wave: {rank: post ms}}``: every rank's host time posting its point-to-point
+    operations (non-local messages it sends or receives) of each boundary's batch."""
+    out = []
+    for backward in (False, True):
+        ops: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        for t in plan.transfers:
+            for m in (t.backward if backward else t.forward):
+                if not m.local:
+                    ops[t.wave][m.src] += 1
+                    ops[t.wave][m.dst] += 1
+        out.append({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()})
+    return out[0], out[1]
 
 
 #: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
