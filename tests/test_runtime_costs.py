@@ -127,3 +127,12 @@ def _measure_small(rank, world):
     from megatron_spindle.profiler.runtime_costs import measure_runtime
     return measure_runtime(device="cpu", repeats=2, warmup=1, busy_ms=0.1, messages=(1, 2), collectives=(1, 3),
                            shapes=((2, 64), (8, 256)))
+
+
+def test_the_line_says_when_the_runtime_costs_are_not_charged():
+    cluster = load_cluster(None, num_devices=4, gpus_per_node=4)
+    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cluster)
+    rt = RuntimeCosts.from_measured(fit_runtime(_measurements()))
+    lines = [predict_step(plan, cluster, FakeTrace(_spans()), 3, 1, passes=1, grad_bytes=4,
+                          costs=StepCosts(runtime=r)).format() for r in (None, rt)]
+    assert "runtime's own costs not charged" in lines[0] and "runtime's own costs" not in lines[1]

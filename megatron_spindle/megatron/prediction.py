@@ -100,6 +100,8 @@ class StepPrediction:
     compute_scale: float = 1.0
     steps: int = 1
     """Measured parts are means over this many steps."""
+    runtime_costs: bool = False
+    """Whether the profile's runtime costs (``measured.runtime``) were charged."""
 
     @property
     def predicted_ms(self) -> float:
@@ -133,7 +135,9 @@ class StepPrediction:
                 + " | measured only: "
                 + ("" if opt else f"optimizer {self.optimizer[1]:.1f} ms (not predicted: the curves file has no "
                                   f"optimizer measurement; run `spindle profile`), ")
-                + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms")
+                + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms"
+                + ("" if self.runtime_costs else " | the runtime's own costs not charged (the curves file has no "
+                                                 "runtime measurement; run `spindle profile` with 2+ processes)"))
 
 
 def grad_bytes_of(args) -> int:
@@ -182,4 +186,4 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
                           sync=(sim.breakdown.sync_ms, meas["sync"]), step_end=(step_end, meas["step end"]),
                           optimizer=(opt, meas["optimizer"]), data_ms=meas["data"], other_ms=max(0.0, other),
                           step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale,
-                          steps=len(wanted))
+                          steps=len(wanted), runtime_costs=rt is not None)
