@@ -25,6 +25,7 @@ Fitting needs numpy only; measuring needs torch.
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Mapping, Sequence
 
@@ -99,8 +100,6 @@ def measure_runtime(*, device, repeats: int = 30, warmup: int = 3, busy_ms: floa
     ``busy_ms``: compute before each repeat (default 2 ms on CPU, 0 on GPUs, as :func:`.link.measure_link`).
     Returns the same list on every process: posts averaged over the processes that posted, collectives and
     the norm over all processes."""
-    import datetime
-
     import torch  # optional: torch (fitting needs only numpy; measuring needs torch)
     import torch.distributed as dist  # optional: torch, as above
 
