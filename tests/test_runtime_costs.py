@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from megatron_spindle.megatron.prediction import StepCosts, predict_step, step_end_allreduces
-from megatron_spindle.planner.simulation.runtime_costs import LINK_EXCHANGE_OPS, RuntimeCosts
+from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
 from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, simulate
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
@@ -16,8 +16,8 @@ from test_simulate import BATCH, HIDDEN, INTRA_GBPS, INTRA_US, SEQ, hand_plan, t
 
 
 def _measurements(a=0.3, b=0.05, c=0.8, d=0.4, e=0.02, f=0.006, g=0.9):
-    ms = [{"kind": "post", "pattern": p, "ops": k, "ms": a + b * k} for p, k in (("one-way", 1), ("exchange", 2),
-                                                                              ("one-way", 8), ("exchange", 16))]
+    ms = [{"kind": "post", "pattern": p, "ops": k, "ms": a + b * k, "exchange_ms": a + b * k + 0.2 + 0.01 * k}
+          for p, k in (("one-way", 1), ("exchange", 2), ("one-way", 8), ("exchange", 16))]
     ms += [{"kind": "collective", "count": j, "ranks": 2, "ms": c + d * j} for j in (1, 2, 4, 8)]
     ms += [{"kind": "grad_norm", "tensors": k, "elements": k * s, "ms": e + f * k + g * k * s / 1e6}
            for k, s in ((4, 4096), (64, 4096), (16, 16384), (128, 1024))]
@@ -27,16 +27,19 @@ def _measurements(a=0.3, b=0.05, c=0.8, d=0.4, e=0.02, f=0.006, g=0.9):
 def test_the_fit_recovers_each_forms_coefficients():
     r = fit_runtime(_measurements())
     assert r["post"]["fixed_ms"] == pytest.approx(0.3) and r["post"]["per_op_ms"] == pytest.approx(0.05)
+    assert r["delivery"]["fixed_ms"] == pytest.approx(0.2) and r["delivery"]["per_op_ms"] == pytest.approx(0.01)
     assert r["collective"]["first_ms"] == pytest.approx(0.8)
     assert r["collective"]["per_collective_ms"] == pytest.approx(0.4)
     assert (r["grad_norm"]["fixed_ms"], r["grad_norm"]["per_tensor_ms"], r["grad_norm"]["per_melement_ms"]) == \
         (pytest.approx(0.02), pytest.approx(0.006), pytest.approx(0.9))
-    assert max(r[k]["fit_error"] for k in ("post", "collective", "grad_norm")) < 1e-9
+    assert max(r[k]["fit_error"] for k in ("post", "delivery", "collective", "grad_norm")) < 1e-9
     assert len(r["measurements"]) == 12
     rt = RuntimeCosts.from_measured(r)
     assert rt.post_ms(4) == pytest.approx(0.5) and rt.post_ms(0) == 0.0
     assert rt.collectives_ms(5) == pytest.approx(0.8 + 2.0) and rt.collectives_ms(0) == 0.0
     assert rt.norm_ms(tensors=10, elements=2_000_000) == pytest.approx(0.02 + 0.06 + 1.8)
+    # a boundary's 2 ms of link time with 0.5 ms of it latency, 4 operations: 1.5 ms of bytes + 0.24 delivered
+    assert rt.transit_ms(2.0, 0.5, 4) == pytest.approx(1.5 + 0.2 + 0.04) and rt.transit_ms(0.0, 0.5, 4) == 0.0
 
 
 def test_a_cost_never_shrinks_with_more_work():
@@ -50,33 +53,33 @@ def test_a_cost_never_shrinks_with_more_work():
 def test_a_curves_file_without_the_block_charges_nothing_and_a_malformed_one_names_it():
     assert RuntimeCosts.from_measured(None) is None and RuntimeCosts.from_measured({}) is None
     with pytest.raises(ValueError, match="measured.runtime is malformed"):
-        RuntimeCosts.from_measured({"post": {"fixed_ms": 1.0}})
+        RuntimeCosts.from_measured({"post": {"fixed_ms": 1.0, "per_op_ms": 0.0}, "collective": {}})
     with pytest.raises(ValueError, match="post_fixed_ms=-1.0"):
         RuntimeCosts(post_fixed_ms=-1.0, post_per_op_ms=0.0, collective_first_ms=0.0, collective_ms=0.0)
 
 
-def test_the_timeline_charges_each_ranks_post_and_the_link_latency_less_the_post_it_holds():
+def test_the_timeline_charges_each_ranks_post_and_the_measured_delivery_for_the_links_latency():
     # layer 0 on devices 0,1 (8/2 = 4 ms: forward 4/3, backward 8/3), layer 1 on 2,3: one message per rank
     # each way (0->2, 1->3 forward; back the other way), as test_simulate's hand plans
     c = toy_cluster(16)
     plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))])
-    hop = (BATCH // 2) * SEQ * HIDDEN * 2 / (INTRA_GBPS * 1e9) * 1e3 + INTRA_US * 1e-3
+    wire = (BATCH // 2) * SEQ * HIDDEN * 2 / (INTRA_GBPS * 1e9) * 1e3  # the bytes over the bandwidth
     base = simulate(plan, c)
-    assert base.pass_ms == pytest.approx(8.0 + 2 * hop)
-    # posting costs below the link's latency: each boundary costs post(1) on both ends, then the rest of the
-    # link time after the link's own post(2): hop + post(1) - post(2) = hop - b
-    small = RuntimeCosts(post_fixed_ms=0.002, post_per_op_ms=0.001, collective_first_ms=0.0, collective_ms=0.0)
-    assert small.post_ms(LINK_EXCHANGE_OPS) == pytest.approx(0.004) and 0.004 < hop
-    sim = simulate(plan, c, runtime=small)
-    assert sim.pass_ms == pytest.approx(8.0 + 2 * (hop + 0.003 - 0.004))
-    # posting costs above it: nothing is left of the link's latency, each boundary costs its post
-    big = RuntimeCosts(post_fixed_ms=0.5, post_per_op_ms=0.25, collective_first_ms=0.0, collective_ms=0.0)
-    sim = simulate(plan, c, runtime=big)
-    assert sim.pass_ms == pytest.approx(8.0 + 2 * 0.75)
-    assert sim.step_ms - base.step_ms == pytest.approx(2 * 0.75 - 2 * hop)
+    assert base.pass_ms == pytest.approx(8.0 + 2 * (wire + INTRA_US * 1e-3))
+    # each boundary on the critical path: both ends post 1 operation (0.5 + 0.25 ms), then the bytes and the
+    # measured delivery of 1 operation (0.1 + 0.05 ms) instead of the link's latency
+    rt = RuntimeCosts(post_fixed_ms=0.5, post_per_op_ms=0.25, delivery_fixed_ms=0.1, delivery_per_op_ms=0.05,
+                      collective_first_ms=0.0, collective_ms=0.0)
+    sim = simulate(plan, c, runtime=rt)
+    assert sim.pass_ms == pytest.approx(8.0 + 2 * (0.75 + wire + 0.15))
+    assert sim.step_ms - base.step_ms == pytest.approx(2 * (0.75 + 0.15 - INTRA_US * 1e-3))
+    assert sim.breakdown.compute_ms == pytest.approx(base.breakdown.compute_ms)
     # a plan without messages between devices posts nothing: the same step with or without the costs
     local = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (0, 1))])
-    assert simulate(local, c, runtime=big).step_ms == pytest.approx(simulate(local, c).step_ms)
+    assert simulate(local, c, runtime=rt).step_ms == pytest.approx(simulate(local, c).step_ms)
+    # zero costs leave the bytes alone: the link's latency is what the delivery replaced
+    zero = RuntimeCosts(post_fixed_ms=0.0, post_per_op_ms=0.0, collective_first_ms=0.0, collective_ms=0.0)
+    assert simulate(plan, c, runtime=zero).pass_ms == pytest.approx(8.0 + 2 * wire)
 
 
 def test_the_prediction_charges_the_fitted_amounts_and_is_unchanged_without_them():

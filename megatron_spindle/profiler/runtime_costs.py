@@ -10,15 +10,16 @@ point is the **mean** of its repeats, so a process descheduled on shared cores c
   boundary's batch between paired processes (0-1, 2-3, ...): ``k`` sends and ``k`` receives each
   (``2k`` operations), or ``k`` sends on one side and ``k`` receives on the other (``k``), ``k`` in
   :data:`POST_MESSAGES`, :data:`MESSAGE_BYTES` each (the link's bandwidth prices the bytes); the host time
-  of the post, averaged over every process that posts. The time to the last wait's return is kept too
-  (``exchange_ms``, for the reader);
+  of the post, averaged over every process that posts, and the time from the post's end to the last wait's
+  return (``exchange_ms`` less the post: the messages' delivery, the receiving side woken included);
 * **collective**: ``j`` all-reduces of a 2-element float64 tensor over all processes back to back
   (:func:`megatron_spindle.comm.all_reduce_async` and a wait, as the step's end reduces the gradient norm
   and each task's loss), ``j`` in :data:`COLLECTIVES`;
 * **grad_norm**: the gradient norm's sum of squares (``Σ g.double().pow(2).sum()``, as
   :meth:`megatron_spindle.runtime.grad_sync.GradSync.grad_sq` computes it) over :data:`NORM_SHAPES`.
 
-:func:`fit_runtime` fits ``post_ms = a + b·operations``, ``collectives_ms = c + d·j`` and
+:func:`fit_runtime` fits ``post_ms = a + b·operations``, ``delivery_ms = a' + b'·operations``,
+``collectives_ms = c + d·j`` and
 ``norm_ms = e + f·tensors + g·elements/1e6`` by least squares weighted by ``1/t`` (relative errors;
 coefficients clipped at 0 and the rest refitted), each with its fit error (largest relative error).
 Fitting needs numpy only; measuring needs torch.
@@ -69,13 +70,15 @@ def fit_runtime(measurements: Sequence[Mapping]) -> dict:
     """``{"post", "collective", "grad_norm", "measurements"}`` from :func:`measure_runtime`'s list (module
     docstring): the block ``spindle profile`` writes as ``measured.runtime``.
 
-    >>> ms = [{"kind": "post", "ops": k, "ms": 0.1 + 0.02 * k} for k in (1, 2, 8)]
+    >>> ms = [{"kind": "post", "ops": k, "ms": 0.1 + 0.02 * k, "exchange_ms": 0.4 + 0.03 * k} for k in (1, 2, 8)]
     >>> ms += [{"kind": "collective", "count": j, "ms": 0.3 + 0.5 * j} for j in (1, 4)]
     >>> ms += [{"kind": "grad_norm", "tensors": k, "elements": e, "ms": 0.01 + 0.002 * k + e / 1e6}
     ...        for k, e in ((4, 1000), (64, 1000), (4, 10**6))]
     >>> r = fit_runtime(ms)
     >>> [round(r["post"][k], 6) for k in ("fixed_ms", "per_op_ms")], round(r["collective"]["per_collective_ms"], 6)
     ([0.1, 0.02], 0.5)
+    >>> [round(r["delivery"][k], 6) for k in ("fixed_ms", "per_op_ms")]
+    [0.3, 0.01]
     """
     by: dict[str, list] = {}
     for m in measurements:
@@ -84,10 +87,14 @@ def fit_runtime(measurements: Sequence[Mapping]) -> dict:
         if kind not in by:
             raise ValueError(f"runtime cost fit: no {kind!r} measurements")
     (a, b), e_post = nonneg_fit([[1.0, m["ops"]] for m in by["post"]], [m["ms"] for m in by["post"]])
+    waits = [m for m in by["post"] if m.get("exchange_ms", 0.0) > m["ms"]]
+    (a2, b2), e_del = nonneg_fit([[1.0, m["ops"]] for m in waits], [m["exchange_ms"] - m["ms"] for m in waits]) \
+        if waits else ((0.0, 0.0), 0.0)
     (c, d), e_coll = nonneg_fit([[1.0, m["count"]] for m in by["collective"]], [m["ms"] for m in by["collective"]])
     (e, f, g), e_norm = nonneg_fit([[1.0, m["tensors"], m["elements"] / 1e6] for m in by["grad_norm"]],
                                    [m["ms"] for m in by["grad_norm"]])
     return {"post": {"fixed_ms": a, "per_op_ms": b, "fit_error": e_post},
+            "delivery": {"fixed_ms": a2, "per_op_ms": b2, "fit_error": e_del},
             "collective": {"first_ms": c, "per_collective_ms": d, "fit_error": e_coll},
             "grad_norm": {"fixed_ms": e, "per_tensor_ms": f, "per_melement_ms": g, "fit_error": e_norm},
             "measurements": [dict(m) for m in measurements]}

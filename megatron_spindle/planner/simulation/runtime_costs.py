@@ -9,10 +9,13 @@ descheduled on shared cores, counts as it counts in a step):
 
 * **posting a boundary's batch** (:func:`..runtime.p2p.post_p2p`, one ``batch_isend_irecv``): a rank that sends
   or receives ``k`` point-to-point messages at a wave boundary spends ``post_ms(k) = a + b·k`` of host time
-  there before it runs its next slice (:mod:`.timeline`). The link's exchange latency ``λ``
-  (:mod:`megatron_spindle.profiler.link`) was measured as post + delivery of one send and one receive per
-  process (:data:`LINK_EXCHANGE_OPS` operations), so with the posts on the ranks' timelines a boundary's
-  messages arrive ``max(0, t_boundary − post_ms(2))`` after the later of their two ends has posted;
+  there before it runs its next slice (:mod:`.timeline`);
+* **delivery**: from the end of the post to the return of the last wait of the same batch (the receiving side
+  woken included): ``delivery_ms(k) = a' + b'·k``. With the posts on the ranks' timelines a boundary's messages
+  arrive after the later of their two ends has posted, ``delivery_ms(k)`` plus the boundary's link time less the
+  link's latency (``t_boundary − λ``: the bytes over the bandwidth) later, ``k`` the most operations one rank
+  posts in that batch. The link's exchange latency ``λ`` (:mod:`megatron_spindle.profiler.link`) holds a post
+  and a delivery, timed in other repeats; the runtime's own measurement times both parts in the same ones;
 * **a small collective** over all ranks (the gradient norm's and each task's loss all-reduce at the step's end,
   :mod:`megatron_spindle.megatron.prediction`): ``c + d·j`` for ``j`` all-reduces of a few bytes back to back;
   ``d`` is one collective's latency on this backend, ``c`` what the first one adds (the ranks meeting);
@@ -23,9 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
-
-#: Point-to-point operations each process posted in the link's exchange measurement (one send, one receive).
-LINK_EXCHANGE_OPS = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class RuntimeCosts:
     """What the first of back-to-back small all-reduces adds."""
     collective_ms: float
     """One small all-reduce over all ranks."""
+    delivery_fixed_ms: float = 0.0
+    delivery_per_op_ms: float = 0.0
     norm_fixed_ms: float = 0.0
     norm_per_tensor_ms: float = 0.0
     norm_per_melement_ms: float = 0.0
@@ -51,10 +53,13 @@ class RuntimeCosts:
         """Host time of posting a batch of ``ops`` point-to-point operations (0 when there are none)."""
         return self.post_fixed_ms + self.post_per_op_ms * ops if ops > 0 else 0.0
 
-    def transit_ms(self, boundary_ms: float) -> float:
-        """What is left of a boundary's link time (:func:`.link_costs.boundary_time_ms`) once the posts are
-        on the ranks' timelines (module docstring)."""
-        return max(0.0, boundary_ms - self.post_ms(LINK_EXCHANGE_OPS)) if boundary_ms > 0 else 0.0
+    def transit_ms(self, boundary_ms: float, latency_ms: float, ops: int) -> float:
+        """From the later post to the arrival of a boundary's messages (module docstring): its link time
+        (:func:`.link_costs.boundary_time_ms`) less the link's latency ``latency_ms`` it holds, plus the measured
+        delivery of ``ops`` operations (the most one rank posts in the batch); 0 for a batch with nothing to move."""
+        if boundary_ms <= 0:
+            return 0.0
+        return max(0.0, boundary_ms - latency_ms) + self.delivery_fixed_ms + self.delivery_per_op_ms * ops
 
     def collectives_ms(self, count: int) -> float:
         """``count`` small all-reduces back to back."""
@@ -71,9 +76,10 @@ class RuntimeCosts:
         if not block:
             return None
         try:
-            post, coll = block["post"], block["collective"]
+            post, coll, dl = block["post"], block["collective"], block["delivery"]
             norm = block.get("grad_norm") or {}
             return cls(post_fixed_ms=float(post["fixed_ms"]), post_per_op_ms=float(post["per_op_ms"]),
+                       delivery_fixed_ms=float(dl["fixed_ms"]), delivery_per_op_ms=float(dl["per_op_ms"]),
                        collective_first_ms=float(coll["first_ms"]), collective_ms=float(coll["per_collective_ms"]),
                        norm_fixed_ms=float(norm.get("fixed_ms", 0.0)),
                        norm_per_tensor_ms=float(norm.get("per_tensor_ms", 0.0)),

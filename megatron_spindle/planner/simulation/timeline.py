@@ -21,9 +21,10 @@ weights' gradients are complete (:mod:`.grad_buckets`).
 
 With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank that sends or receives ``k``
 messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
-boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive
-``transit_ms(t_boundary)`` after the later of the two ends has posted (the link's latency less the post it
-contains). Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the boundary.
+boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive after the
+later of the two ends has posted, the measured delivery plus ``t_boundary`` less the link's latency later
+(``transit_ms``). Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the
+boundary.
 """
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
     post_f: dict[int, dict[int, float]] = {}  # wave -> rank -> host ms posting its batch (measured costs only)
     post_b: dict[int, dict[int, float]] = {}
     if transfers and runtime is not None:
-        post_f, post_b = _post_ms(plan, runtime)
-        cost_f = {k: runtime.transit_ms(v) for k, v in cost_f.items()}
-        cost_b = {k: runtime.transit_ms(v) for k, v in cost_b.items()}
+        (post_f, most_f), (post_b, most_b) = _posts(plan, runtime, False), _posts(plan, runtime, True)
+        cost_f = {k: runtime.transit_ms(v, _latency_ms(flows_f[k], cluster), most_f.get(k[1], 0))
+                  for k, v in cost_f.items()}
+        cost_b = {k: runtime.transit_ms(v, _latency_ms(flows_b[k], cluster), most_b.get(k[1], 0))
+                  for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
 
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
@@ -113,19 +116,25 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
     return max(free, default=0.0), bwd_end
 
 
-def _post_ms(plan: Plan, runtime: RuntimeCosts) -> tuple[dict, dict]:
-    """Forward and backward ``{wave: {rank: post ms}}``: every rank's host time posting its point-to-point
-    operations (non-local messages it sends or receives) of each boundary's batch."""
-    out = []
-    for backward in (False, True):
-        ops: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        for t in plan.transfers:
-            for m in (t.backward if backward else t.forward):
-                if not m.local:
-                    ops[t.wave][m.src] += 1
-                    ops[t.wave][m.dst] += 1
-        out.append({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()})
-    return out[0], out[1]
+def _posts(plan: Plan, runtime: RuntimeCosts, backward: bool) -> tuple[dict, dict]:
+    """``({wave: {rank: post ms}}, {wave: most operations one rank posts})`` of each boundary's batch in one
+    direction: every rank's point-to-point operations (non-local messages it sends or receives)."""
+    ops: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for t in plan.transfers:
+        for m in (t.backward if backward else t.forward):
+            if not m.local:
+                ops[t.wave][m.src] += 1
+                ops[t.wave][m.dst] += 1
+    return ({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()},
+            {w: max(by.values()) for w, by in ops.items()})
+
+
+def _latency_ms(batch: list, cluster: Cluster) -> float:
+    """The link latency :func:`.link_costs.boundary_time_ms` charges a batch: between islands if a message
+    crosses, else inside one."""
+    g = cluster.gpus_per_node
+    cross = any(m.src // g != m.dst // g for msgs in batch for m in msgs if not m.local)
+    return (cluster.inter_latency_us if cross else cluster.intra_latency_us) * 1e-3
 
 
 #: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
