@@ -59,6 +59,7 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import Cluster
     from megatron_spindle.planner.step.render import grid, metaop_table
+    from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
     from megatron_spindle.planner.simulation.simulate import simulate
 
     if "cluster" not in doc:
@@ -67,8 +68,10 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     cf = CurvesFile.parse(doc)
     plans = {"spindle": make_plan(graph, cluster, curves_file=cf),
              "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
-    # the executor posts each boundary's sends with its receives, on gloo as under NCCL
-    sims = {k: simulate(p, cluster) for k, p in plans.items()}
+    # the executor posts each boundary's sends with its receives, on gloo as under NCCL; the runtime's own
+    # costs (posting each batch) where the profile measured them
+    runtime = RuntimeCosts.from_measured(doc.get("measured", {}).get("runtime"))
+    sims = {k: simulate(p, cluster, runtime=runtime) for k, p in plans.items()}
     sp = sims["spindle"]
     wave_pred = [{"index": w.index, "compute_s": w.duration_ms / 1e3,
                   "transfer_s": (t.transfer_fwd_ms + t.transfer_bwd_ms) / 1e3,

@@ -46,8 +46,9 @@ def test_parts_predicted_against_the_spans_of_that_step():
     assert p.compute == (pytest.approx(busy), pytest.approx(30.0))
     assert p.transfer == (pytest.approx(passes * sim.pass_ms - busy), pytest.approx(4.0))
     assert p.sync == (pytest.approx(sim.breakdown.sync_ms), pytest.approx(3.0))
-    # two all-reduces over 4 ranks, 2(n-1) latencies each; the optimizer from its fit for 10 tensors, 1M elements
-    assert p.step_end == (pytest.approx(2 * (2 * 3 * 0.1 + 12 / (cluster.intra_bandwidth_gbps * 1e9) * 1e3)), pytest.approx(1.0))
+    # the norm's and each task's loss all-reduce (1 + 4) over 4 ranks, 2(n-1) latencies each; the optimizer from
+    # its fit for 10 tensors, 1M elements
+    assert p.step_end == (pytest.approx(5 * (2 * 3 * 0.1 + 12 / (cluster.intra_bandwidth_gbps * 1e9) * 1e3)), pytest.approx(1.0))
     assert p.optimizer == (pytest.approx(0.5 + 0.1 + 2.0), pytest.approx(2.0))
     assert (p.data_ms, p.other_ms, p.step_measured_ms) == (pytest.approx(1.0), pytest.approx(4.0),
                                                            pytest.approx(45.0))
@@ -87,8 +88,8 @@ def test_without_an_optimizer_measurement_the_line_says_so_and_leaves_it_out():
     assert p.optimizer == (None, pytest.approx(2.0))
     assert p.measured_ms == pytest.approx(43.0)  # the measured step less the unpredicted optimizer
     assert "optimizer 2.0 ms (not predicted" in p.format() and "without the optimizer" in p.format()
-    # without a measured all-reduce latency, the link's latency times each ring step
-    assert p.step_end[0] == pytest.approx(2 * allreduce_time_ms([0, 1, 2, 3], 8.0, cluster))
+    # without a measured all-reduce latency, the link's latency times each ring step (the norm's and 4 tasks')
+    assert p.step_end[0] == pytest.approx(5 * allreduce_time_ms([0, 1, 2, 3], 8.0, cluster))
     assert allreduce_time_ms([0, 1, 2, 3], 8.0, cluster) > 6 * cluster.intra_latency_us * 1e-3
 
 

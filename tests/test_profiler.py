@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from megatron_spindle.cli import main
+from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
 from megatron_spindle.planner.exact import GRID_MS
 from megatron_spindle.planner.workload.analytic import CurvesFile, build_curves
 from megatron_spindle.planner.step.build import make_metaops, make_plan
@@ -223,6 +224,9 @@ def test_live_profile_measures_data_and_tensor_parallel_points_and_shows_progres
     opt = doc["measured"]["optimizer"]  # both processes timed AdamW at once; the fit is what predictions read
     assert "optimizer step (AdamW): " in out and len(opt["measurements"]) >= 3
     assert min(opt["fixed_ms"], opt["per_tensor_ms"], opt["per_melement_ms"]) >= 0 and opt["per_melement_ms"] > 0
+    rt = doc["measured"]["runtime"]  # the runtime's own costs, both processes at once (tests/test_runtime_costs.py)
+    assert "runtime (gloo): posting a boundary's batch" in out and RuntimeCosts.from_measured(rt) is not None
+    assert {m["kind"] for m in rt["measurements"]} == {"post", "collective", "grad_norm"}
     assert {c["signature"]["tp"] for c in doc["curves"]} == {1, 2}
     for c in doc["curves"]:
         assert all(ms > 0 for _, ms in c["points"]) and c["detail"][0]["repeats"] == 2

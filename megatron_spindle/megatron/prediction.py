@@ -12,14 +12,21 @@ parts, seen from one rank:
   minus this rank's compute (the rank waits for its inputs and its peers); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
   past its end); measured: the ``gradient sync wait`` span (the time :meth:`GradSync.finish` blocks);
-* **norm + loss all-reduce**: the two all-reduces over every rank at the step's end (the gradient norm for
-  clipping, the task losses for the log); predicted: two all-reduces of a few bytes over all ranks
-  (:func:`..planner.simulation.simulate.allreduce_time_ms`: ``2(n-1)·λ`` each); measured: the ``step end`` span;
+* **norm + loss all-reduce**: the all-reduces over every rank at the step's end: the gradient norm for
+  clipping, and one per task for the log (Megatron's ``train_step`` reduces each loss report on its own,
+  :func:`.schedule.reduce_reports`); predicted with the profile's runtime costs (``measured.runtime``,
+  :mod:`..planner.simulation.runtime_costs`): the norm's sum of squares over this rank's gradients plus
+  ``1 + tasks`` small all-reduces back to back as measured on the backend; without them, ``1 + tasks``
+  all-reduces of a few bytes over all ranks (:func:`..planner.simulation.simulate.allreduce_time_ms`:
+  ``2(n-1)·λ`` each); measured: the ``step end`` span;
 * **optimizer**: predicted from the profile's optimizer measurement
   (:mod:`megatron_spindle.profiler.step_costs`) for this rank's parameter tensors and elements; measured: the
   ``optimizer`` span;
 * **data** (fetching the batch: the ``data`` span) and **other** (the rest: Python between the parts):
   measured only.
+
+With the runtime costs the simulator also charges each rank's host time posting every boundary's batch on the
+pass's timeline (:mod:`..planner.simulation.timeline`), which lands in *transfer + wave wait*.
 
 The step comparison is the predicted total of the five parts against the whole measured step (so "other"
 counts against the prediction). A part the run cannot predict (a curves file without the optimizer
@@ -40,13 +47,17 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..planner.workload.cluster import Cluster
+from ..planner.simulation.runtime_costs import RuntimeCosts
 from ..planner.simulation.simulate import allreduce_time_ms, simulate
 from ..profiler.step_costs import optimizer_ms
 
 #: The executor's per-boundary span: time this rank spent posting and blocked on transfers (the exposed part).
 EXPOSED_TRANSFER = re.compile(r"^w\d+ (fwd|bwd) transfer$")
-#: All-reduces at the step's end over every rank: the gradient norm and the task losses.
-STEP_END_ALLREDUCES = 2
+
+
+def step_end_allreduces(plan) -> int:
+    """All-reduces at the step's end over every rank: the gradient norm, then each task's loss report."""
+    return 1 + len(plan.tasks)
 
 
 @dataclass(frozen=True)
@@ -58,11 +69,14 @@ class StepCosts:
     tensors: int = 0
     """This rank's parameter tensors and elements (what its optimizer steps over)."""
     elements: int = 0
+    runtime: RuntimeCosts | None = None
+    """The runtime's own costs (``measured.runtime``), or ``None`` (not measured: not charged)."""
 
     @classmethod
     def from_measured(cls, measured: Mapping | None, *, tensors: int, elements: int) -> "StepCosts":
         measured = measured or {}
-        return cls(optimizer_fit=measured.get("optimizer"), tensors=tensors, elements=elements)
+        return cls(optimizer_fit=measured.get("optimizer"), tensors=tensors, elements=elements,
+                   runtime=RuntimeCosts.from_measured(measured.get("runtime")))
 
 
 def compute_scale(ranks_here: int, cores: int) -> float:
@@ -86,6 +100,8 @@ class StepPrediction:
     compute_scale: float = 1.0
     steps: int = 1
     """Measured parts are means over this many steps."""
+    runtime_costs: bool = False
+    """Whether the profile's runtime costs (``measured.runtime``) were charged."""
 
     @property
     def predicted_ms(self) -> float:
@@ -119,7 +135,9 @@ class StepPrediction:
                 + " | measured only: "
                 + ("" if opt else f"optimizer {self.optimizer[1]:.1f} ms (not predicted: the curves file has no "
                                   f"optimizer measurement; run `spindle profile`), ")
-                + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms")
+                + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms"
+                + ("" if self.runtime_costs else " | the runtime's own costs not charged (the curves file has no "
+                                                 "runtime measurement; run `spindle profile` with 2+ processes)"))
 
 
 def grad_bytes_of(args) -> int:
@@ -133,11 +151,13 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
     """Predicted against measured parts of a step on ``rank`` (see the module docstring): the mean of each
     part over ``steps`` (one step number or several: one step of a CPU run is noisy)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
-                   compute_scale=compute_scale)
+                   compute_scale=compute_scale, runtime=costs.runtime)
     busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
     transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size
-    step_end = STEP_END_ALLREDUCES * allreduce_time_ms(range(n), 8.0, cluster)
+    k, rt = step_end_allreduces(plan), costs.runtime
+    step_end = (rt.norm_ms(tensors=costs.tensors, elements=costs.elements) + rt.collectives_ms(k) if rt is not None
+                else k * allreduce_time_ms(range(n), 8.0, cluster))
     opt = (optimizer_ms(costs.optimizer_fit, tensors=costs.tensors, elements=costs.elements)
            if costs.optimizer_fit else None)
     asked = {steps} if isinstance(steps, int) else set(steps)
@@ -166,4 +186,4 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
                           sync=(sim.breakdown.sync_ms, meas["sync"]), step_end=(step_end, meas["step end"]),
                           optimizer=(opt, meas["optimizer"]), data_ms=meas["data"], other_ms=max(0.0, other),
                           step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale,
-                          steps=len(wanted))
+                          steps=len(wanted), runtime_costs=rt is not None)

@@ -257,7 +257,8 @@ class Trainer:
         A curves file from ``spindle profile`` on this backend, with at least as many processes as the run has
         ranks, carries the link it measured (latency, bandwidth): the prediction uses it instead of the preset's
         (a profile of one node says nothing about the links between nodes, so a larger run keeps the preset's).
-        CPU ranks sharing cores: the compute scale is the run's ranks per core.
+        CPU ranks sharing cores: the compute scale is the run's ranks per core. The runtime's own costs the
+        profile measured (``measured.runtime``) count under the same condition as its link.
         """
         cluster, curves = make_cluster(self.args, self.world)
         measured = curves.measured if curves is not None else {}
@@ -274,6 +275,8 @@ class Trainer:
         params = self.model.optimizer_parameters()
         costs = StepCosts.from_measured(measured if measured.get("backend") == backend else None,
                                         tensors=len(params), elements=sum(p.numel() for p in params))
+        if self.world > int(measured.get("nproc", 0)):  # its collectives were timed over fewer ranks, as the link
+            costs = dataclasses.replace(costs, runtime=None)
         return cluster, scale, costs
 
     def last_checkpoint(self) -> str:

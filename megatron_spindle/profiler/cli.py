@@ -49,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="cache of measured points (default %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--fresh", action="store_true", help="measure every point again (replacing their cache entries)")
-    p.add_argument("--no-link", action="store_true", help="do not measure the backend's latency and bandwidth")
+    p.add_argument("--no-link", action="store_true",
+                   help="do not measure the backend's latency and bandwidth, nor the runtime's own costs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--skip-unmeasurable", action="store_true",
                    help="leave out MetaOps that need more tensor-parallel processes than --nproc and points that "

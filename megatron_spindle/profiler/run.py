@@ -9,8 +9,9 @@ How a run goes (every process runs :func:`profile_rank`; process 0 keeps the boo
    point at once (a tensor-parallel point takes ``tp`` processes); after the round the results are gathered
    on process 0, written to the cache, and one progress line per point is printed (MetaOp, devices, time,
    elapsed, remaining);
-4. with two or more processes, measure the link (:mod:`.link`); every process times the optimizer step at
-   once (:mod:`.step_costs`);
+4. with two or more processes, measure the link (:mod:`.link`) and the runtime's own costs (posting a
+   boundary's batch, small all-reduces, the gradient norm: :mod:`.runtime_costs`); every process times the
+   optimizer step at once (:mod:`.step_costs`);
 5. fit every target's curve and write the curves file (:mod:`.fit`) and, if asked, a cluster file.
 
 Launching: under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) every process runs the profile;
@@ -39,6 +40,7 @@ from ..planner.workload.workloads import build_graph
 from . import launch
 from .fit import curves_document, summary_table
 from .link import cluster_fields, fit_link, measure_link
+from .runtime_costs import fit_runtime, measure_runtime
 from .step_costs import fit_optimizer, measure_optimizer
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
 from .timing import time_layer
@@ -223,6 +225,14 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                               f"(fit error {v['fit_error']:.0%})" for k, v in link["by_kind"].items())
             say(f"link ({backend}): latency {link['latency_us']:.0f} us (exchange), bandwidth "
                 f"{link['bandwidth_gbps']:.2f} GB/s (all-reduce); {kinds}")
+    runtime = None
+    if cfg.measure_link and world >= 2:  # every process at once, as the ranks of a run
+        runtime = fit_runtime(measure_runtime(device=device))
+        p, c, g = runtime["post"], runtime["collective"], runtime["grad_norm"]
+        say(f"runtime ({backend}): posting a boundary's batch {p['fixed_ms']:.3f} ms + {p['per_op_ms'] * 1e3:.0f} us "
+            f"per message (fit error {p['fit_error']:.0%}); small all-reduce {c['per_collective_ms']:.3f} ms each "
+            f"+ {c['first_ms']:.3f} ms (fit error {c['fit_error']:.0%}); gradient norm {g['fixed_ms']:.3f} ms + "
+            f"{g['per_tensor_ms'] * 1e3:.1f} us per tensor + {g['per_melement_ms']:.2f} ms per million elements")
     comm.barrier()  # every process times the optimizer at once, as the ranks of a run step together
     opt = fit_optimizer(measure_optimizer(device))
     if rank == 0:
@@ -251,6 +261,8 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     if link is not None:
         measured["link"] = link
     measured["optimizer"] = opt
+    if runtime is not None:
+        measured["runtime"] = runtime
     doc = curves_document(targets, entries, measured=measured, cluster=cl, memory_gib=memory_gib)
     if cfg.skip_unmeasurable:
         doc["not_measured"] = not_measured

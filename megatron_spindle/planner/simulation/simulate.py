@@ -83,6 +83,7 @@ from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-export
 from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
                          schedule_collectives, sync_time_ms)
 from ..step.plan import Plan, Slice
+from .runtime_costs import RuntimeCosts
 from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
@@ -248,12 +249,13 @@ def _check_args(passes, grad_bytes: int) -> int:
 
 
 def _pass_and_sync(plan: Plan, cluster: Cluster, *, grad_bytes: int, overlap_sync: bool, compute_scale: float,
-                   bucket_size: int | None) -> tuple[dict[str, float], float, list, list]:
+                   bucket_size: int | None,
+                   runtime: RuntimeCosts | None = None) -> tuple[dict[str, float], float, list, list]:
     """``(slice ms, pass ms, posted buckets as (post time, bucket), their (start, end))``: items 1-4 of the
     module docstring, what the step's time needs (the breakdown's parts are :func:`simulate`'s)."""
     curves = dict(plan.curves)
     slice_ms = {s.name: compute_scale * _slice_time(s, curves) for w in plan.waves for s in w.slices}
-    pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
+    pass_ms, done = dataflow_pass(plan, cluster, slice_ms, runtime=runtime)
     buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
                                backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
     posted = [((b.ready_ms if overlap_sync else pass_ms), b) for b in buckets]
@@ -275,7 +277,8 @@ def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
 
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
              grad_bytes: int = GRAD_BYTES_PER_PARAM, overlap_sync: bool = True,
-             compute_scale: float = 1.0, bucket_size: int | None = None) -> StepSimulation:
+             compute_scale: float = 1.0, bucket_size: int | None = None,
+             runtime: RuntimeCosts | None = None) -> StepSimulation:
     """Predict one training step of ``plan`` on ``cluster`` (see the module docstring for the model).
 
     ``passes``: passes of the plan per optimizer step (gradient accumulation, one sync after the last;
@@ -284,7 +287,8 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     rather than after the backward; ``compute_scale``: every slice takes that many times its curve's time
     (CPU ranks sharing cores, as the live prediction of :mod:`megatron_spindle.megatron.prediction` sees
     them), so buckets become ready later too; ``bucket_size``: parameters per gradient bucket (default
-    megatron.core's, :mod:`.grad_buckets`).
+    megatron.core's, :mod:`.grad_buckets`); ``runtime``: the runtime's own measured costs (a profile's
+    ``measured.runtime``, :mod:`.runtime_costs`), charged on the pass's timeline (:mod:`.timeline`).
     """
     passes = _check_args(passes if passes is not None else plan.passes, grad_bytes)
     check_fits(plan, cluster, check_memory=check_memory)
@@ -293,7 +297,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     back = transfer_flows(plan, cluster, backward=True)
     slice_ms, pass_ms, posted, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes,
                                                       overlap_sync=overlap_sync, compute_scale=compute_scale,
-                                                      bucket_size=bucket_size)
+                                                      bucket_size=bucket_size, runtime=runtime)
     waves = []
     for w in plan.waves:
         times = [slice_ms[s.name] for s in w.slices]

@@ -18,6 +18,13 @@ modules) each run at their own pace, and a wave's shorter slices do not wait for
 
 The pass ends when the last device finishes. Returned with every slice's backward end, which is when its
 weights' gradients are complete (:mod:`.grad_buckets`).
+
+With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank that sends or receives ``k``
+messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
+boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive after the
+later of the two ends has posted, the measured delivery plus ``t_boundary`` less the link's latency later
+(``transit_ms``). Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the
+boundary.
 """
 from __future__ import annotations
 
@@ -27,13 +34,15 @@ from typing import Mapping
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .link_costs import boundary_time_ms
+from .runtime_costs import RuntimeCosts
 from ..step.plan import Plan
 
 
 def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
-                  transfers: bool = True) -> tuple[float, dict[str, float]]:
+                  transfers: bool = True, runtime: RuntimeCosts | None = None) -> tuple[float, dict[str, float]]:
     """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
-    with free communication (the difference is the pass's exposed transfer)."""
+    with free communication (the difference is the pass's exposed transfer); ``runtime``: the measured costs
+    of posting each boundary's batch (module docstring)."""
     N = plan.world_size
     free = [0.0] * N
     fwd_end: dict[str, float] = {}
@@ -54,13 +63,25 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             flows_b[("wave", t.wave)].append(t.backward)
         cost_f = {k: _batch_ms(v, cluster) for k, v in flows_f.items()}
         cost_b = {k: _batch_ms(v, cluster) for k, v in flows_b.items()}
+    post_f: dict[int, dict[int, float]] = {}  # wave -> rank -> host ms posting its batch (measured costs only)
+    post_b: dict[int, dict[int, float]] = {}
+    if transfers and runtime is not None:
+        (post_f, most_f), (post_b, most_b) = _posts(plan, runtime, False), _posts(plan, runtime, True)
+        cost_f = {k: runtime.transit_ms(v, _latency_ms(flows_f[k], cluster), most_f.get(k[1], 0))
+                  for k, v in cost_f.items()}
+        cost_b = {k: runtime.transit_ms(v, _latency_ms(flows_b[k], cluster), most_b.get(k[1], 0))
+                  for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
 
-    def run(wi: int, edges, peer, done: dict, cost: dict, share: float) -> None:
+    def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
-        ``share`` of its time long. Both directions move an edge's messages in the batch of its consumer's
+        ``share`` of its time long; each rank's ``post`` ms at this boundary before the slices (forward) or
+        after them (backward). Both directions move an edge's messages in the batch of its consumer's
         wave (``t.wave``)."""
+        if not backward:  # forward: the boundary's batch is posted before the wave's slices
+            for r, ms in post.get(wi, {}).items():
+                free[r] += ms
         at_boundary = list(free)
         reached: dict[str, float] = {}  # a slice's devices' latest arrival at this boundary
 
@@ -83,13 +104,37 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             e = done[s.name] = start + share * slice_ms[s.name]
             for r in s.ranks:
                 free[r] = e
+        if backward:  # backward: posted after the wave's backward
+            for r, ms in post.get(wi, {}).items():
+                free[r] += ms
 
     for phase in plan.phases:
         for wi in phase:  # forward: inputs from producers, the consumer's wave's batch
-            run(wi, into, lambda t: t.src, fwd_end, cost_f, FORWARD_SHARE)
+            run(wi, into, lambda t: t.src, fwd_end, cost_f, FORWARD_SHARE, post_f, False)
         for wi in reversed(phase):  # backward: gradients from consumers, the consumer's wave's batch
-            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE)
+            run(wi, back_to, lambda t: t.dst, bwd_end, cost_b, 1 - FORWARD_SHARE, post_b, True)
     return max(free, default=0.0), bwd_end
+
+
+def _posts(plan: Plan, runtime: RuntimeCosts, backward: bool) -> tuple[dict, dict]:
+    """``({wave: {rank: post ms}}, {wave: most operations one rank posts})`` of each boundary's batch in one
+    direction: every rank's point-to-point operations (non-local messages it sends or receives)."""
+    ops: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for t in plan.transfers:
+        for m in (t.backward if backward else t.forward):
+            if not m.local:
+                ops[t.wave][m.src] += 1
+                ops[t.wave][m.dst] += 1
+    return ({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()},
+            {w: max(by.values()) for w, by in ops.items()})
+
+
+def _latency_ms(batch: list, cluster: Cluster) -> float:
+    """The link latency :func:`.link_costs.boundary_time_ms` charges a batch: between islands if a message
+    crosses, else inside one."""
+    g = cluster.gpus_per_node
+    cross = any(m.src // g != m.dst // g for msgs in batch for m in msgs if not m.local)
+    return (cluster.inter_latency_us if cross else cluster.intra_latency_us) * 1e-3
 
 
 #: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
