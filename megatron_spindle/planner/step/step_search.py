@@ -18,6 +18,17 @@ search starts from such a plan and moves devices to the critical task, judged by
    it, so the activations it hands on stay where they are; the donor's own waves still run first on its
    devices when they come first in wave order (a rank runs its slices in wave order), and a weight spread
    over more devices is all-reduced over them, which the simulator prices.
+
+   2'. **Gather a weight into one island.** A weight whose parameter device group spans islands is
+   all-reduced over every node's NIC (``2(n-1)/n`` of its bytes per node, :mod:`..simulation.link_costs`),
+   however little compute it carries: an embedding table shared by several tasks costs each node as much as
+   it costs to move its tasks' whole outputs. When every MetaOp holding it has no producers (it can run
+   before anything else) and its slices together take at most :data:`GATHER_SHARE` of the pass on ``c``
+   devices of one island (``c`` the least count valid for all of them), they move to the first ``c``
+   devices of the island that holds most of the group (the lowest on ties), one wave per slice at the front
+   of their phase (a rank runs its waves in order, so they run before any lane's work): the sync becomes
+   intra-island, paid for with the outputs' transfer, which the simulator weighs. The
+   :data:`MAX_GATHER` weights with the most cross-island bytes are tried one by one, then all together.
 3. **Keep the best.** Every move of a round is timed; the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
    from it. At most :data:`MAX_ROUNDS` rounds and :data:`MAX_TRIALS` timed trials.
@@ -27,11 +38,13 @@ on every machine (the moves and their order are a function of the plan; no tie i
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
+from ..workload.memory import slice_param_keys
 from .assemble import device_memory
 from .dataflow import param_groups, transfers
 from .plan import Plan, WavePlan
@@ -45,23 +58,39 @@ MAX_TRIALS = 60
 MAX_DONORS = 3
 #: Slices of the critical task tried per round as the start of a move (the longest first).
 MAX_STARTS = 4
+#: Weights gathered one at a time per round (then all of them together).
+MAX_GATHER = 4
+#: A gathered weight's slices may take at most this share of the pass on their new devices.
+GATHER_SHARE = 0.02
 
 
-def relocate(plan: Plan, ranks: Mapping[tuple[int, int], Sequence[int]]) -> Plan:
-    """``plan`` with new ``ranks`` for some slices ``(wave, slice index)``: their times from the curves, the
-    waves' durations and starts, the data flow, parameter groups and memory derived again."""
+def relocate(plan: Plan, ranks: Mapping[tuple[int, int], Sequence[int]],
+             order: Sequence[Sequence[tuple[int, int]]] | None = None) -> Plan:
+    """``plan`` with new ``ranks`` for some slices ``(wave, slice index)`` and, when ``order`` is given, its
+    slices regrouped into the waves it lists (each a list of ``(wave, slice index)``, in execution order; a
+    wave takes the phase of its first slice and the least level of the waves from it on, so levels never go
+    back): the slices' times
+    from the curves, the waves' durations and starts, the data flow, parameter groups and memory derived
+    again."""
     curves = dict(plan.curves)
     by_name = {m.name: m for m in plan.metaops}
+    if order is None:
+        order = [[(w.index, i) for i in range(len(w.slices))] for w in plan.waves]
+    levels = [plan.waves[keys[0][0]].level for keys in order]
+    for i in range(len(levels) - 2, -1, -1):
+        levels[i] = min(levels[i], levels[i + 1])
     waves, clock = [], 0.0
-    for w in plan.waves:
+    for new, keys in enumerate(order):
         sl = []
-        for i, s in enumerate(w.slices):
-            r = ranks.get((w.index, i))
+        for wi, si in keys:
+            s = plan.waves[wi].slices[si]
+            r = ranks.get((wi, si))
             if r is not None:
                 s = dataclasses.replace(s, ranks=tuple(r), time_ms=s.num_layers * curves[s.metaop].time(len(r)))
-            sl.append(s)
+            sl.append(dataclasses.replace(s, wave=new) if s.wave != new else s)
         d = max(s.time_ms for s in sl)
-        waves.append(WavePlan(index=w.index, level=w.level, phase=w.phase, start_ms=clock, duration_ms=d,
+        waves.append(WavePlan(index=new, level=levels[new], phase=plan.waves[keys[0][0]].phase, start_ms=clock,
+                              duration_ms=d,
                               slices=tuple(sl)))
         clock += d
     slices = [s for w in waves for s in w.slices]
@@ -78,11 +107,17 @@ def _task_of(plan: Plan) -> dict[str, str]:
     return {m.name: m.task for m in plan.metaops}
 
 
-def moves(plan: Plan, cluster: Cluster) -> list[dict[tuple[int, int], tuple[int, ...]]]:
-    """The round's moves from ``plan`` (module docstring, items 1-2), in the order they are tried."""
+def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
+    """The round's moves from ``plan`` (module docstring, item 2), in the order they are tried: ``(new ranks
+    by (wave, slice index), new wave order or None)``."""
     curves = dict(plan.curves)
     slice_ms = {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks)) for s in plan.slices()}
-    _, done = dataflow_pass(plan, cluster, slice_ms)
+    pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
+    return [(c, None) for c in widen_moves(plan, cluster, done)] + gather_moves(plan, cluster, pass_ms)
+
+
+def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float]) -> list[dict]:
+    """Widening moves (module docstring, item 2) given every slice's backward end ``done``."""
     task = _task_of(plan)
     by_name = {m.name: m for m in plan.metaops}
     order = list(plan.tasks)
@@ -96,17 +131,20 @@ def moves(plan: Plan, cluster: Cluster) -> list[dict[tuple[int, int], tuple[int,
         return []
     critical = max(end, key=lambda t: (end[t], -order.index(t)))
     donors = sorted((t for t in end if t != critical), key=lambda t: (end[t], order.index(t)))[:MAX_DONORS]
+    idle = set(range(plan.world_size)) - {r for b in block.values() for r in b}
+    pools = ([idle] if idle else []) + [block[t] for t in donors]
+    pools += [set().union(*pools[:k]) for k in range(2, len(pools) + 1)]  # several blocks together
     mine = [(w.index, i, s) for w in plan.waves for i, s in enumerate(w.slices) if task[s.metaop] == critical]
     starts = sorted(mine, key=lambda x: (-x[2].time_ms, x[0], x[1]))[:MAX_STARTS]
     starts.sort(key=lambda x: (x[0], x[1]))
     used = {w.index: {r for s in w.slices for r in s.ranks} for w in plan.waves}
     g = cluster.gpus_per_node
     out = []
-    for donor in donors:
+    for donor in pools:
         for wi, si, x in starts:
             home = set(x.ranks)
             islands = {r // g for r in home}
-            pool = sorted(block[donor] - home, key=lambda r: (r // g not in islands, r))
+            pool = sorted(donor - home, key=lambda r: (r // g not in islands, r))
             change: dict[tuple[int, int], tuple[int, ...]] = {}
             taken: dict[int, set[int]] = {}  # devices given to an earlier slice of the same wave
             for wj, sj, y in mine:
@@ -124,6 +162,61 @@ def moves(plan: Plan, cluster: Cluster) -> list[dict[tuple[int, int], tuple[int,
     return out
 
 
+def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dict, list]]:
+    """Gather moves (module docstring, item 2'): ``(new ranks, new wave order)`` per weight, heaviest sync per
+    unit of compute first, then all of them together."""
+    curves = dict(plan.curves)
+    by_name = {m.name: m for m in plan.metaops}
+    g = cluster.gpus_per_node
+    holders: dict[str, list[tuple[int, int]]] = {}
+    for w in plan.waves:
+        for i, s in enumerate(w.slices):
+            for k in slice_param_keys(by_name[s.metaop], s.layer_start, s.num_layers):
+                holders.setdefault(k, []).append((w.index, i))
+    found = []
+    for grp in plan.param_groups:
+        at = holders.get(grp.param_key, [])
+        ms = {plan.waves[wi].slices[si].metaop for wi, si in at}
+        if not cluster.spans_islands(grp.ranks) or any(by_name[m].producers or by_name[m].tp > 1 for m in ms):
+            continue
+        sl = [plan.waves[wi].slices[si] for wi, si in at]
+        c = next((c for c in min((by_name[m].valid_counts(g) for m in ms), key=len)
+                  if all(c in by_name[m].valid_counts(g) for m in ms)
+                  and sum(x.num_layers * curves[x.metaop].time(c) for x in sl) <= GATHER_SHARE * pass_ms), None)
+        if c is None:
+            continue
+        isl = collections.Counter(r // g for r in grp.ranks)
+        home = min(isl, key=lambda i: (-isl[i], i))  # the island holding most of it, the lowest on ties
+        found.append((-grp.params * (len(grp.ranks) - 1) / len(grp.ranks), grp.param_key,
+                      {key: tuple(range(home * g, home * g + c)) for key in at}))
+    found.sort(key=lambda f: (f[0], f[1]))
+    picks = [f[2] for f in found[:MAX_GATHER]]
+    if len(found) > 1:
+        picks.append({k: v for f in found for k, v in f[2].items()})
+    return [(change, _hoisted(plan, change)) for change in picks]
+
+
+def _hoisted(plan: Plan, change: Mapping[tuple[int, int], Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """The wave order with every wave that holds a gathered slice (all its slices without producers, so any
+    earlier wave may run them) split into one wave per slice and moved to the front of its phase."""
+    by_name = {m.name: m for m in plan.metaops}
+    front: dict[int, list] = {}
+    rest: dict[int, list] = {}
+    for w in plan.waves:
+        keys = [(w.index, i) for i in range(len(w.slices))]
+        if any(k in change for k in keys) and not any(by_name[s.metaop].producers for s in w.slices):
+            front.setdefault(w.phase, []).extend([k] for k in keys)
+        else:
+            rest.setdefault(w.phase, []).append(keys)
+    return [ks for ph in sorted(set(front) | set(rest)) for ks in front.get(ph, []) + rest.get(ph, [])]
+
+
+def _disjoint(plan: Plan) -> bool:
+    """Validation's rule 2: no device twice in one wave."""
+    return all(len({r for s in w.slices for r in s.ranks}) == sum(len(s.ranks) for s in w.slices)
+               for w in plan.waves)
+
+
 def search(start: Plan, cluster: Cluster, steps: Callable[[Plan], float] | None = None,
            ) -> tuple[Plan, float, int]:
     """``(best plan, its step, moves kept)`` from ``start`` (module docstring); ``steps``: how a plan is
@@ -134,12 +227,12 @@ def search(start: Plan, cluster: Cluster, steps: Callable[[Plan], float] | None 
     best, best_ms, kept, trials = start, steps(start), 0, 0
     for _ in range(MAX_ROUNDS):
         found = None
-        for change in moves(best, cluster):
+        for change, order in moves(best, cluster):
             if trials >= MAX_TRIALS:
                 break
             trials += 1
-            p = relocate(best, change)
-            if max(p.device_memory_bytes) > limit:
+            p = relocate(best, change, order)
+            if max(p.device_memory_bytes) > limit or not _disjoint(p):
                 continue
             t = steps(p)
             if t < (found[0] if found else best_ms) * (1 - 1e-9):
