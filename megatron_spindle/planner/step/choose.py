@@ -253,7 +253,7 @@ def _report(report: dict, scored, fitting, winner: str, own, cluster: Cluster) -
         _, _, report["own_name"], report["own_plan"] = min(mine, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
 
 
-def _searched(scored, fitting, own: set, cluster: Cluster, steps) -> list[tuple[float, int, str, Plan]]:
+def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, int, str, Plan]]:
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
     the best of Spindle's own, each kept where it shortens the step; none on clusters larger than
     :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
@@ -263,7 +263,7 @@ def _searched(scored, fitting, own: set, cluster: Cluster, steps) -> list[tuple[
     starts = ok[:1] + [s for s in ok if s[1] in own][:1]
     out: list[tuple[float, int, str, Plan]] = []
     for t, i, name, p in dict((s[1], s) for s in starts).values():
-        q, ms, kept = step_search(p, cluster, steps)
+        q, ms, kept = step_search(p, cluster, t)
         if kept:
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")
@@ -312,7 +312,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
     own = set(range(len(plans)))
     if baselines:
-        found = _searched(scored, fitting, own, cluster, steps)
+        found = _searched(scored, fitting, own, cluster)
         own.update(s[1] for s in found)
         scored += found
         fitting += found

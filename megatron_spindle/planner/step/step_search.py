@@ -1,37 +1,39 @@
-"""Whole-step local search: devices of a block that finishes early lent to the task that finishes last
-(issue 32, part 1).
+"""Whole-step local search: devices lent to the task that finishes last, shared weights whose sync is exposed
+moved where it is not (issue 32, part 1).
 
 The whole-step choice (:mod:`.choose`) compares finished candidates; the best of them (task lanes, or a
 baseline's schedule) often keeps each task on a block of its own and idles: the blocks' sizes are valid
-counts and the tasks' work is not a multiple of them, so one block finishes last while others wait. This
-search starts from such a plan and moves devices to the critical task, judged by the step simulator
+counts and the tasks' work is not a multiple of them, so one block finishes last while others wait; and a
+weight shared by every task, held by devices of every node, is all-reduced over every node's NIC, in part
+after the pass. This search starts from such a plan and changes it by moves judged by the step simulator
 (:func:`..simulation.simulate.step_time_ms`: compute, transfers and the gradient sync they cause):
 
 1. **Time the plan.** One pass on the timeline (:func:`..simulation.timeline.dataflow_pass`) gives every
-   slice's backward end; the *critical* task is the one whose slice ends last, a *donor* any other task, its
-   block the devices its slices use, ordered by when its last slice ends (earliest first, task order on
-   ties: the order only decides which trial comes first, the step decides what is kept).
-2. **Moves.** For a slice ``x`` of the critical task and a donor block ``D``: ``x`` and every later slice of
-   its task that runs inside ``x``'s devices grow onto the devices of ``D`` (the lowest first, those of
-   ``x``'s islands before the others), each to the largest valid count (rule 3 of :mod:`.validate`) that
-   the devices of ``D`` free in its wave allow (rule 2). A MetaOp's later layers and its consumers follow
-   it, so the activations it hands on stay where they are; the donor's own waves still run first on its
-   devices when they come first in wave order (a rank runs its slices in wave order), and a weight spread
-   over more devices is all-reduced over them, which the simulator prices.
-
-   2'. **Gather a weight into one island.** A weight whose parameter device group spans islands is
-   all-reduced over every node's NIC (``2(n-1)/n`` of its bytes per node, :mod:`..simulation.link_costs`),
-   however little compute it carries: an embedding table shared by several tasks costs each node as much as
-   it costs to move its tasks' whole outputs. When every MetaOp holding it has no producers (it can run
-   before anything else) and its slices together take at most :data:`GATHER_SHARE` of the pass on ``c``
-   devices of one island (``c`` the least count valid for all of them), they move to the first ``c``
-   devices of the island that holds most of the group (the lowest on ties), one wave per slice at the front
-   of their phase (a rank runs its waves in order, so they run before any lane's work): the sync becomes
-   intra-island, paid for with the outputs' transfer, which the simulator weighs. The
-   :data:`MAX_GATHER` weights with the most cross-island bytes are tried one by one, then all together.
-3. **Keep the best.** Every move of a round is timed; the shortest step that fits memory is kept when it
+   slice's backward end; the *critical* tasks are the one whose slice ends last and the one whose slice
+   completes the gradient bucket whose all-reduce ends last (the simulator's collectives); a *donor* is any
+   other task, its block the devices its slices use, ordered by when its last slice ends (earliest first,
+   task order on ties: the order only decides which trial comes first, the step decides what is kept), and
+   the devices no slice uses.
+2. **Widen.** For a slice ``x`` of a critical task and a donor block ``D`` (one of the first
+   :data:`MAX_DONORS`, or several of them together): ``x`` and every later slice of its task that runs
+   inside ``x``'s devices grow onto the devices of ``D`` (those of ``x``'s islands first, then the lowest),
+   each to the largest valid count (rule 3 of :mod:`.validate`) that the devices of ``D`` free in its wave
+   allow (rule 2). A MetaOp's later layers and its consumers follow it, so the activations it hands on stay
+   where they are; a donor's own waves still run first on its devices when they come first in wave order
+   (a rank runs its slices in wave order); a weight spread over more devices is all-reduced over them.
+3. **Sink.** Every slice of a MetaOp without producers (an embedding) in a wave of its own just before the
+   first wave that uses it: a rank runs its backward in reverse wave order, so its backward then follows its
+   consumers' instead of ending the pass, and its weight's all-reduce overlaps the rest of the backward.
+4. **Gather a weight into one island.** A weight whose parameter device group spans islands costs every
+   node of it ``2(n-1)/n`` of its bytes on the NIC (:mod:`..simulation.link_costs`), however little compute
+   it carries. When every MetaOp holding it has no producers and its slices together take at most
+   :data:`GATHER_SHARE` of the pass on ``c`` devices of one island (``c`` the least count valid for all of
+   them), they move to the first ``c`` devices of the island that holds most of the group (the lowest on
+   ties), one wave per slice at the front of their phase: the sync becomes intra-island, paid for with the
+   outputs' transfer. The :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
+5. **Keep the best.** Every move of a round is timed; the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
-   from it. At most :data:`MAX_ROUNDS` rounds and :data:`MAX_TRIALS` timed trials.
+   from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials.
 
 The result is never slower than the start (a move is kept only when its step is shorter) and is the same
 on every machine (the moves and their order are a function of the plan; no tie is decided by rounding).
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
@@ -50,10 +52,12 @@ from .dataflow import param_groups, transfers
 from .plan import Plan, WavePlan
 
 #: Rounds of moves (each keeps the best move of the round).
-MAX_ROUNDS = 6
-#: Timed trials in all (a trial re-derives the plan's data flow and simulates it: ~2 ms at 32 devices,
-#: ~20 ms at 256).
-MAX_TRIALS = 60
+MAX_ROUNDS = 12
+#: Timed trials of one search, times the cluster's devices (a trial re-derives the plan's data flow and
+#: simulates it: ~3 ms at 32 devices, ~10 ms at 256): 64 trials at 64 devices.
+TRIAL_DEVICES = 4096
+#: ... but at least this many.
+MIN_TRIALS = 8
 #: Donor blocks tried per round (the earliest finishers).
 MAX_DONORS = 3
 #: Slices of the critical task tried per round as the start of a move (the longest first).
@@ -113,11 +117,28 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
     curves = dict(plan.curves)
     slice_ms = {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks)) for s in plan.slices()}
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
-    return [(c, None) for c in widen_moves(plan, cluster, done)] + gather_moves(plan, cluster, pass_ms)
+    return [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
+        + gather_moves(plan, cluster, pass_ms)
 
 
-def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float]) -> list[dict]:
-    """Widening moves (module docstring, item 2) given every slice's backward end ``done``."""
+def _sync_critical(plan: Plan, cluster: Cluster) -> str | None:
+    """The task of the slice whose backward completes the gradient bucket whose all-reduce ends last (when
+    it ends after the pass: the sync decides the step), the first such slice of that wave."""
+    from ..simulation.simulate import simulate
+    sim = simulate(plan, cluster, check_memory=False)
+    if not sim.collectives or sim.breakdown.sync_ms <= 0:
+        return None
+    last = max(sim.collectives, key=lambda c: (c.end_ms, c.ranks))
+    if last.wave is None:
+        return None
+    task = _task_of(plan)
+    members = set(last.ranks)
+    return next((task[s.metaop] for s in plan.waves[last.wave].slices if members & set(s.ranks)), None)
+
+
+def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float], also: str | None = None) -> list[dict]:
+    """Widening moves (module docstring, item 2) given every slice's backward end ``done``, for the task that
+    finishes last and then for ``also`` (the task that completes the last gradient bucket)."""
     task = _task_of(plan)
     by_name = {m.name: m for m in plan.metaops}
     order = list(plan.tasks)
@@ -129,7 +150,18 @@ def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float]) -> list
         block.setdefault(t, set()).update(s.ranks)
     if len(end) < 2:
         return []
-    critical = max(end, key=lambda t: (end[t], -order.index(t)))
+    first = max(end, key=lambda t: (end[t], -order.index(t)))
+    out: list[dict] = []
+    for critical in dict.fromkeys([first] + ([also] if also in end else [])):
+        _widen(plan, cluster, critical, end, block, out)
+    return out
+
+
+def _widen(plan: Plan, cluster: Cluster, critical: str, end, block, out: list) -> None:
+    """:func:`widen_moves` of one task, appended to ``out``."""
+    task = _task_of(plan)
+    by_name = {m.name: m for m in plan.metaops}
+    order = list(plan.tasks)
     donors = sorted((t for t in end if t != critical), key=lambda t: (end[t], order.index(t)))[:MAX_DONORS]
     idle = set(range(plan.world_size)) - {r for b in block.values() for r in b}
     pools = ([idle] if idle else []) + [block[t] for t in donors]
@@ -139,7 +171,6 @@ def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float]) -> list
     starts.sort(key=lambda x: (x[0], x[1]))
     used = {w.index: {r for s in w.slices for r in s.ranks} for w in plan.waves}
     g = cluster.gpus_per_node
-    out = []
     for donor in pools:
         for wi, si, x in starts:
             home = set(x.ranks)
@@ -159,11 +190,10 @@ def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float]) -> list
                 taken.setdefault(wj, set()).update(change[(wj, sj)])
             if change and change not in out:
                 out.append(change)
-    return out
 
 
 def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dict, list]]:
-    """Gather moves (module docstring, item 2'): ``(new ranks, new wave order)`` per weight, heaviest sync per
+    """Gather moves (module docstring, item 4): ``(new ranks, new wave order)`` per weight, heaviest sync per
     unit of compute first, then all of them together."""
     curves = dict(plan.curves)
     by_name = {m.name: m for m in plan.metaops}
@@ -193,7 +223,46 @@ def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dic
     picks = [f[2] for f in found[:MAX_GATHER]]
     if len(found) > 1:
         picks.append({k: v for f in found for k, v in f[2].items()})
-    return [(change, _hoisted(plan, change)) for change in picks]
+    out = [(change, _hoisted(plan, change)) for change in picks]
+    sunk = _sunk(plan)
+    if sunk is not None:
+        out.insert(0, ({}, sunk))
+    return out
+
+
+def _sunk(plan: Plan, only: Mapping | None = None) -> list[list[tuple[int, int]]] | None:
+    """The wave order with every slice of a MetaOp without producers (those in ``only``, when given) in a
+    wave of its own just before the first wave that uses it (a consumer, or its MetaOp's later layers);
+    ``None`` when no slice moves. A rank runs its backward in reverse wave order, so such a slice's backward
+    then runs right after its consumers' instead of at the end of the pass, and its weight's gradient is
+    all-reduced while the rest of the backward runs."""
+    by_name = {m.name: m for m in plan.metaops}
+    users: dict[str, int] = {}  # MetaOp -> first wave using it
+    seen: dict[str, int] = {}
+    for w in plan.waves:
+        for s in w.slices:
+            m = by_name[s.metaop]
+            for p in m.producers:
+                users.setdefault(p, w.index)
+            if s.metaop in seen:
+                users.setdefault(s.metaop, w.index)
+            seen.setdefault(s.metaop, w.index)
+    moved: dict[int, list[tuple[int, int]]] = {}
+    keep: dict[int, list[tuple[int, int]]] = {}
+    for w in plan.waves:
+        for i, s in enumerate(w.slices):
+            target = users.get(s.metaop)
+            sink = not by_name[s.metaop].producers and target is not None and target > w.index + 1 \
+                and (only is None or (w.index, i) in only) and plan.waves[target].phase == w.phase
+            (moved.setdefault(target, []) if sink else keep.setdefault(w.index, [])).append((w.index, i))
+    if not moved:
+        return None
+    out = []
+    for w in plan.waves:
+        out += [[k] for k in moved.get(w.index, [])]
+        if keep.get(w.index):
+            out.append(keep[w.index])
+    return out
 
 
 def _hoisted(plan: Plan, change: Mapping[tuple[int, int], Sequence[int]]) -> list[list[tuple[int, int]]]:
@@ -217,24 +286,26 @@ def _disjoint(plan: Plan) -> bool:
                for w in plan.waves)
 
 
-def search(start: Plan, cluster: Cluster, steps: Callable[[Plan], float] | None = None,
+def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, trials: int | None = None
            ) -> tuple[Plan, float, int]:
-    """``(best plan, its step, moves kept)`` from ``start`` (module docstring); ``steps``: how a plan is
-    timed (default :func:`..simulation.simulate.step_time_ms`)."""
+    """``(best plan, its step, moves kept)`` from ``start`` (module docstring); ``start_ms``: its step when
+    the caller has it; ``trials``: the most plans timed (default :func:`trial_budget`)."""
     from ..simulation.simulate import step_time_ms
-    steps = steps or (lambda p: step_time_ms(p, cluster))
     limit = cluster.memory_limit_bytes * (1 + 1e-9)
-    best, best_ms, kept, trials = start, steps(start), 0, 0
+    budget = trial_budget(cluster.num_devices) if trials is None else trials
+    best = start
+    best_ms = step_time_ms(start, cluster) if start_ms is None else start_ms
+    kept = used = 0
     for _ in range(MAX_ROUNDS):
         found = None
         for change, order in moves(best, cluster):
-            if trials >= MAX_TRIALS:
+            if used >= budget:
                 break
-            trials += 1
+            used += 1
             p = relocate(best, change, order)
             if max(p.device_memory_bytes) > limit or not _disjoint(p):
                 continue
-            t = steps(p)
+            t = step_time_ms(p, cluster)
             if t < (found[0] if found else best_ms) * (1 - 1e-9):
                 found = (t, p)
         if found is None:
@@ -242,3 +313,9 @@ def search(start: Plan, cluster: Cluster, steps: Callable[[Plan], float] | None 
         best_ms, best = found
         kept += 1
     return best, best_ms, kept
+
+
+def trial_budget(num_devices: int) -> int:
+    """Plans one search may time: :data:`TRIAL_DEVICES` over the cluster's devices (a trial's cost grows
+    with them), at least one round's worth of :data:`MIN_TRIALS`."""
+    return max(MIN_TRIALS, TRIAL_DEVICES // max(1, num_devices))
