@@ -46,6 +46,7 @@ from .assemble import assemble_plan
 from .backfill import backfill
 from .lanes import LANES_MAX_DEVICES, lane_plans
 from .step_search import search as step_search
+from .validate import violations
 from .execution import Execution
 from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
@@ -264,7 +265,7 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
     out: list[tuple[float, int, str, Plan]] = []
     for t, i, name, p in dict((s[1], s) for s in starts).values():
         q, ms, kept = step_search(p, cluster, t)
-        if kept:
+        if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")
                            for lv in q.levels)

@@ -44,6 +44,7 @@ import collections
 import dataclasses
 from typing import Mapping, Sequence
 
+from ..simulation.simulate import simulate, step_time_ms
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
 from ..workload.memory import slice_param_keys
@@ -124,7 +125,6 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
 def _sync_critical(plan: Plan, cluster: Cluster) -> str | None:
     """The task of the slice whose backward completes the gradient bucket whose all-reduce ends last (when
     it ends after the pass: the sync decides the step), the first such slice of that wave."""
-    from ..simulation.simulate import simulate
     sim = simulate(plan, cluster, check_memory=False)
     if not sim.collectives or sim.breakdown.sync_ms <= 0:
         return None
@@ -290,7 +290,6 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
            ) -> tuple[Plan, float, int]:
     """``(best plan, its step, moves kept)`` from ``start`` (module docstring); ``start_ms``: its step when
     the caller has it; ``trials``: the most plans timed (default :func:`trial_budget`)."""
-    from ..simulation.simulate import step_time_ms
     limit = cluster.memory_limit_bytes * (1 + 1e-9)
     budget = trial_budget(cluster.num_devices) if trials is None else trials
     best = start
