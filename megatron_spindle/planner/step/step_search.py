@@ -55,8 +55,8 @@ from .plan import Plan, WavePlan
 #: Rounds of moves (each keeps the best move of the round).
 MAX_ROUNDS = 12
 #: Timed trials of one search, times the cluster's devices (a trial re-derives the plan's data flow and
-#: simulates it: ~3 ms at 32 devices, ~10 ms at 256): 64 trials at 64 devices.
-TRIAL_DEVICES = 4096
+#: simulates it: ~3 ms at 32 devices, ~10 ms at 256): 32 trials at 64 devices.
+TRIAL_DEVICES = 2048
 #: ... but at least this many.
 MIN_TRIALS = 8
 #: Donor blocks tried per round (the earliest finishers).
@@ -118,8 +118,8 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
     curves = dict(plan.curves)
     slice_ms = {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks)) for s in plan.slices()}
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
-    return [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
-        + gather_moves(plan, cluster, pass_ms)
+    return gather_moves(plan, cluster, pass_ms) \
+        + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))]
 
 
 def _sync_critical(plan: Plan, cluster: Cluster) -> str | None:
