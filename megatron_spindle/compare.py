@@ -20,7 +20,7 @@ Curves: the analytic device model takes the cluster's peak rate and memory (``--
 H200 curves); a ``--curves`` file replaces it entirely.
 
 Beside every step: the model TFLOP/s per device and MFU (model FLOPs over the cluster's peak), and, with the
-analytic curves, the step at the slow edge of the published anchors with whether the winner or the ranking
+analytic curves, the step at the fast and slow edges of the published anchors with whether the winner or the ranking
 changes between the edges (:mod:`.compare_band`; ``--no-band`` skips it).
 """
 from __future__ import annotations
@@ -348,7 +348,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="hold every system to one configuration (--passes, default the model's; nothing recomputed) "
                         "instead of tuning each to its own best")
     p.add_argument("--no-band", action="store_true",
-                   help="skip the slow-edge re-plan of every system (the analytic model's band; no band with --curves)")
+                   help="skip the fast- and slow-edge re-plans of every system (the analytic model's band; "
+                        "no band with --curves)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw grouped bars of the speedups")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_compare)

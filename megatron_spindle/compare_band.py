@@ -6,13 +6,14 @@ recompute is not model FLOPs) over the step time, the devices and the cluster's 
 1,172 GPUs), OrchMLLM 41.6 % (84B, 2,560 H100s).
 
 **The band.** Until a profile measures the layers, the analytic device model decides the race, and two of its
-constants are not pinned by any training measurement of these layers: the per-layer floor and the large-batch
-efficiency level. The default model is the *fast edge* of the published anchors (fused-kernel floor,
-FlashAttention's training level); :func:`.planner.workload.analytic.slow_edge` is the *slow edge* (an eager
-framework's dispatch floor, Megatron-LM 2021's level). Each system is planned again at its own chosen
-configuration under the slow edge (re-tuning would only make each faster), and the comparison says whether the
-winner or the ranking differs between the edges. A ``--curves`` file replaces the analytic model: then there is
-no band, one number per system.
+constants are not pinned by any training measurement of these layers at small per-device batches: the per-layer
+floor and the large-batch efficiency level. The default ("fitted") model runs eagerly, as megatron-core does by
+default (no CUDA graphs): the eager floor, FlashAttention's training level.
+:func:`.planner.workload.analytic.fast_edge` is the other execution mode (fused kernels / CUDA graphs: the fused
+floor); :func:`.planner.workload.analytic.slow_edge` is the eager column's batch-1 latency as floor with Megatron-LM
+2021's level. Each system is planned again at its own chosen configuration at both edges (re-tuning would only make
+each faster), and the comparison says whether the winner or the ranking differs between the edges. A ``--curves``
+file replaces the analytic model: then there is no band, one number per system.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from .planner.step.build import make_plan
 from .planner.simulation.simulate import simulate
 from .planner.systems.tune_spindle import tune_spindle
 from .planner.systems.tuning import Tuned, Workload, tune_baseline, tune_static_grids
-from .planner.workload.analytic import DeviceModel, slow_edge
+from .planner.workload.analytic import DeviceModel, fast_edge, slow_edge
 from .planner.workload.flops import mfu, step_model_flops, tflops_per_device
 
-EDGES = ("fitted", "slow")
+EDGES = ("fast", "fitted", "slow")
 
 
 def fill_mfu(results: Mapping, workload: Workload, gpus: int, peak_tflops: float) -> None:
@@ -40,7 +41,7 @@ def fill_mfu(results: Mapping, workload: Workload, gpus: int, peak_tflops: float
         r.mfu = mfu(r.model_flops, r.sim.step_ms, gpus, peak_tflops)
 
 
-def _slow_step(system: str, r, workload: Workload, cl, device: DeviceModel, hints) -> float | None:
+def _edge_step(system: str, r, workload: Workload, cl, device: DeviceModel, hints) -> float | None:
     ex = r.execution
     if ex is None:
         return None
@@ -66,22 +67,29 @@ def _slow_step(system: str, r, workload: Workload, cl, device: DeviceModel, hint
 
 
 def fill_band(results: Mapping, workload: Workload, cl, device: DeviceModel) -> dict:
-    """Every system's step at the slow edge (its own configuration re-planned), and what moves between edges."""
-    slow = slow_edge(device)
+    """Every system's step at the fast and the slow edge (its own configuration re-planned; the slow one is also
+    ``r.slow_ms``), and what moves between the edges."""
+    models = {"fast": fast_edge(device), "fitted": device, "slow": slow_edge(device)}
     hints = [r.execution for s, r in results.items() if s in BASELINES and r.execution is not None]
+    steps: dict[str, dict[str, float]] = {e: {} for e in EDGES}
     for s, r in results.items():
-        r.slow_ms = _slow_step(s, r, workload, cl, slow, hints) if r.ok else None
-    steps = {edge: {s: (r.sim.step_ms if edge == "fitted" else r.slow_ms) for s, r in results.items()
-                    if r.ok and s != "spindle-naive-placement" and (edge == "fitted" or r.slow_ms is not None)}
-             for edge in EDGES}
-    ranks = {edge: _groups(steps[edge]) for edge in EDGES}
-    winners = {edge: ranks[edge][0] if ranks[edge] else [] for edge in EDGES}
-    common = [s for s in steps["fitted"] if s in steps["slow"]]
-    swapped = [(a, c) for a in common for c in common
-               if _less(steps["fitted"], a, c) and _less(steps["slow"], c, a)]
-    return {"edges": {"fitted": device.to_json(), "slow": slow.to_json()}, "ranking": ranks, "winner": winners,
-            "winner_changes": bool(winners["fitted"] and winners["slow"]
-                                   and not set(winners["fitted"]) & set(winners["slow"])),
+        if not r.ok:
+            r.slow_ms = None
+            continue
+        for edge in EDGES:
+            ms = r.sim.step_ms if edge == "fitted" else _edge_step(s, r, workload, cl, models[edge], hints)
+            if ms is not None:
+                steps[edge][s] = ms
+        r.slow_ms = steps["slow"].get(s)
+    ranked = {e: {s: v for s, v in steps[e].items() if s != "spindle-naive-placement"} for e in EDGES}
+    ranks = {e: _groups(ranked[e]) for e in EDGES}
+    winners = {e: ranks[e][0] if ranks[e] else [] for e in EDGES}
+    common = [s for s in ranked["fitted"] if all(s in ranked[e] for e in EDGES)]
+    swapped = sorted({(a, c) for a in common for c in common for e1 in EDGES for e2 in EDGES
+                      if _less(ranked[e1], a, c) and _less(ranked[e2], c, a)})
+    firsts = [set(w) for w in winners.values() if w]
+    return {"edges": {e: m.to_json() for e, m in models.items()}, "steps_ms": steps, "ranking": ranks,
+            "winner": winners, "winner_changes": bool(firsts) and not set.intersection(*firsts),
             "ranking_changes": bool(swapped), "swapped": [list(p) for p in swapped]}
 
 
@@ -108,25 +116,27 @@ def band_lines(band: dict | None, results: Mapping) -> list[str]:
     """The table's lines about the band."""
     if band is None:
         return ["band: none (measured curves from --curves: one number per system)"]
-    sp = results.get("spindle")
+    steps = band.get("steps_ms", {})
     lead = []
     for b in BASELINES + ("static-grids",):
-        r = results.get(b)
-        if sp is not None and sp.ok and r is not None and r.ok and sp.slow_ms and r.slow_ms:
-            lead.append(f"{b} {r.sim.step_ms / sp.sim.step_ms:.2f}x -> {r.slow_ms / sp.slow_ms:.2f}x")
-    out = [f"band (analytic curves' fitted = fast edge -> slow edge: eager floor, Megatron-LM 2021 level): "
-           f"Spindle over {', '.join(lead) if lead else '-'}"]
+        ratios = [steps[e][b] / steps[e]["spindle"] for e in EDGES
+                  if b in steps.get(e, {}) and steps[e].get("spindle")]
+        if len(ratios) == len(EDGES):
+            lead.append(f"{b} " + " / ".join(f"{x:.2f}x" for x in ratios))
+    out = [f"band (analytic curves, fast edge: fused / CUDA-graph floor / fitted: eager floor, megatron-core's "
+           f"default / slow edge: eager batch-1 floor, Megatron-LM 2021 level): Spindle over "
+           f"{', '.join(lead) if lead else '-'}"]
     def order(edge):
         return " < ".join(" = ".join(g) for g in band["ranking"][edge])
     w = {e: " = ".join(v) for e, v in band["winner"].items()}
     if band["winner_changes"]:
-        out.append(f"the winner changes inside the band: {w['fitted']} at the fitted model, {w['slow']} at the slow "
-                   f"edge; a profile of your own devices (spindle profile, --curves) settles it")
+        out.append("the winner changes inside the band: " + ", ".join(f"{w[e]} at the {e} edge" for e in EDGES)
+                   + "; a profile of your own devices (spindle profile, --curves) settles it")
     else:
-        common = set(band["winner"]["fitted"]) & set(band["winner"]["slow"])
-        out.append(f"{' = '.join(sorted(common))} fastest at both edges")
+        common = set.intersection(*([set(v) for v in band["winner"].values() if v] or [set()]))
+        out.append(f"{' = '.join(sorted(common))} fastest at every edge")
     if band["ranking_changes"]:
-        out.append(f"the ranking changes inside the band: {order('fitted')} (fitted) -> {order('slow')} (slow edge)")
+        out.append("the ranking changes inside the band: " + " -> ".join(f"{order(e)} ({e})" for e in EDGES))
     else:
         out.append(f"the ranking holds: {order('fitted')}")
     return out

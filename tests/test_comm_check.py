@@ -170,3 +170,47 @@ def test_perturbed_streams_fail_the_check(runs):
     errors = check(dropped)
     assert any(f"->{r}: rank" in e and "receives" in e for e in errors), errors
     assert any("deadlock" in e for e in errors), errors
+
+
+def test_the_scale_script_checks_full_size_plans():
+    """``scripts/comm_check.py`` itself (docs/comm_check.md's table), on full-size plans at 8 ranks: exit 0
+    and an ``ok`` row per model. Its failure path (exit 1, the problems printed) is the same ``check`` that
+    ``test_perturbed_streams_fail_the_check`` shows failing."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "comm_check.py"), "--models",
+                        "multitask-clip,ofasys", "--ranks", "8", "--markdown"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split("|") for line in p.stdout.splitlines() if line.startswith("| ") and "| 8 |" in line]
+    assert sorted(r[1].strip() for r in rows) == ["multitask-clip", "ofasys"], p.stdout
+    assert all(r[7].strip() == "ok" for r in rows), p.stdout
+
+
+def test_the_one_rank_group_is_made_again_for_a_new_default_group(tmp_path):
+    """``blocks.self_group`` caches its one-rank group with the default group it was made under: after
+    ``destroy_process_group`` and a new world (whose default group may reuse the old one's ``id``) it makes a
+    new group that works, not the destroyed one."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_spindle import comm
+    from megatron_spindle.models import blocks
+
+    groups = []
+    for i in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{i}", rank=0, world_size=1)
+        try:
+            g = blocks.self_group()
+            assert blocks.self_group() is g  # cached inside one world
+            t = torch.ones(2)
+            comm.all_reduce(t, group=g)
+            assert t.tolist() == [1.0, 1.0]
+            groups.append(g)
+        finally:
+            dist.destroy_process_group()
+    assert groups[0] is not groups[1]

@@ -5,8 +5,9 @@ import pytest
 
 from megatron_spindle.cli import main
 from megatron_spindle.compare_band import _groups
-from megatron_spindle.planner.workload.analytic import (DeviceModel, EAGER_TRANSFORMER_LATENCY_MS,
-                                                        LOW_MAX_EFFICIENCY, TRANSFORMER_LATENCY_MS, slow_edge)
+from megatron_spindle.planner.workload.analytic import (DeviceModel, FUSED_TRANSFORMER_LATENCY_MS,
+                                                        LOW_MAX_EFFICIENCY, SLOW_TRANSFORMER_LATENCY_MS,
+                                                        TRANSFORMER_LATENCY_MS, fast_edge, slow_edge)
 from megatron_spindle.planner.workload.flops import metaop_model_flops, mfu, step_model_flops, tflops_per_device
 from megatron_spindle.planner.workload.graph import LayerConfig
 from megatron_spindle.planner.workload.metaops import MetaOp, contract
@@ -48,14 +49,19 @@ def test_step_model_flops_are_three_forwards_and_do_not_depend_on_the_passes():
     assert metaop_model_flops(full) == pytest.approx(metaop_model_flops(ms))
 
 
-def test_slow_edge_scales_every_floor_and_lowers_the_level():
+def test_edges_scale_every_floor_and_the_slow_one_lowers_the_level():
     dev = DeviceModel()
-    slow = slow_edge(dev)
-    ratio = EAGER_TRANSFORMER_LATENCY_MS / TRANSFORMER_LATENCY_MS
-    assert slow.latency_ms("transformer_layer") == pytest.approx(dev.latency_ms("transformer_layer") * ratio)
-    assert slow.latency_ms("lm_head") == pytest.approx(dev.latency_ms("lm_head") * ratio, abs=1e-4)
-    assert slow.max_efficiency == LOW_MAX_EFFICIENCY < dev.max_efficiency
-    assert slow.peak_tflops == dev.peak_tflops and slow.memory_gib == dev.memory_gib
+    slow, fast = slow_edge(dev), fast_edge(dev)
+    for edge, floor in ((slow, SLOW_TRANSFORMER_LATENCY_MS), (fast, FUSED_TRANSFORMER_LATENCY_MS)):
+        ratio = floor / TRANSFORMER_LATENCY_MS
+        assert edge.latency_ms("transformer_layer") == pytest.approx(dev.latency_ms("transformer_layer") * ratio)
+        assert edge.latency_ms("lm_head") == pytest.approx(dev.latency_ms("lm_head") * ratio, abs=1e-4)
+        assert edge.peak_tflops == dev.peak_tflops and edge.memory_gib == dev.memory_gib
+    assert fast.latency_ms("transformer_layer") < dev.latency_ms("transformer_layer") < slow.latency_ms("transformer_layer")
+    assert slow.max_efficiency == LOW_MAX_EFFICIENCY < dev.max_efficiency == fast.max_efficiency
+    # a device already beyond an edge is not pulled back to it
+    own = DeviceModel.from_json({"layer_latency_ms": {"transformer_layer": 5.0}})
+    assert slow_edge(own).latency_ms("transformer_layer") == 5.0
 
 
 def test_ties_rank_together():
@@ -67,18 +73,20 @@ def test_compare_json_carries_mfu_and_the_band(capsys):
     r = json.loads(capsys.readouterr().out)["results"][0]
     assert r["peak_tflops"] == 312.0 and r["curves"] == "analytic"
     band = r["band"]
-    assert set(band["edges"]) == {"fitted", "slow"} and band["edges"]["fitted"] == DeviceModel().to_json()
+    assert set(band["edges"]) == {"fast", "fitted", "slow"} and band["edges"]["fitted"] == DeviceModel().to_json()
     for name, s in r["systems"].items():
         if "error" in s:
             continue
         assert s["mfu"] == pytest.approx(s["model_flops"] / (s["step_ms"] * 1e-3 * 8 * 312e12))
         assert s["tflops_per_gpu"] == pytest.approx(s["mfu"] * 312.0)
         assert s["band_ms"]["fitted"] == s["step_ms"] and s["band_ms"]["slow"] > 0, name
-    fastest = {e: min(s["band_ms"][e] for n, s in r["systems"].items()
-                      if "error" not in s and n != "spindle-naive-placement") for e in ("fitted", "slow")}
-    for e in ("fitted", "slow"):
-        assert r["systems"][band["winner"][e][0]]["band_ms"][e] == fastest[e]
-    assert band["winner_changes"] == (not set(band["winner"]["fitted"]) & set(band["winner"]["slow"]))
+        assert band["steps_ms"]["slow"][name] == s["band_ms"]["slow"]
+        assert band["steps_ms"]["fast"][name] <= s["step_ms"] <= band["steps_ms"]["slow"][name], name
+    steps = band["steps_ms"]
+    fastest = {e: min(v for n, v in steps[e].items() if n != "spindle-naive-placement") for e in steps}
+    for e in ("fast", "fitted", "slow"):
+        assert steps[e][band["winner"][e][0]] == fastest[e]
+    assert band["winner_changes"] == (not set.intersection(*(set(w) for w in band["winner"].values())))
 
 
 def test_measured_curves_have_no_band_and_the_table_says_so(capsys, tmp_path):

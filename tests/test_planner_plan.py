@@ -97,9 +97,11 @@ def test_validation_rules_name_the_wave_and_device():
     rules, _ = _rules(moved)
     assert 5 in rules
     # two MetaOps sharing a weight at different tensor-parallel degrees (their shards could not be summed)
-    shared = next(k for k in sorted({k for m in p.metaops for k in m.param_keys if k})
-                  if sum(k in m.param_keys for m in p.metaops) > 1)
-    m = next(m for m in p.metaops if shared in m.param_keys)
+    def doubles(x):  # every slice of x has the devices for twice its tensor-parallel degree
+        return all(len(s.ranks) % (2 * x.tp) == 0 for s in p.slices() if s.metaop == x.name)
+    shared, m = next((k, x) for k in sorted({k for m in p.metaops for k in m.param_keys if k})
+                     if sum(k in m.param_keys for m in p.metaops) > 1
+                     for x in p.metaops if k in x.param_keys and doubles(x))
     rules, text = _rules(dataclasses.replace(p, metaops=tuple(
         dataclasses.replace(x, tp=x.tp * 2) if x is m else x for x in p.metaops)))
     assert 3 in rules and f"holds weight {shared!r} at tp=" in text

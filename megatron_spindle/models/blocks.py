@@ -54,6 +54,9 @@ class LocalGroup:
         return 0
 
 
+#: rank -> (the default group it was made under, the one-rank group). The default group object itself is kept
+#: (not its ``id``): after ``destroy_process_group`` and a new ``init_process_group`` a freed group's ``id`` can be
+#: reused, and the cache would hand back a destroyed group.
 _SELF_GROUPS: dict = {}
 
 
@@ -65,10 +68,11 @@ def self_group():
     """
     if not dist.is_initialized():
         return LocalGroup()
-    key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank())
-    if key not in _SELF_GROUPS:
-        _SELF_GROUPS[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _SELF_GROUPS[key]
+    default, rank = dist.distributed_c10d._get_default_group(), dist.get_rank()
+    held = _SELF_GROUPS.get(rank)
+    if held is None or held[0] is not default:
+        held = _SELF_GROUPS[rank] = (default, dist.new_group([rank], use_local_synchronization=True))
+    return held[1]
 
 
 def pg_collection(tp_group) -> ProcessGroupCollection:

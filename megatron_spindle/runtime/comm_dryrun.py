@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from ..compat import apply_cpu_patches
-from ..models import blocks
 from ..models.data import SyntheticData
 from ..planner.step.plan import Plan
 from ..planner.workload.graph import TaskGraph
@@ -103,7 +102,6 @@ def dry_run(plan: Plan, graph: TaskGraph, *, ranks: Sequence[int] | None = None,
                 out[r] = list(rec.events)
             finally:
                 dist.destroy_process_group()
-                blocks._SELF_GROUPS.clear()  # cached by id(default group): the next rank's may reuse the id
             if progress is not None:
                 progress(r)
     finally:

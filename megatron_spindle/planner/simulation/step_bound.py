@@ -1,4 +1,4 @@
-"""A certified lower bound on the whole step: compute plus the cheapest gradient sync (issue 32, part 2).
+"""A certified lower bound on the whole step: compute, transfers and the cheapest gradient sync (issue 32, part 2).
 
 ``Σ C*`` bounds the compute of level-by-level wave schedules only; a step also pays the gradient sync, which
 on thin per-device batches decides it. This bound holds for *every* wave plan of the given MetaOps, curves and
@@ -31,10 +31,29 @@ passes, ``N`` devices, ``t_pass`` one pass and every layer run on some count ``n
    (:data:`ROUNDS`), ``λ`` over :data:`LAMBDAS`, and the largest value found is the bound. ``λ = 1`` is the
    bound without sync (area and paths: :attr:`StepBound.compute_ms`).
 
-Transfers between waves, all-reduce latencies and memory are not counted (each only raises a plan's step),
-so the bound is loose where they bind. The module-level static grids (:mod:`..systems.static_grids`) time a
-pipelined step with their own model, whose gradients may be ready before ``(K−1)·t_pass``; the bound is
-checked against their recorded steps by the tests, not proved for them.
+6. **Paths with transfers** (:mod:`.path_bound`). A path's layers that change rank set pay the boundary's
+   messages both ways (at least what one edge's bytes need at the fastest links): ``t_pass`` is at least the
+   least path with them (a chain over the layers' counts, exact).
+7. **The sync's end on a path** (:mod:`.path_bound`). A layer's gradient is complete no earlier than the
+   forward of its path's layers before it and the forward and backward of those from it on, and its bucket's
+   all-reduce starts no earlier: ``E ≥ r_j + AR_j``. The layers since the path last changed rank set share
+   their devices, whose all-reduces run one after another (their sum counts); over every layer so far, their
+   mean per device (``n/N`` of each) does. With ``step ≥ (K−1+λ)·X + (1−λ)·E`` (item 5, the area ``X`` at the
+   same counts) for ``λ`` in :data:`.path_bound.LAMBDAS`, minimised over the counts and maximised over the
+   layers and ``λ``. Counts on which no layer of a MetaOp fits memory are left out (``memory``).
+
+Why the sync term of items 4-5 was zero on every row of the paper grid: ``E ≥ F + Y`` compares the *mean*
+all-reduce time per device, after the forward of the cheapest path, with the pass; on 32-256 devices the
+allocations that keep the area also keep ``Y`` well under ``(1−FORWARD_SHARE)·t_pass`` (a layer may sit on
+few devices, and every device need hold only a share of the weights), so the best ``λ`` is 1. Items 6-7 tie the
+sync and the transfers to the path that pays them; where the area still dominates (a plan may move each
+layer to other devices for less than a hundredth of the all-reduce it saves), no plan is proved slower.
+
+All-reduce and transfer latencies beyond one per term and the overlap of transfers with compute are not
+counted (each only raises a plan's step), so the bound is loose where they bind. The module-level static
+grids (:mod:`..systems.static_grids`) time a pipelined step with their own model, whose gradients may be
+ready before ``(K−1)·t_pass``; the bound is checked against their recorded steps by the tests, not proved for
+them.
 """
 from __future__ import annotations
 
@@ -49,6 +68,7 @@ from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 from ..workload.recompute import FORWARD_SHARE
+from .path_bound import PathTerms, paths
 
 #: The weights ``λ`` of the sync term tried (every one gives a valid bound; the best is kept). Fixed, so the
 #: bound is the same bytes on every machine.
@@ -74,41 +94,37 @@ class StepBound:
     """The ``λ`` that gave :attr:`bound_ms` (1: the sync adds nothing to the compute bound)."""
     sync_floor_ms: float
     """``Y`` of the allocation that attains the bound: the least mean per-device all-reduce time it pays."""
+    path_ms: float = 0.0
+    """``K`` passes of the longest least path with its boundary transfers (item 6)."""
+    sync_step_ms: float = 0.0
+    """The least step by the end of the sync on one path (item 7)."""
 
     @property
     def sync_ms(self) -> float:
-        """What the sync adds to the compute bound."""
+        """What communication adds to the compute bound: :attr:`transfer_ms` and :attr:`allreduce_ms`."""
         return self.bound_ms - self.compute_ms
+
+    @property
+    def transfer_ms(self) -> float:
+        """What the boundary transfers of a path add to the compute bound (item 6)."""
+        return max(self.compute_ms, self.path_ms) - self.compute_ms
+
+    @property
+    def allreduce_ms(self) -> float:
+        """What the gradient sync adds to the compute and transfer bound (items 4, 5 and 7)."""
+        return self.bound_ms - max(self.compute_ms, self.path_ms)
 
     def to_json(self) -> dict:
         return {"bound_ms": self.bound_ms, "compute_ms": self.compute_ms, "area_ms": self.area_ms,
-                "sync_ms": self.sync_ms, "weight": self.weight, "sync_floor_ms": self.sync_floor_ms}
+                "sync_ms": self.sync_ms, "transfer_ms": self.transfer_ms, "allreduce_ms": self.allreduce_ms,
+                "weight": self.weight,
+                "sync_floor_ms": self.sync_floor_ms, "path_ms": self.path_ms, "sync_step_ms": self.sync_step_ms}
 
 
 def _link_gbps(h: np.ndarray, cluster: Cluster) -> np.ndarray:
     """Fastest bandwidth a ring of ``h`` devices may get (one island when it fits, else across islands)."""
     inside = max(cluster.intra_bandwidth_gbps, cluster.inter_bandwidth_gbps)
     return np.where(h <= cluster.gpus_per_node, inside, cluster.inter_bandwidth_gbps)
-
-
-def _paths(metaops: Sequence[MetaOp]) -> list[tuple[int, ...]]:
-    """Source-to-sink paths of the MetaOp graph (indices into ``metaops``), at most :data:`MAX_PATHS`."""
-    index = {m.name: i for i, m in enumerate(metaops)}
-    consumers: dict[int, list[int]] = defaultdict(list)
-    for i, m in enumerate(metaops):
-        for p in m.producers:
-            if p in index:
-                consumers[index[p]].append(i)
-    out: list[tuple[int, ...]] = []
-    stack = [(i,) for i, m in reversed(list(enumerate(metaops))) if not any(p in index for p in m.producers)]
-    while stack and len(out) < MAX_PATHS:
-        path = stack.pop()
-        nxt = consumers.get(path[-1])
-        if not nxt:
-            out.append(path)
-        else:
-            stack.extend(path + (j,) for j in reversed(nxt))
-    return out
 
 
 class _Model:
@@ -121,7 +137,7 @@ class _Model:
         self.metaops = list(metaops)
         self.time = [np.array([curves[m.name].time(int(n)) for n in ns], dtype=float) for m in self.metaops]
         self.area = [ns * t / N for t in self.time]
-        self.paths = _paths(self.metaops)
+        self.paths = paths(self.metaops, MAX_PATHS)
         # every gradient is complete only after the forward of a whole path through its MetaOp (item 3')
         self.ready = FORWARD_SHARE * min((sum(m.num_layers * float(self.time[i].min()) for i, m in
                                               ((i, self.metaops[i]) for i in path)) for path in self.paths),
@@ -221,8 +237,10 @@ def _reweight(w: np.ndarray, gain: np.ndarray, step: float) -> np.ndarray:
 
 
 def step_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], cluster: Cluster, passes: int, *,
-               grad_bytes: int = 4, lambdas: Sequence[float] = LAMBDAS) -> StepBound:
-    """The bound of the module docstring for ``metaops`` (their ``tp``) on ``cluster``, ``passes`` per step."""
+               grad_bytes: int = 4, lambdas: Sequence[float] = LAMBDAS, memory: bool = True) -> StepBound:
+    """The bound of the module docstring for ``metaops`` (their ``tp``) on ``cluster``, ``passes`` per step;
+    ``memory``: leave out the counts on which no layer of a MetaOp fits the cluster's memory (item 7; the
+    bound then holds for the plans that fit)."""
     model = _Model(metaops, curves, cluster, passes, grad_bytes)
     pi, sigma = model.start()
     area = model.value(1.0, np.eye(1 + len(model.paths))[0], sigma)[0]
@@ -236,9 +254,14 @@ def step_bound(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], cl
         v, _, _, Y = model.best_weights(best[1], pi, sigma)
         if v > best[0]:
             best = (v, best[1], Y)
-    bound = max(best[0], compute, area)
-    return StepBound(bound_ms=float(bound), compute_ms=float(max(compute, area)), area_ms=float(area),
-                     weight=float(best[1]), sync_floor_ms=float(best[2]))
+    terms = PathTerms(metaops, curves, cluster, passes, grad_bytes=grad_bytes,
+                      memory_limit=cluster.memory_limit_bytes if memory else None)
+    compute = max(compute, area)
+    path = passes * terms.path_ms
+    bound = max(best[0], compute, path, terms.sync_step_ms)
+    return StepBound(bound_ms=float(bound), compute_ms=float(compute), area_ms=float(area),
+                     weight=float(best[1]), sync_floor_ms=float(best[2]), path_ms=float(path),
+                     sync_step_ms=float(terms.sync_step_ms))
 
 
 def plan_step_bound(plan, cluster: Cluster) -> StepBound:

@@ -2,8 +2,8 @@
 
 Every system at an :class:`..step.execution.Execution` runs the same MetaOps and curves
 (:func:`..step.build.plan_system` and :func:`.tuning.tune_static_grids` build them this way), so the bound at
-a system's configuration bounds that system's step, and the smallest over the configurations compared bounds
-every plan any of them could run.
+a system's configuration bounds that system's step (every plan of it that fits the cluster's memory), and the
+smallest over the configurations compared bounds every plan any of them could run.
 """
 from __future__ import annotations
 

@@ -20,18 +20,36 @@ planner's time grid and fitted with :func:`fit_piecewise`, exactly as measured p
 Where the constants come from (docs/results/analytic_curves.md has the numbers, the fits and the errors;
 tests/test_analytic_curves.py re-checks every anchor point):
 
-* **Latency and "no efficiency loss with rows" (A100 measurement).** github.com/NVIDIA/FasterTransformer
-  ``docs/bert_guide.md``, section "BERT performance on A100 and TensorFlow", table "Performance on FP16",
-  column "FT Latency": BERT-base (h = 768, 12 layers), forward, one A100, 9 (batch, sequence) points from
-  32 to 12 288 tokens. ``t = L + F / (312 TFLOP/s · e)`` fits all 9 within 6.2 % with L = 0.070 ms per layer
-  and one constant e (0.55): efficiency need not depend on the GEMM's rows beyond the latency term. A
-  training layer runs its forward and a backward of about twice the kernels and twice the FLOPs, so its
-  latency is 3 × 0.070 = 0.21 ms (an assumption: the same factor 3 as the FLOPs).
+* **The floor: eager by default (issue 31).** A Megatron-LM user runs eagerly unless they ask for CUDA graphs:
+  megatron-core 0.16.1 ``TransformerConfig.cuda_graph_impl = "none"`` (``megatron/core/transformer/
+  transformer_config.py``), and docs.nvidia.com/megatron/user-guide/features/cuda-graph: ``--cuda-graph-impl``
+  ``none`` / ``local`` / ``transformer_engine`` / ``full_iteration``, ``none`` the default. No published
+  *training* measurement of a transformer layer at one to a few samples per device was found in the stored
+  corpus (docs/results/analytic_curves.md, "What was searched"), so the floors are fitted on A100 FP16
+  *forward* latencies at several batch sizes, each column with ``t = L + F / (312 TFLOP/s · c)`` (relative least
+  squares, ``c`` free per column) and turned into forward + backward by the operators counted here: one
+  transformer layer launches 22 operators forward and 55 forward + backward (``scripts/count_layer_ops.py``'s
+  count; the forward-only count by the same rule), so the training floor is ``L · 55 / 22`` (the floor is per
+  operator, the model's premise; it replaces the former factor 3, which had no source).
+
+  - **Eager (the default), 1.26 ms.** github.com/NVIDIA/FasterTransformer ``docs/vit_guide.md``, "ViT
+    Performance on A100", table "FP16", column "torch latency(ms)": ViT-B/16-384 (577 tokens, h 768, 12
+    layers) at batch 1 / 8 / 16 / 32: 9.58 / 30.41 / 60.39 / 121.17 ms. Fit: ``L = 0.503 ms`` per layer forward
+    (all 4 within 8.2 %); ``0.503 · 55 / 22 = 1.26``.
+  - **Fused / CUDA-graph (the band's fast edge), 0.17 ms.** FasterTransformer's fused columns on the same A100:
+    ``docs/bert_guide.md``, "BERT performance on A100 and TensorFlow", FP16, "FT Latency" (BERT-base, 9 points
+    from 32 to 12 288 tokens): ``L = 0.0701 ms`` (within 6.2 %); ``vit_guide.md``'s "cpp latency(ms)" column
+    (2.13 / 11.23 / 21.56 / 43.91 ms): ``L = 0.0675 ms`` (within 2.3 %). Mean 0.0688; ``· 55 / 22 = 0.17``.
+  - **The band's slow edge, 2.0 ms.** The eager column's batch-1 latency read as floor only (0.798 ms per layer
+    forward, ``· 55 / 22``): where dispatch hides the GPU's work, the step is the CPU's, as FasterTransformer's
+    TorchScript column shows (4.16-4.47 ms for 12 layers from 32 to 1 024 tokens).
+  - Between the edges, not used as constants: the TorchScript column (``L = 0.292``) and the TensorFlow column
+    (``L = 0.150`` ms per layer forward) of ``bert_guide.md``'s A100 FP16 tables.
 * **Latency of the other layer types (a measurement here).** ``scripts/count_layer_ops.py`` counts the
   compute operators of one forward + backward of each layer type of this project (``models/layers.py``,
   local backend, profiled on CPU): transformer 55, decoder 112, cross-attention adapter 49, LM head 44,
   pool head 28, contrastive loss 28, linear adapter 13-15, patch embedding 12, token embedding 9. Each
-  type's latency is 0.21 ms × its count / 55.
+  type's latency is the transformer floor × its count / 55, at every edge.
 * **Efficiency against width (GPT- and ViT-class measurements).** ``e(h)`` is fitted to (a) github.com/Dao-AILab/
   flash-attention ``training/README.md``, section "Training speed", table of tokens/s: GPT3-125M/355M/760M/1.3B/
   2.7B (h = 768/1024/1536/2048/2560, sequence 2048) trained on 8 × A100 80GB, micro-batches from the
@@ -41,22 +59,26 @@ tests/test_analytic_curves.py re-checks every anchor point):
   ``results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv`` (ViT-S/B/L/H
   training at their largest batch) and (c) ``results/benchmark-infer-amp-nchw-pt291-cu128-4090.csv``
   (ViT-S/B/L/H/g/G inference at batch 1024): ViT-class shape only, each family with its own level (other
-  GPUs). Least squares over the 15 relative errors: ``max_efficiency`` 0.73, ``half_efficiency_hidden`` 390;
-  largest errors 8 % (GPT family), 10 % (ViT training), 8 % (ViT inference).
+  GPUs). Least squares over the 15 relative errors, with the default (eager) floor in source (a)'s times:
+  ``max_efficiency`` 0.76, ``half_efficiency_hidden`` 390; largest errors 9 % (GPT family), 10 % (ViT
+  training), 8 % (ViT inference). (FlashAttention's training is eager PyTorch with fused kernels, no CUDA
+  graphs: the eager floor belongs in its fit.)
 * **Not reproduced.** Narayanan et al. (SC21, arXiv 2104.04473) Figure 7 (GPT, h = 4096, 4 layers, one
-  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens
-  that this model (latency only) does not show; whole-iteration overheads of that 4-layer model are the
-  likely cause, but if not, the model is optimistic for wide layers at small batches.
+  A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens;
+  the default (eager floor) gives about 9 %. Whole-iteration overheads of that 4-layer model are the likely
+  cause, but if not, the model is optimistic for wide layers at small batches.
+* **A training bound (issue 31).** The only training measurement at several small per-device batches found:
+  DeepLearningExamples ``TensorFlow/LanguageModeling/BERT/README.md`` at commit 4b09b347 (2019-03-19), SQuAD
+  fine-tuning of BERT-large (sequence 384) on one V100, TF 19.03 FP16 + XLA, batch 2 / 3 / 4 / 10: 11.86 /
+  14.86 / 18.14 / 27.69 sentences/s: step = 129 ms + 22.9 ms per sample. The 129 ms holds the 24 layers'
+  floors and the per-step work together (not separable): at most 5.4 ms per layer, above every edge.
 
-* **The band (issue 31).** The latency above is a fused-kernel floor and ``max_efficiency`` the level of a
-  highly fused training stack: the *fast edge* of the published data. :func:`slow_edge` is the other edge:
-  an eager framework's dispatch floor (FasterTransformer's A100 ViT "torch" column: 0.798 ms per layer forward at
-  batch 1, 4.5x its fused column; :data:`EAGER_TRANSFORMER_LATENCY_MS`) and Megatron-LM 2021's end-to-end level
-  (SC21 Table 1; :data:`LOW_MAX_EFFICIENCY`). ``spindle compare`` re-plans every system under it
-  (:mod:`megatron_spindle.compare_band`). At large batch a training anchor agrees with the fitted model: NVIDIA
-  DeepLearningExamples' BERT-large pretraining on one A100 (sequence 128, micro-batch 256, 694 sequences/s) is
-  predicted 2.6 % slower than measured. The defaults are unchanged by issue 31: no training measurement of
-  these layers at small per-device batches was found that would move the floor to a single better value.
+* **The band (issue 31).** :func:`fast_edge` is the fused / CUDA-graph floor with the default level (the other
+  execution mode); :func:`slow_edge` is the eager column's batch-1 latency as floor with Megatron-LM 2021's end-to-end
+  level (SC21 Table 1; :data:`LOW_MAX_EFFICIENCY`). ``spindle compare`` re-plans every system under both
+  (:mod:`megatron_spindle.compare_band`). At large batch a training anchor checks the default: NVIDIA
+  DeepLearningExamples' BERT-large pretraining on one A100 (sequence 128, micro-batch 256, 694 sequences/s) lies
+  between the fast edge and the slow edge (tests/test_analytic_curves.py).
 
 Curves file (``--curves FILE``; JSON)::
 
@@ -90,9 +112,19 @@ from .recompute import time_factor
 
 CURVES_SCHEMA_VERSION = 1
 
-#: Forward + backward latency of one transformer layer, ms: 3 × 0.0701 ms, the intercept of a least-squares
-#: fit (relative errors) of FasterTransformer's A100 BERT-base forward latencies (module docstring).
-TRANSFORMER_LATENCY_MS = 0.21
+#: Operators one transformer layer launches forward, and forward + backward (``scripts/count_layer_ops.py``'s rule
+#: on ``models/layers.py``, local backend): the forward latencies below become training floors by 55 / 22.
+FWD_OPS_TRANSFORMER, FWD_BWD_OPS_TRANSFORMER = 22, 55
+#: Fused / CUDA-graph floor, forward + backward of one transformer layer, ms (the band's fast edge): the mean of the
+#: intercepts fitted to FasterTransformer's fused A100 FP16 columns (BERT-base "FT Latency" 0.0701, ViT-B/16-384
+#: "cpp latency" 0.0675 ms per layer forward) × 55 / 22 (module docstring).
+FUSED_TRANSFORMER_LATENCY_MS = 0.17
+#: Eager floor, forward + backward of one transformer layer, ms: the DEFAULT (megatron-core's default is no CUDA
+#: graphs). The intercept fitted to FasterTransformer's eager A100 FP16 column (ViT-B/16-384 "torch latency", batch
+#: 1-32: 0.503 ms per layer forward) × 55 / 22 (module docstring).
+EAGER_TRANSFORMER_LATENCY_MS = 1.26
+#: The default floor of a transformer layer (eager).
+TRANSFORMER_LATENCY_MS = EAGER_TRANSFORMER_LATENCY_MS
 #: Compute operators in one forward + backward of each layer type, counted by ``scripts/count_layer_ops.py``
 #: (``models/layers.py``, local backend; the linear adapter counts 13 or 15 with its input width: 14).
 FWD_BWD_OPS = {"transformer_layer": 55, "decoder_layer": 112, "cross_attn_adapter": 49, "lm_head": 44,
@@ -115,12 +147,13 @@ class DeviceModel:
 
     peak_tflops: float = 312.0
     """Dense bf16 tensor-core peak of one device (A800/A100 datasheet: 312 TFLOP/s)."""
-    max_efficiency: float = 0.73
+    max_efficiency: float = 0.76
     """Share of peak a layer of unbounded width reaches at large batch (fitted: FlashAttention's A100 GPT
-    training speeds with timm's ViT shape; a 4096-wide layer reaches 0.73 · 4096/4486 = 0.67)."""
+    training speeds, eager floor included, with timm's ViT shape; a 4096-wide layer reaches 0.76 · 4096/4486 =
+    0.69)."""
     half_efficiency_hidden: float = 390.0
     """Width at which a layer reaches half of ``max_efficiency`` (fitted with it): a 768-wide layer reaches
-    0.48 of peak at large batch, a 384-wide one 0.36."""
+    0.50 of peak at large batch, a 384-wide one 0.38."""
     layer_latency_ms: Mapping[str, float] = field(default_factory=_default_latencies)
     """Fixed forward + backward time per layer (kernel launches and small kernels), ms."""
     tp_bandwidth_gbps: float = 150.0
@@ -179,29 +212,36 @@ class DeviceModel:
         return t
 
 
-#: The band's slow edge (issue 31: how far the verdict moves with the constants nobody measured here).
-#: Forward + backward latency of one transformer layer when a framework dispatches every operator eagerly:
-#: 3 × 0.798 ms, NVIDIA FasterTransformer ``docs/vit_guide.md``, "ViT Performance on A100", table "FP16", column
-#: "torch latency(ms)": ViT-B/16 at 384 px (577 tokens, h = 768, 12 layers), batch 1: 9.58 ms / 12 = 0.798 ms per
-#: layer forward, against 2.13 ms (0.18 ms per layer) for FT's fused "cpp" column, 4.5x; the slope of the same
-#: column from batch 8 to 32 (30.41 -> 121.17 ms) puts the batch-1 GPU work near 0.3 ms, so 0.8 ms is the CPU's
-#: dispatch floor. The factor 3 for the backward is the same assumption as the fused floor's.
-EAGER_TRANSFORMER_LATENCY_MS = 2.39
+#: The band's slow edge floor, forward + backward of one transformer layer, ms: FasterTransformer ``docs/vit_guide.md``,
+#: "ViT Performance on A100", "FP16", "torch latency(ms)" at batch 1 (9.58 ms / 12 layers = 0.798 ms per layer
+#: forward) read as floor only (where dispatch hides the GPU's work the step is the CPU's), × 55 / 22 = 2.0.
+SLOW_TRANSFORMER_LATENCY_MS = 2.0
 #: Large-batch efficiency level at the slow edge: Narayanan et al. (SC21, arXiv 2104.04473) Table 1, 44 % of
 #: peak at h = 2304 and 46 % at h = 4096 end to end (docs/results/analytic_curves.md, source 4), read as e(h):
 #: 0.44 · (2304 + 390) / 2304 = 0.514 and 0.46 · (4096 + 390) / 4096 = 0.504; their mean, 0.51.
 LOW_MAX_EFFICIENCY = 0.51
 
 
+def _scaled_floor(device: "DeviceModel", floor_ms: float) -> dict[str, float]:
+    """``device``'s latencies with the transformer layer's at ``floor_ms``, every other type in proportion."""
+    ratio = floor_ms / device.latency_ms("transformer_layer") if device.latency_ms("transformer_layer") > 0 else 1.0
+    return {k: round(v * ratio, 4) for k, v in device.layer_latency_ms.items()}
+
+
+def fast_edge(device: "DeviceModel") -> "DeviceModel":
+    """``device`` at the fast edge of the published data: the fused / CUDA-graph floor
+    (:data:`FUSED_TRANSFORMER_LATENCY_MS`, every type in proportion), never above ``device``'s own; the level is
+    ``device``'s (FlashAttention's training level is already the fastest of the anchors)."""
+    lat = device.latency_ms("transformer_layer")
+    return dataclasses.replace(device, layer_latency_ms=_scaled_floor(device, min(lat, FUSED_TRANSFORMER_LATENCY_MS)))
+
+
 def slow_edge(device: "DeviceModel") -> "DeviceModel":
-    """``device`` at the slow edge of the published data: every layer type's latency scaled from the fused floor
-    to the eager one (:data:`EAGER_TRANSFORMER_LATENCY_MS` / :data:`TRANSFORMER_LATENCY_MS`), the large-batch
-    efficiency level at :data:`LOW_MAX_EFFICIENCY` (never above ``device``'s own). The fast edge is the default
-    device model itself: its floor (fused kernels) and level (FlashAttention's GPT training) are the fastest of
-    the anchors."""
-    ratio = EAGER_TRANSFORMER_LATENCY_MS / TRANSFORMER_LATENCY_MS
-    lat = {k: round(v * ratio, 4) for k, v in device.layer_latency_ms.items()}
-    return dataclasses.replace(device, layer_latency_ms=lat,
+    """``device`` at the slow edge of the published data: the eager column's batch-1 latency as floor
+    (:data:`SLOW_TRANSFORMER_LATENCY_MS`, every type in proportion; never below ``device``'s own), the large-batch
+    efficiency level at :data:`LOW_MAX_EFFICIENCY` (never above ``device``'s own)."""
+    lat = device.latency_ms("transformer_layer")
+    return dataclasses.replace(device, layer_latency_ms=_scaled_floor(device, max(lat, SLOW_TRANSFORMER_LATENCY_MS)),
                                max_efficiency=min(device.max_efficiency, LOW_MAX_EFFICIENCY))
 
 
