@@ -45,7 +45,7 @@ from ..systems import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
 from .lanes import LANES_MAX_DEVICES, lane_plans
-from .step_search import search as step_search
+from .step_search import search as step_search, trial_budget
 from .validate import violations
 from .execution import Execution
 from ..systems.module_blocks import plan_module_blocks
@@ -256,15 +256,16 @@ def _report(report: dict, scored, fitting, winner: str, own, cluster: Cluster) -
 
 def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, int, str, Plan]]:
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
-    the best of Spindle's own, each kept where it shortens the step; none on clusters larger than
-    :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
+    the best of Spindle's own (sharing one search's trials), each kept where it shortens the step; none on
+    clusters larger than :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
     ok = sorted((s for s in fitting if _fits(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     starts = ok[:1] + [s for s in ok if s[1] in own][:1]
     out: list[tuple[float, int, str, Plan]] = []
-    for t, i, name, p in dict((s[1], s) for s in starts).values():
-        q, ms, kept = step_search(p, cluster, t)
+    starts = list(dict((s[1], s) for s in starts).values())
+    for t, i, name, p in starts:  # the starts share one search's trials (planning time)
+        q, ms, kept = step_search(p, cluster, t, trials=trial_budget(cluster.num_devices) // len(starts))
         if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")

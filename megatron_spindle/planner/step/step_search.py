@@ -54,9 +54,9 @@ from .plan import Plan, WavePlan
 
 #: Rounds of moves (each keeps the best move of the round).
 MAX_ROUNDS = 12
-#: Timed trials of one search, times the cluster's devices (a trial re-derives the plan's data flow and
-#: simulates it: ~3 ms at 32 devices, ~10 ms at 256): 32 trials at 64 devices.
-TRIAL_DEVICES = 2048
+#: Timed trials of the whole-step choice's searches together, times the cluster's devices (a trial re-derives
+#: the plan's data flow and simulates it: ~3 ms at 32 devices, ~10 ms at 256): 48 trials at 64 devices.
+TRIAL_DEVICES = 3072
 #: ... but at least this many.
 MIN_TRIALS = 8
 #: Donor blocks tried per round (the earliest finishers).
@@ -315,6 +315,6 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
 
 
 def trial_budget(num_devices: int) -> int:
-    """Plans one search may time: :data:`TRIAL_DEVICES` over the cluster's devices (a trial's cost grows
-    with them), at least one round's worth of :data:`MIN_TRIALS`."""
+    """Plans the searches may time: :data:`TRIAL_DEVICES` over the cluster's devices (a trial's cost grows
+    with them), at least :data:`MIN_TRIALS`."""
     return max(MIN_TRIALS, TRIAL_DEVICES // max(1, num_devices))
