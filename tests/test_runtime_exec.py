@@ -130,9 +130,8 @@ def lean_plans():
 
 
 def _searched_shape(plan):
-    """``plan`` with the whole-step search's moves (:mod:`megatron_spindle.planner.step.step_search`) applied
-    as they come, not as the step picks them: every task's text embedding gathered on rank 0 in waves of their
-    own at the front, then every embedding moved to just before its first consumer."""
+    """``plan`` with the step search's moves applied whatever the step: every text embedding gathered on rank 0
+    in waves of their own at the front, then every embedding moved to just before its first consumer."""
     from megatron_spindle.planner.step.step_search import _hoisted, _sunk, relocate
     emb = {(w.index, i): (0,) for w in plan.waves for i, s in enumerate(w.slices) if s.metaop.endswith("text.embed")}
     plan = relocate(plan, emb, _hoisted(plan, emb))
