@@ -50,7 +50,7 @@ from ..workload.cluster import Cluster
 from ..workload.memory import slice_param_keys
 from .assemble import device_memory
 from .dataflow import param_groups, transfers
-from .plan import Plan, WavePlan
+from .plan import Plan, SliceRef, WavePlan
 
 #: Rounds of moves (each keeps the best move of the round).
 MAX_ROUNDS = 12
@@ -217,8 +217,10 @@ def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dic
             continue
         isl = collections.Counter(r // g for r in grp.ranks)
         home = min(isl, key=lambda i: (-isl[i], i))  # the island holding most of it, the lowest on ties
-        found.append((-grp.params * (len(grp.ranks) - 1) / len(grp.ranks), grp.param_key,
-                      {key: tuple(range(home * g, home * g + c)) for key in at}))
+        devices = tuple(range(home * g, min(home * g + c, plan.world_size)))  # the last island may be short
+        if len(devices) == c:
+            found.append((-grp.params * (len(grp.ranks) - 1) / len(grp.ranks), grp.param_key,
+                          {key: devices for key in at}))
     found.sort(key=lambda f: (f[0], f[1]))
     picks = [f[2] for f in found[:MAX_GATHER]]
     if len(found) > 1:
@@ -266,18 +268,25 @@ def _sunk(plan: Plan, only: Mapping | None = None) -> list[list[tuple[int, int]]
 
 
 def _hoisted(plan: Plan, change: Mapping[tuple[int, int], Sequence[int]]) -> list[list[tuple[int, int]]]:
-    """The wave order with every wave that holds a gathered slice (all its slices without producers, so any
-    earlier wave may run them) split into one wave per slice and moved to the front of its phase."""
+    """The wave order with every wave that holds a gathered slice (all its slices without producers and from
+    their MetaOp's first layer, so any earlier wave may run them) split into one wave per slice and moved to
+    the front of its phase."""
     by_name = {m.name: m for m in plan.metaops}
     front: dict[int, list] = {}
     rest: dict[int, list] = {}
     for w in plan.waves:
         keys = [(w.index, i) for i in range(len(w.slices))]
-        if any(k in change for k in keys) and not any(by_name[s.metaop].producers for s in w.slices):
+        if any(k in change for k in keys) and not any(by_name[s.metaop].producers or s.layer_start
+                                                      for s in w.slices):
             front.setdefault(w.phase, []).extend([k] for k in keys)
         else:
             rest.setdefault(w.phase, []).append(keys)
     return [ks for ph in sorted(set(front) | set(rest)) for ks in front.get(ph, []) + rest.get(ph, [])]
+
+
+def _ordered(plan: Plan) -> bool:
+    """Validation's rule 5 as the data flow sees it: every edge's producer runs in an earlier wave."""
+    return all(SliceRef.from_str(t.src).wave < t.wave for t in plan.transfers)
 
 
 def _disjoint(plan: Plan) -> bool:
@@ -302,7 +311,7 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
                 break
             used += 1
             p = relocate(best, change, order)
-            if max(p.device_memory_bytes) > limit or not _disjoint(p):
+            if max(p.device_memory_bytes) > limit or not _disjoint(p) or not _ordered(p):
                 continue
             t = step_time_ms(p, cluster)
             if t < (found[0] if found else best_ms) * (1 - 1e-9):
