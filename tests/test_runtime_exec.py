@@ -19,7 +19,8 @@ MetaOp ``full``, b, d and f ``selective``; and three plans run every task's Meta
 phase, in a phase per task (a pass runs each phase forward then backward before the next; the vision and text
 encoders' weights are used in several phases), and in two phases with recompute mixed per MetaOp (a shared
 weight recomputed differently by two MetaOps). Each must equal the single process like the six, and the
-phased plans must equal the same waves in one phase.
+phased plans must equal the same waves in one phase. A last plan has the shapes the whole-step search makes
+(an embedding gathered on one rank, waves of one slice moved ahead of or just before their consumers).
 
 Every case also measures what each slice keeps for backward (``SpindleModel.measure_stash``, bytes saved for
 backward still held at the end of a phase's forward): :func:`test_measured_stash_matches_the_planners_estimate`
@@ -124,7 +125,17 @@ def lean_plans():
     out["g-by-task"] = _by_task(g, WORLD)
     out["h-phase-per-task"] = _by_task(g, WORLD, [0, 1, 2, 3])
     out["i-two-phases+mixed"] = _by_task(g, WORLD, [0, 0, 1, 1], recompute=MIXED)
+    out["j-step-search-moves"] = _searched_shape(_by_task(g, WORLD))
     return out
+
+
+def _searched_shape(plan):
+    """``plan`` with the step search's moves applied whatever the step: every text embedding gathered on rank 0
+    in waves of their own at the front, then every embedding moved to just before its first consumer."""
+    from megatron_spindle.planner.step.step_search import _hoisted, _sunk, relocate
+    emb = {(w.index, i): (0,) for w in plan.waves for i, s in enumerate(w.slices) if s.metaop.endswith("text.embed")}
+    plan = relocate(plan, emb, _hoisted(plan, emb))
+    return relocate(plan, {}, _sunk(plan))
 
 
 def _run_case(plan, g):
@@ -206,7 +217,8 @@ def results():
 SIX = ["a-sequential", "b-concurrent-encoders", "c-split-across-waves", "d-tensor-parallel",
        "e-shared-across-groups", "f-planner"]
 LEAN = [f"{c}+{'full' if c[0] in 'ace' else 'selective'}" for c in SIX] + ["g-by-task", "h-phase-per-task",
-                                                                          "i-two-phases+mixed"]
+                                                                          "i-two-phases+mixed",
+                                                                          "j-step-search-moves"]
 
 
 @pytest.mark.parametrize("case", SIX + LEAN)

@@ -24,7 +24,9 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
    (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks);
 6. Spindle's waves inside task lanes (:mod:`.lanes`, issue 32): each task's MetaOps scheduled by the level
    scheduler on a block of its own (no activations move between device sets), the blocks balanced, or
-   packed in time so that a task starts on the devices of one that has finished.
+   packed in time so that a task starts on the devices of one that has finished;
+7. the whole-step local search (:mod:`.step_search`) from the best of these and from the best of Spindle's
+   own: devices of a block that finishes early lent to the task that finishes last, judged by the simulator.
 
 ``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
 others are not bound by them and may end below ``Σ C*``.
@@ -42,7 +44,9 @@ from typing import Callable, Mapping, Sequence
 from ..systems import baselines
 from .assemble import assemble_plan
 from .backfill import backfill
-from .lanes import lane_plans
+from .lanes import LANES_MAX_DEVICES, lane_plans
+from .step_search import search as step_search, trial_budget
+from .validate import violations
 from .execution import Execution
 from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
@@ -238,16 +242,37 @@ def per_level_by_step(own: Plan, graph: TaskGraph, cluster: Cluster, metaops: Se
     return out, pick
 
 
-def _report(report: dict, scored, fitting, winner: str, own: int, cluster: Cluster) -> None:
+def _report(report: dict, scored, fitting, winner: str, own, cluster: Cluster) -> None:
     """``winner``: the name of the candidate that won; ``candidates``: every candidate's name, simulated step
     and whether it fits memory, in the order tried; ``own_name`` / ``own_plan``: the best fitting candidate
-    built from Spindle's own waves (the first ``own`` candidates, not a baseline's schedule), if any."""
+    built from Spindle's own waves (the indices in ``own``, not a baseline's schedule), if any."""
     fits = {s[1] for s in fitting if _fits(s[3], cluster)}
     report["winner"] = winner
     report["candidates"] = [{"name": name, "step_ms": t, "fits": i in fits} for t, i, name, _ in scored]
-    mine = [s for s in scored if s[1] < own and s[1] in fits]
+    mine = [s for s in scored if s[1] in own and s[1] in fits]
     if mine:
         _, _, report["own_name"], report["own_plan"] = min(mine, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+
+
+def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, int, str, Plan]]:
+    """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
+    the best of Spindle's own (sharing one search's trials), each kept where it shortens the step; none on
+    clusters larger than :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
+    if cluster.num_devices > LANES_MAX_DEVICES:
+        return []
+    ok = sorted((s for s in fitting if _fits(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+    starts = ok[:1] + [s for s in ok if s[1] in own][:1]
+    out: list[tuple[float, int, str, Plan]] = []
+    starts = list(dict((s[1], s) for s in starts).values())
+    for t, i, name, p in starts:  # the starts share one search's trials (planning time)
+        q, ms, kept = step_search(p, cluster, t, trials=trial_budget(cluster.num_devices) // len(starts))
+        if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
+            levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
+                                                            f"{name} schedule") + " + step search")
+                           for lv in q.levels)
+            out.append((ms, len(scored) + len(out), f"{name}, step search",
+                        dataclasses.replace(q, system="spindle", levels=levels)))
+    return out
 
 
 def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, cluster: Cluster,
@@ -287,9 +312,15 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
             continue
         scored.append((steps(p), len(plans) + j, name, p))
     fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
+    own = set(range(len(plans)))
+    if baselines:
+        found = _searched(scored, fitting, own, cluster)
+        own.update(s[1] for s in found)
+        scored += found
+        fitting += found
     t, _, name, best = min(fitting, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     if report is not None:
-        _report(report, scored, fitting, name, len(plans), cluster)
+        _report(report, scored, fitting, name, own, cluster)
     if best.system == "spindle":
         return best  # Spindle's own level-by-level waves (1, 1' or 2)
     own = plans[0][1]
