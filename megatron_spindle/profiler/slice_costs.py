@@ -31,6 +31,7 @@ import dataclasses
 import statistics
 from typing import Mapping, Sequence
 
+from ..planner.step.build import make_plan
 from ..planner.workload.recompute import FORWARD_SHARE
 
 
@@ -62,9 +63,8 @@ def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, 
 
     from .. import comm  # optional: torch, as above
     from ..models.data import SyntheticData  # optional: torch, as above
-    from ..planner.step.build import make_plan
     from ..runtime.executor import SpindleModel  # optional: torch, as above
-    from .timing import time_layer
+    from .timing import time_layer  # optional: torch, as above
 
     device = torch.device(device)
     if device.type == "cuda":
