@@ -237,6 +237,9 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
             say(f"runtime ({backend}): per slice {sl['fwd_ms']:.3f} ms forward + {sl['bwd_ms']:.3f} ms backward "
                 f"beyond its layers ({sl['slices']} slices, residual {sl['rms_ms']:.3f} ms rms, fit error "
                 f"{sl['fit_error']:.0%})")
+        else:
+            say(f"runtime ({backend}): the cost per slice not measured (on CUDA, or no plan of the model fits the "
+                f"profile's processes): not charged")
         p, c, g = runtime["post"], runtime["collective"], runtime["grad_norm"]
         say(f"runtime ({backend}): posting a boundary's batch {p['fixed_ms']:.3f} ms + {p['per_op_ms'] * 1e3:.0f} us "
             f"per message (fit error {p['fit_error']:.0%}); small all-reduce {c['per_collective_ms']:.3f} ms each "

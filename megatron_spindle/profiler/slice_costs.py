@@ -21,8 +21,8 @@ measures that directly, every profile process at once:
    ``fwd + bwd`` (large on the smallest slices, whose spans are a few tenths of a millisecond), ``rms_ms`` the
    root mean square of that residual in milliseconds.
 
-Slices with tensor parallelism are not measured (a layer's point would need its group at once); on CUDA
-nothing is measured (the executor's spans are host times there, not the device's), so a GPU profile charges
+Slices with tensor parallelism are not measured (a layer's point would need its group at once); nothing is
+measured when no plan of the model fits the profile's processes, nor on CUDA (the executor's spans are host times there, not the device's), so a GPU profile charges
 no per-slice cost.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def fit_slices(measurements: Sequence[Mapping], share: float = FORWARD_SHARE) ->
 def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, layer_warmup: int = 3,
                    layer_repeats: int = 10, min_seconds: float = 0.2) -> list[dict]:
     """Every process's slices of one plan of ``graph`` on ``cluster`` resized to the world (module docstring);
-    collective over the world; the same list on every process (empty on CUDA)."""
+    collective over the world; the same list on every process (empty on CUDA or without a plan that fits)."""
     import torch  # optional: torch (fitting needs none)
     import torch.distributed as dist  # optional: torch, as above
 
@@ -70,8 +70,11 @@ def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, 
     if device.type == "cuda":
         return []
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = make_plan(graph, dataclasses.replace(cluster, num_devices=world, gpus_per_node=min(cluster.gpus_per_node,
-                                                                                              world)))
+    try:  # the same on every process (planning is deterministic), before any collective
+        plan = make_plan(graph, dataclasses.replace(cluster, num_devices=world,
+                                                    gpus_per_node=min(cluster.gpus_per_node, world)))
+    except ValueError:
+        return []  # no plan of the model fits the profile's processes: not measured
     model = SpindleModel(plan, graph, seed=0, timeout_s=300, device=device)
     data = SyntheticData(graph, seed=0)
     for i in range(warmup + passes):
