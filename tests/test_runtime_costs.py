@@ -139,3 +139,65 @@ def test_the_line_says_when_the_runtime_costs_are_not_charged():
     lines = [predict_step(plan, cluster, FakeTrace(_spans()), 3, 1, passes=1, grad_bytes=4,
                           costs=StepCosts(runtime=r)).format() for r in (None, rt)]
     assert "runtime's own costs not charged" in lines[0] and "runtime's own costs" not in lines[1]
+
+
+def test_the_per_slice_fit_subtracts_each_slices_point_and_never_goes_negative():
+    from megatron_spindle.profiler.slice_costs import fit_slices
+    # slices of 3 and 6 ms of layer points; forward a third of the point + 0.5, backward two thirds + 0.25
+    ms = [{"fwd_ms": p / 3 + 0.5, "bwd_ms": 2 * p / 3 + 0.25, "point_ms": p} for p in (3.0, 6.0)]
+    r = fit_slices(ms, share=1 / 3)
+    assert (r["fwd_ms"], r["bwd_ms"], r["slices"]) == (pytest.approx(0.5), pytest.approx(0.25), 2)
+    assert r["fit_error"] < 1e-9 and r["rms_ms"] < 1e-9
+    # spans shorter than the points: no negative cost, and the fit says how far off it is
+    r = fit_slices([{"fwd_ms": 0.5, "bwd_ms": 1.0, "point_ms": 3.0}], share=1 / 3)
+    assert (r["fwd_ms"], r["bwd_ms"]) == (0.0, 0.0) and r["fit_error"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no measured slices"):
+        fit_slices([])
+
+
+def test_the_per_slice_cost_lengthens_each_slice_on_the_timeline_and_the_predicted_compute():
+    c = toy_cluster(16)
+    plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))])  # two slices one after the other
+    zero = RuntimeCosts(post_fixed_ms=0.0, post_per_op_ms=0.0, collective_first_ms=0.0, collective_ms=0.0)
+    per = dataclasses.replace(zero, per_slice_fwd_ms=0.4, per_slice_bwd_ms=0.1)
+    base, sim = simulate(plan, c, runtime=zero), simulate(plan, c, runtime=per)
+    assert sim.pass_ms - base.pass_ms == pytest.approx(2 * (0.4 + 0.1))  # both slices, forward and backward
+    assert sim.breakdown.compute_ms == pytest.approx(base.breakdown.compute_ms)
+    # an older profile's block has no per-slice costs: none charged
+    old = fit_runtime(_measurements())
+    assert RuntimeCosts.from_measured(old).per_slice_fwd_ms == 0.0
+    got = RuntimeCosts.from_measured({**old, "slice": {"fwd_ms": 0.4, "bwd_ms": 0.1}})
+    assert (got.per_slice_fwd_ms, got.per_slice_bwd_ms) == (0.4, 0.1)
+    # the live prediction: this rank's compute grows by passes x its slices x the cost, the same block without
+    # it predicts what it did
+    cluster = load_cluster(None, num_devices=4, gpus_per_node=4)
+    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cluster)
+    rank, passes = 1, 2
+
+    def predicted(rt):
+        return predict_step(plan, cluster, FakeTrace(_spans()), 3, rank, passes=passes, grad_bytes=4,
+                            costs=StepCosts(runtime=rt))
+    without, withsl = predicted(RuntimeCosts.from_measured(old)), predicted(got)
+    slices = len(plan.rank_slices(rank))
+    assert slices > 0
+    assert withsl.compute[0] - without.compute[0] == pytest.approx(passes * slices * 0.5)
+    assert without.compute[0] == pytest.approx(passes * sum(s.time_ms for s in plan.rank_slices(rank)))
+    assert withsl.compute[1] == without.compute[1]
+
+
+def test_the_per_slice_measurement_runs_the_executor_on_the_profiles_processes():
+    from megatron_spindle.profiler import launch
+    got = launch.spawn(_measure_slices_small, 2, timeout_s=300)
+    assert got[0] == got[1] and got[0]  # every process returns the same list
+    assert {m["rank"] for m in got[0]} == {0, 1}
+    assert all(m["fwd_ms"] > 0 and m["bwd_ms"] > 0 and m["point_ms"] > 0 and m["layers"] >= 1 for m in got[0])
+
+
+def _measure_slices_small(rank, world):
+    from megatron_spindle.compat.cpu import apply_cpu_patches
+    from megatron_spindle.planner.workload.cluster import Cluster
+    from megatron_spindle.profiler.slice_costs import measure_slices
+    apply_cpu_patches()
+    graph = build_graph("multitask-clip", tasks=4, size="tiny", batch=4)
+    return measure_slices(graph, Cluster(name="profile", num_devices=8, gpus_per_node=8, memory_gib=8.0),
+                          device="cpu", passes=1, warmup=1, layer_warmup=0, layer_repeats=1, min_seconds=0.0)

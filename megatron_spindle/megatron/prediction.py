@@ -6,8 +6,9 @@ step's passes (gradient accumulation) and the gradient bytes the runtime reduces
 (:class:`StepCosts`). Measured: the :class:`..runtime.trace.StepTrace` spans of that step on this rank. The
 parts, seen from one rank:
 
-* **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``); measured: its forward and
-  backward spans;
+* **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``), plus with the runtime costs
+  ``K · slices · (per_slice_fwd_ms + per_slice_bwd_ms)`` (the executor's own time per slice,
+  :mod:`..profiler.slice_costs`); measured: its forward and backward spans;
 * **transfer + wave wait**: predicted ``K`` passes of the simulator's timeline (:mod:`..planner.simulation.timeline`)
   minus this rank's compute (the rank waits for its inputs and its peers); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
@@ -152,7 +153,10 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
     part over ``steps`` (one step number or several: one step of a CPU run is noisy)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
                    compute_scale=compute_scale, runtime=costs.runtime)
-    busy = compute_scale * passes * sum(s.time_ms for s in plan.rank_slices(rank))
+    mine = plan.rank_slices(rank)
+    busy = compute_scale * passes * sum(s.time_ms for s in mine)
+    if costs.runtime is not None:  # the executor's own time on each slice, forward and backward
+        busy += passes * len(mine) * (costs.runtime.per_slice_fwd_ms + costs.runtime.per_slice_bwd_ms)
     transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size
     k, rt = step_end_allreduces(plan), costs.runtime

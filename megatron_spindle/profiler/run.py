@@ -10,7 +10,8 @@ How a run goes (every process runs :func:`profile_rank`; process 0 keeps the boo
    on process 0, written to the cache, and one progress line per point is printed (MetaOp, devices, time,
    elapsed, remaining);
 4. with two or more processes, measure the link (:mod:`.link`) and the runtime's own costs (posting a
-   boundary's batch, small all-reduces, the gradient norm: :mod:`.runtime_costs`); every process times the
+   boundary's batch, small all-reduces, the gradient norm: :mod:`.runtime_costs`; the executor's cost per
+   slice: :mod:`.slice_costs`); every process times the
    optimizer step at once (:mod:`.step_costs`);
 5. fit every target's curve and write the curves file (:mod:`.fit`) and, if asked, a cluster file.
 
@@ -41,6 +42,7 @@ from . import launch
 from .fit import curves_document, summary_table
 from .link import cluster_fields, fit_link, measure_link
 from .runtime_costs import fit_runtime, measure_runtime
+from .slice_costs import fit_slices, measure_slices
 from .step_costs import fit_optimizer, measure_optimizer
 from .points import ProfileCache, Where, default_cache_path, points_of, schedule_rounds, targets_of
 from .timing import time_layer
@@ -228,6 +230,16 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     runtime = None
     if cfg.measure_link and world >= 2:  # every process at once, as the ranks of a run
         runtime = fit_runtime(measure_runtime(device=device))
+        per_slice = measure_slices(graph, cluster, device=device)  # the executor on the profile's processes
+        if per_slice:
+            runtime["slice"] = fit_slices(per_slice)
+            sl = runtime["slice"]
+            say(f"runtime ({backend}): per slice {sl['fwd_ms']:.3f} ms forward + {sl['bwd_ms']:.3f} ms backward "
+                f"beyond its layers ({sl['slices']} slices, residual {sl['rms_ms']:.3f} ms rms, fit error "
+                f"{sl['fit_error']:.0%})")
+        else:
+            say(f"runtime ({backend}): the cost per slice not measured (on CUDA, or no plan of the model fits the "
+                f"profile's processes): not charged")
         p, c, g = runtime["post"], runtime["collective"], runtime["grad_norm"]
         say(f"runtime ({backend}): posting a boundary's batch {p['fixed_ms']:.3f} ms + {p['per_op_ms'] * 1e3:.0f} us "
             f"per message (fit error {p['fit_error']:.0%}); small all-reduce {c['per_collective_ms']:.3f} ms each "

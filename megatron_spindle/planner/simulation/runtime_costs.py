@@ -20,7 +20,11 @@ descheduled on shared cores, counts as it counts in a step):
   :mod:`megatron_spindle.megatron.prediction`): ``c + d·j`` for ``j`` all-reduces of a few bytes back to back;
   ``d`` is one collective's latency on this backend, ``c`` what the first one adds (the ranks meeting);
 * **the gradient norm's host work** (the sum of squares over this rank's gradients before its all-reduce):
-  ``e + f·tensors + g·elements/1e6``.
+  ``e + f·tensors + g·elements/1e6``;
+* **per slice** (``measured.runtime.slice``, :mod:`megatron_spindle.profiler.slice_costs`): what the executor
+  spends on a slice beyond its layers' points (input assembly, module hooks, DDP's gradient hooks):
+  ``per_slice_fwd_ms`` on each slice's forward and ``per_slice_bwd_ms`` on its backward (:mod:`.timeline`).
+  A curves file without it (older profiles, GPU profiles) charges none.
 """
 from __future__ import annotations
 
@@ -43,6 +47,10 @@ class RuntimeCosts:
     norm_fixed_ms: float = 0.0
     norm_per_tensor_ms: float = 0.0
     norm_per_melement_ms: float = 0.0
+    per_slice_fwd_ms: float = 0.0
+    """The executor's own time on a slice's forward beyond its layers."""
+    per_slice_bwd_ms: float = 0.0
+    """The same on a slice's backward."""
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
@@ -78,11 +86,13 @@ class RuntimeCosts:
         try:
             post, coll, dl = block["post"], block["collective"], block["delivery"]
             norm = block.get("grad_norm") or {}
+            sl = block.get("slice") or {}
             return cls(post_fixed_ms=float(post["fixed_ms"]), post_per_op_ms=float(post["per_op_ms"]),
                        delivery_fixed_ms=float(dl["fixed_ms"]), delivery_per_op_ms=float(dl["per_op_ms"]),
                        collective_first_ms=float(coll["first_ms"]), collective_ms=float(coll["per_collective_ms"]),
                        norm_fixed_ms=float(norm.get("fixed_ms", 0.0)),
                        norm_per_tensor_ms=float(norm.get("per_tensor_ms", 0.0)),
-                       norm_per_melement_ms=float(norm.get("per_melement_ms", 0.0)))
+                       norm_per_melement_ms=float(norm.get("per_melement_ms", 0.0)),
+                       per_slice_fwd_ms=float(sl.get("fwd_ms", 0.0)), per_slice_bwd_ms=float(sl.get("bwd_ms", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"curves file: measured.runtime is malformed ({e}); run `spindle profile` again") from e

@@ -310,7 +310,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
         waves.append(WaveTiming(index=w.index, duration_ms=duration, busy_ms=busy, transfer_fwd_ms=fwd,
                                 transfer_bwd_ms=bwd, moved_bytes=sum(x for a, b, x in f if a != b),
                                 cross_island_bytes=sum(x for a, b, x in f if a // g != b // g)))
-    free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, transfers=False)
+    free_comm_ms, _ = dataflow_pass(plan, cluster, slice_ms, transfers=False, runtime=runtime)  # per-slice costs
     colls = tuple(Collective(ranks=b.ranks, bytes=b.bytes, time_ms=allreduce_time_ms(b.ranks, b.bytes, cluster),
                              wave=b.wave, ready_ms=r, start_ms=start, end_ms=end)
                   for (r, b), (start, end) in zip(posted, spans))

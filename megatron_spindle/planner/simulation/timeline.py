@@ -23,8 +23,9 @@ With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank t
 messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
 boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive after the
 later of the two ends has posted, the measured delivery plus ``t_boundary`` less the link's latency later
-(``transit_ms``). Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the
-boundary.
+(``transit_ms``); and every slice takes the executor's measured per-slice cost beyond its curve time
+(``per_slice_fwd_ms`` on its forward, ``per_slice_bwd_ms`` on its backward), also with ``transfers=False``.
+Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the boundary.
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                   for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
 
+    extra_f, extra_b = (runtime.per_slice_fwd_ms, runtime.per_slice_bwd_ms) if runtime is not None else (0.0, 0.0)
+
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
@@ -101,7 +104,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                     both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
             start = max(ready, max(free[r] for r in s.ranks))
-            e = done[s.name] = start + share * slice_ms[s.name]
+            e = done[s.name] = start + share * slice_ms[s.name] + (extra_b if backward else extra_f)
             for r in s.ranks:
                 free[r] = e
         if backward:  # backward: posted after the wave's backward
