@@ -25,7 +25,8 @@ $(VENV)/.installed: requirements.txt setup.py
 
 .venv: $(VENV)/.installed
 
-# The demo: profile the tiny Multitask-CLIP on this machine (points cached after the first run), then train
+# The demo: profile the tiny Multitask-CLIP on this machine (every point measured again: points cached on another
+# day, under another load, would make the prediction lines compare today's steps with that day's), then train
 # it for 30 steps on DEMO_RANKS CPU ranks (default: one per core, 2 to 4) with the plan made from those
 # curves. Profile and training use the same ranks: processes that share cores slow each other down, which a
 # profile of fewer processes does not see (a GPU machine trains the full model: scripts/run_multitask_clip.sh).
@@ -33,7 +34,7 @@ DEMO_RANKS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [
 demo: $(VENV)/.installed
 	$(VENV)/bin/spindle profile --model multitask-clip --tasks 4 --size tiny --batch $$((4 * $(DEMO_RANKS))) \
 		--nproc $(DEMO_RANKS) --max-devices $(DEMO_RANKS) --gpus-per-node $(DEMO_RANKS) \
-		--out out/curves_tiny.json --quiet
+		--out out/curves_tiny.json --quiet --fresh
 	GPUS_PER_NODE=$(DEMO_RANKS) PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
 
 # Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
