@@ -192,7 +192,7 @@ def test_the_scale_script_checks_full_size_plans():
 
 
 def test_the_one_rank_group_is_made_again_for_a_new_default_group(tmp_path):
-    """``blocks.self_group`` caches its one-rank group with the default group it was made under: after
+    """``blocks.self_group`` caches its one-rank group while torch.distributed has it registered: after
     ``destroy_process_group`` and a new world (whose default group may reuse the old one's ``id``) it makes a
     new group that works, not the destroyed one."""
     import torch

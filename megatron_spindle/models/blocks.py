@@ -54,9 +54,10 @@ class LocalGroup:
         return 0
 
 
-#: rank -> (the default group it was made under, the one-rank group). The default group object itself is kept
-#: (not its ``id``): after ``destroy_process_group`` and a new ``init_process_group`` a freed group's ``id`` can be
-#: reused, and the cache would hand back a destroyed group.
+#: rank -> its one-rank group, used while torch.distributed still has it registered: after
+#: ``destroy_process_group`` and a new ``init_process_group`` a new one is made (a cache keyed by the default
+#: group's ``id`` could hand back a destroyed group, since a freed group's ``id`` can be reused; holding the default
+#: group itself would keep it alive past ``destroy_process_group``, to be torn down at interpreter exit).
 _SELF_GROUPS: dict = {}
 
 
@@ -68,11 +69,11 @@ def self_group():
     """
     if not dist.is_initialized():
         return LocalGroup()
-    default, rank = dist.distributed_c10d._get_default_group(), dist.get_rank()
-    held = _SELF_GROUPS.get(rank)
-    if held is None or held[0] is not default:
-        held = _SELF_GROUPS[rank] = (default, dist.new_group([rank], use_local_synchronization=True))
-    return held[1]
+    rank = dist.get_rank()
+    group = _SELF_GROUPS.get(rank)
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
+        group = _SELF_GROUPS[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return group
 
 
 def pg_collection(tp_group) -> ProcessGroupCollection:
