@@ -69,16 +69,21 @@ def achieved(dev: DeviceModel, m: MetaOp, n: int = 1) -> float:
 
 
 # --- fits ----------------------------------------------------------------------------------------------------
-def fit_floor(pts: list[tuple[float, float]]) -> tuple[float, float, float]:
-    """Least squares (relative errors) of ``t = L + F·c`` on per-layer forward (FLOPs, ms): (L ms, efficiency,
-    largest relative error)."""
+def fit_line(pts: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares (relative errors) of ``t = a + x·b`` on (x, t): (a, b, largest relative error)."""
     s11 = sum(1 / t ** 2 for _, t in pts)
-    s12 = sum(f / t ** 2 for f, t in pts)
-    s22 = sum((f / t) ** 2 for f, t in pts)
-    b1, b2 = sum(1 / t for _, t in pts), sum(f / t for f, t in pts)
+    s12 = sum(x / t ** 2 for x, t in pts)
+    s22 = sum((x / t) ** 2 for x, t in pts)
+    b1, b2 = sum(1 / t for _, t in pts), sum(x / t for x, t in pts)
     det = s11 * s22 - s12 ** 2
-    lat, c = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    return lat, 1.0 / (c * 1e-3 * PEAK), max(abs((lat + f * c) / t - 1) for f, t in pts)
+    a, b = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    return a, b, max(abs((a + x * b) / t - 1) for x, t in pts)
+
+
+def fit_floor(pts: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """``t = L + F·c`` on per-layer forward (FLOPs, ms): (L ms, efficiency, largest relative error)."""
+    lat, c, err = fit_line(pts)
+    return lat, 1.0 / (c * 1e-3 * PEAK), err
 
 
 def ft_bert_points() -> list[tuple[float, float]]:
@@ -295,14 +300,7 @@ TF_BERT_LARGE_SQUAD_V100 = {2: [11.86], 3: [14.86], 4: [18.14, 17.43], 10: [27.6
 
 def fit_step_intercept(sps: dict) -> tuple[float, float, float]:
     """Relative least squares of ``step = C + B·w`` on (batch, sentences/s): (C ms, w ms, largest error)."""
-    pts = [(b, b / v * 1e3) for b, vs in sps.items() for v in vs]
-    s11 = sum(1 / t ** 2 for _, t in pts)
-    s12 = sum(b / t ** 2 for b, t in pts)
-    s22 = sum((b / t) ** 2 for b, t in pts)
-    b1, b2 = sum(1 / t for _, t in pts), sum(b / t for b, t in pts)
-    det = s11 * s22 - s12 ** 2
-    c, w = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    return c, w, max(abs((c + b * w) / t - 1) for b, t in pts)
+    return fit_line([(b, b / v * 1e3) for b, vs in sps.items() for v in vs])
 
 
 def test_training_step_intercept_bounds_every_edge_floor():

@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from .points import median
+from .runtime_costs import nonneg_fit
 
 #: (tensors, elements per tensor) of the measured shapes: few and many tensors, small and large totals.
 SHAPES = ((4, 1 << 12), (64, 1 << 12), (4, 1 << 18), (32, 1 << 16), (8, 1 << 19))
@@ -56,21 +56,9 @@ def measure_optimizer(device: torch.device, *, shapes: Sequence[tuple[int, int]]
 
 def fit_optimizer(measurements: Sequence[Mapping]) -> dict:
     """``{"fixed_ms", "per_tensor_ms", "per_melement_ms", "fit_error", "measurements"}`` (see the module docstring)."""
-    A = np.array([[1.0, m["tensors"], m["elements"] / 1e6] for m in measurements])
-    t = np.array([float(m["ms"]) for m in measurements])
-    w = 1.0 / np.maximum(t, 1e-6)
-    free = [0, 1, 2]
-    coef = np.zeros(3)
-    while free:
-        sol, *_ = np.linalg.lstsq(A[:, free] * w[:, None], t * w, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[free] = sol
-            break
-        free.pop(int(np.argmin(sol)))
-    pred = A @ coef
-    err = float(np.max(np.abs(pred - t) / np.maximum(t, 1e-9)))
-    return {"fixed_ms": float(coef[0]), "per_tensor_ms": float(coef[1]), "per_melement_ms": float(coef[2]),
+    coef, err = nonneg_fit([[1.0, m["tensors"], m["elements"] / 1e6] for m in measurements],
+                           [float(m["ms"]) for m in measurements])
+    return {"fixed_ms": coef[0], "per_tensor_ms": coef[1], "per_melement_ms": coef[2],
             "fit_error": err, "measurements": [dict(m) for m in measurements]}
 
 
