@@ -68,17 +68,23 @@ def test_parts_predicted_against_the_spans_of_that_step():
     assert compute_scale(2, 2) == compute_scale(1, 4) == 1.0
 
 
-def test_measured_parts_are_means_over_the_steps_asked_that_were_traced():
+def test_measured_parts_are_medians_over_the_steps_asked_that_were_traced():
     cluster = load_cluster(None, num_devices=4, gpus_per_node=4)
     plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cluster)
-    spans = _spans() + [Span(sp.cat, sp.name, sp.start_s + 1.0, 3 * sp.dur_s, 5) for sp in _spans() if sp.step == 3]
+    # steps 3, 5 and 7 at 1x, 3x and 20x step 3's spans (7: a step slowed by another process)
+    spans = _spans() + [Span(sp.cat, sp.name, sp.start_s + k, f * sp.dur_s, k) for k, f in ((5, 3), (7, 20))
+                        for sp in _spans() if sp.step == 3]
     one = predict_step(plan, cluster, FakeTrace(spans), 3, 1, passes=1, grad_bytes=4)
-    both = predict_step(plan, cluster, FakeTrace(spans), range(3, 7), 1, passes=1, grad_bytes=4)  # 4, 6: none
-    assert both.steps == 2 and both.step_measured_ms == pytest.approx(2 * one.step_measured_ms)
-    assert both.compute[1] == pytest.approx(2 * one.compute[1]) and both.predicted_ms == one.predicted_ms
-    assert "(mean of 2 steps)" in both.format() and "mean of" not in one.format()
+    three = predict_step(plan, cluster, FakeTrace(spans), range(3, 9), 1, passes=1, grad_bytes=4)  # 4, 6, 8: none
+    assert three.steps == 3 and three.step_measured_ms == pytest.approx(3 * one.step_measured_ms)
+    assert three.compute[1] == pytest.approx(3 * one.compute[1]) and three.predicted_ms == one.predicted_ms
+    assert "(median of 3 steps)" in three.format() and "median of" not in one.format()
+    # and the fastest of them beside it: step 3's
+    assert three.fastest_ms == pytest.approx(one.measured_ms) and one.fastest_ms is None
+    assert f"fastest step {one.measured_ms:.1f} ms, {one.error:+.0%}" in three.format()
+    assert "fastest" not in one.format()
     with pytest.raises(ValueError, match="no traced step among"):
-        predict_step(plan, cluster, FakeTrace(spans), [7, 8], 1, passes=1, grad_bytes=4)
+        predict_step(plan, cluster, FakeTrace(spans), [9, 10], 1, passes=1, grad_bytes=4)
 
 
 def test_without_an_optimizer_measurement_the_line_says_so_and_leaves_it_out():

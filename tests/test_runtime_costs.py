@@ -155,6 +155,22 @@ def test_the_per_slice_fit_subtracts_each_slices_point_and_never_goes_negative()
         fit_slices([])
 
 
+def test_the_per_slice_fit_separates_a_fixed_part_from_a_scale_on_the_layers():
+    from megatron_spindle.profiler.slice_costs import fit_slices
+    # the executor: 0.2 ms per slice plus its layers 1.3 times as long as alone; forward its third + 0.2
+    ms = [{"fwd_ms": 1.3 * p / 3 + 0.2, "bwd_ms": 2 * 1.3 * p / 3, "point_ms": p} for p in (0.05, 0.1, 1.0, 4.0)]
+    r = fit_slices(ms, share=1 / 3)
+    assert (r["fwd_ms"], r["bwd_ms"], r["scale"]) == (pytest.approx(0.2), pytest.approx(0.0, abs=1e-9),
+                                                      pytest.approx(1.3))
+    assert r["rms_ms"] < 1e-9
+    # spans a fixed part alone cannot fit: the big slices' excess grows with their layers
+    fixed_only = max(abs(m["fwd_ms"] + m["bwd_ms"] - m["point_ms"] - 0.2) for m in ms)
+    assert fixed_only > 1.0
+    # layers faster than alone (noise): the scale stays 1, the fixed part takes the rest, never negative
+    r = fit_slices([{"fwd_ms": 0.3, "bwd_ms": 0.6, "point_ms": p} for p in (1.0, 2.0)], share=1 / 3)
+    assert r["scale"] == 1.0 and r["fwd_ms"] >= 0 and r["bwd_ms"] >= 0
+
+
 def test_the_per_slice_cost_lengthens_each_slice_on_the_timeline_and_the_predicted_compute():
     c = toy_cluster(16)
     plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))])  # two slices one after the other
@@ -185,6 +201,27 @@ def test_the_per_slice_cost_lengthens_each_slice_on_the_timeline_and_the_predict
     assert withsl.compute[1] == without.compute[1]
 
 
+def test_the_per_slice_scale_stretches_each_slice_on_the_timeline_and_the_predicted_compute():
+    c = toy_cluster(16)
+    plan = hand_plan(c, [(0, 1, (0, 1)), (1, 1, (2, 3))])  # two slices one after the other
+    zero = RuntimeCosts(post_fixed_ms=0.0, post_per_op_ms=0.0, collective_first_ms=0.0, collective_ms=0.0)
+    scaled = dataclasses.replace(zero, per_slice_scale=1.25)
+    base, sim = simulate(plan, c, runtime=zero), simulate(plan, c, runtime=scaled)
+    chain = sum(s.time_ms for w in plan.waves for s in w.slices)  # one after the other, a transfer between
+    assert chain > 0 and sim.pass_ms - base.pass_ms == pytest.approx(0.25 * chain)
+    got = RuntimeCosts.from_measured({**fit_runtime(_measurements()), "slice": {"fwd_ms": 0.0, "bwd_ms": 0.0,
+                                                                                 "scale": 1.25}})
+    assert got.per_slice_scale == 1.25
+    assert RuntimeCosts.from_measured(fit_runtime(_measurements())).per_slice_scale == 1.0  # older profiles
+    with pytest.raises(ValueError, match="per_slice_scale=0.5"):
+        dataclasses.replace(zero, per_slice_scale=0.5)
+    cluster = load_cluster(None, num_devices=4, gpus_per_node=4)
+    plan = make_plan(build_graph("multitask-clip", tasks=4, size="tiny", batch=16), cluster)
+    one, stretched = (predict_step(plan, cluster, FakeTrace(_spans()), 3, 1, passes=2, grad_bytes=4,
+                                   costs=StepCosts(runtime=rt)) for rt in (zero, got))
+    assert stretched.compute[0] == pytest.approx(1.25 * one.compute[0]) and one.compute[0] > 0
+
+
 def test_the_per_slice_measurement_runs_the_executor_on_the_profiles_processes():
     from megatron_spindle.profiler import launch
     got = launch.spawn(_measure_slices_small, 2, timeout_s=300)
@@ -200,4 +237,5 @@ def _measure_slices_small(rank, world):
     apply_cpu_patches()
     graph = build_graph("multitask-clip", tasks=4, size="tiny", batch=4)
     return measure_slices(graph, Cluster(name="profile", num_devices=8, gpus_per_node=8, memory_gib=8.0),
-                          device="cpu", passes=1, warmup=1, layer_warmup=0, layer_repeats=1, min_seconds=0.0)
+                          device="cpu", passes=2, warmup=1, rounds=2, layer_warmup=0, layer_repeats=1,
+                          min_seconds=0.0)

@@ -7,8 +7,8 @@ step's passes (gradient accumulation) and the gradient bytes the runtime reduces
 parts, seen from one rank:
 
 * **compute**: predicted ``K · Σ`` this rank's slice times (``Slice.time_ms``), plus with the runtime costs
-  ``K · slices · (per_slice_fwd_ms + per_slice_bwd_ms)`` (the executor's own time per slice,
-  :mod:`..profiler.slice_costs`); measured: its forward and backward spans;
+  that sum times ``per_slice_scale`` plus ``K · slices · (per_slice_fwd_ms + per_slice_bwd_ms)`` (the
+  executor's own time per slice, :mod:`..profiler.slice_costs`); measured: its forward and backward spans;
 * **transfer + wave wait**: predicted ``K`` passes of the simulator's timeline (:mod:`..planner.simulation.timeline`)
   minus this rank's compute (the rank waits for its inputs and its peers); measured: its transfer spans;
 * **exposed sync**: predicted the simulator's exposed sync (buckets reduced during the backward, what runs
@@ -44,6 +44,7 @@ it trains with.
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -100,7 +101,11 @@ class StepPrediction:
     passes: int
     compute_scale: float = 1.0
     steps: int = 1
-    """Measured parts are means over this many steps."""
+    """Measured parts are medians over this many steps, each part on its own."""
+    fastest_ms: float | None = None
+    """The fastest of those steps, less its optimizer when that is not predicted (``None`` for one step): Python's ``timeit`` rule, "the lowest value gives a
+    lower bound for how fast your machine can run [it]; higher values are typically not caused by variability
+    in Python's speed, but by other processes interfering", is what a shared machine's undisturbed step is."""
     runtime_costs: bool = False
     """Whether the profile's runtime costs (``measured.runtime``) were charged."""
 
@@ -117,17 +122,30 @@ class StepPrediction:
     @property
     def error(self) -> float:
         """Relative error of the prediction against the measured step."""
+        return self._error(self.measured_ms)
+
+    @property
+    def fastest_error(self) -> float | None:
+        """Relative error against the fastest step (``None`` for one step)."""
+        if self.fastest_ms is None:
+            return None
+        return self._error(self.fastest_ms)
+
+    def _error(self, measured: float) -> float:
         p = self.predicted_ms
-        return (self.measured_ms - p) / p if p > 0 else float("inf")
+        return (measured - p) / p if p > 0 else float("inf")
 
     def format(self) -> str:
         def part(name, pm):
             return f"{name} {pm[0]:.1f}/{pm[1]:.1f}"
         opt = self.optimizer[0] is not None
         return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_ms:.1f} ms measured"
-                + (f" (mean of {self.steps} steps)" if self.steps > 1 else "")
+                + (f" (median of {self.steps} steps)" if self.steps > 1 else "")
                 + ("" if opt else " without the optimizer")
-                + f" ({self.error:+.0%}), {self.passes} pass{'es' if self.passes > 1 else ''}"
+                + f" ({self.error:+.0%}"
+                + (f"; fastest step {self.fastest_ms:.1f} ms, {self.fastest_error:+.0%}" if self.fastest_ms is not None
+                   else "")
+                + f"), {self.passes} pass{'es' if self.passes > 1 else ''}"
                 + (f", predicted compute x{self.compute_scale:.3g} for shared cores" if self.compute_scale != 1 else "")
                 + " | predicted/measured ms: "
                 + ", ".join([part("compute", self.compute), part("transfer + wave wait", self.transfer),
@@ -149,14 +167,17 @@ def grad_bytes_of(args) -> int:
 def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank: int, *, passes: int,
                  grad_bytes: int,
                  compute_scale: float = 1.0, costs: StepCosts = StepCosts()) -> StepPrediction:
-    """Predicted against measured parts of a step on ``rank`` (see the module docstring): the mean of each
-    part over ``steps`` (one step number or several: one step of a CPU run is noisy)."""
+    """Predicted against measured parts of a step on ``rank`` (see the module docstring): the median of each
+    part over ``steps`` (one step number or several: one step of a CPU run is noisy, and the median is the
+    undisturbed step the simulator models, where a mean takes in a step slowed by another process or the
+    run's first steps warming up)."""
     sim = simulate(plan, cluster, check_memory=False, passes=passes, grad_bytes=grad_bytes,
                    compute_scale=compute_scale, runtime=costs.runtime)
     mine = plan.rank_slices(rank)
     busy = compute_scale * passes * sum(s.time_ms for s in mine)
     if costs.runtime is not None:  # the executor's own time on each slice, forward and backward
-        busy += passes * len(mine) * (costs.runtime.per_slice_fwd_ms + costs.runtime.per_slice_bwd_ms)
+        busy = (busy * costs.runtime.per_slice_scale
+                + passes * len(mine) * (costs.runtime.per_slice_fwd_ms + costs.runtime.per_slice_bwd_ms))
     transfer = max(0.0, passes * sim.pass_ms - busy)  # this rank's passes less its compute: transfer + wave wait
     n = plan.world_size
     k, rt = step_end_allreduces(plan), costs.runtime
@@ -170,24 +191,26 @@ def predict_step(plan, cluster: Cluster, trace, steps: int | Sequence[int], rank
         few = sorted(asked)
         raise ValueError(f"no traced step among {few if len(few) <= 3 else f'steps {few[0]}-{few[-1]}'} to compare "
                          f"the prediction with")
-    meas = {"compute": 0.0, "transfer": 0.0, "sync": 0.0, "step end": 0.0, "optimizer": 0.0, "data": 0.0,
-            "step": 0.0}
+    parts = ("compute", "transfer", "sync", "step end", "optimizer", "data", "step")
+    per_step = {st: dict.fromkeys(parts, 0.0) for st in wanted}
     for s in trace.spans:
         if s.step not in wanted:
             continue
-        ms = s.dur_s * 1e3
+        ms, got = s.dur_s * 1e3, per_step[s.step]
         if s.cat in ("forward", "backward"):
-            meas["compute"] += ms
+            got["compute"] += ms
         elif s.cat == "transfer" and EXPOSED_TRANSFER.match(s.name):
-            meas["transfer"] += ms  # the boundary's exposed part; per-message spans overlap compute
+            got["transfer"] += ms  # the boundary's exposed part; per-message spans overlap compute
         elif s.cat == "sync" and s.name == "gradient sync wait":
-            meas["sync"] += ms
+            got["sync"] += ms
         elif s.cat in ("step end", "optimizer", "data", "step"):
-            meas[s.cat] += ms
-    meas = {k: v / len(wanted) for k, v in meas.items()}
+            got[s.cat] += ms
+    meas = {k: statistics.median(got[k] for got in per_step.values()) for k in parts}
     other = meas["step"] - sum(meas[k] for k in ("compute", "transfer", "sync", "step end", "optimizer", "data"))
     return StepPrediction(compute=(busy, meas["compute"]), transfer=(transfer, meas["transfer"]),
                           sync=(sim.breakdown.sync_ms, meas["sync"]), step_end=(step_end, meas["step end"]),
                           optimizer=(opt, meas["optimizer"]), data_ms=meas["data"], other_ms=max(0.0, other),
                           step_measured_ms=meas["step"], passes=passes, compute_scale=compute_scale,
-                          steps=len(wanted), runtime_costs=rt is not None)
+                          steps=len(wanted), runtime_costs=rt is not None,
+                          fastest_ms=min(got["step"] - (got["optimizer"] if opt is None else 0.0)
+                                         for got in per_step.values()) if len(wanted) > 1 else None)

@@ -72,19 +72,30 @@ def make_scheduler(optimizer, args) -> OptimizerParamScheduler:
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
 
-def metaop_errors(model, step: int) -> list[tuple[str, float, float]]:
-    """``[(MetaOp, predicted ms, measured ms)]``, largest error first, for this rank's slices in ``step``.
+def metaop_errors(model, steps, runtime=None, *, passes: int = 1,
+                  compute_scale: float = 1.0) -> list[tuple[str, float, float]]:
+    """``[(MetaOp, predicted ms, measured ms)]`` per pass, largest error first, for this rank's slices over
+    ``steps``.
 
-    Measured: this rank's forward + backward span of each slice it ran; predicted: the slice's time in the plan.
+    Measured: the median over ``steps`` of this rank's forward + backward spans of each MetaOp's slices, over
+    the step's ``passes``; predicted: the slices' times in the plan (times ``compute_scale`` for CPU ranks
+    sharing cores), with the profile's per-slice costs (``runtime``, a
+    :class:`..planner.simulation.runtime_costs.RuntimeCosts`) where it measured them.
     """
-    times = model.trace.wave_times(step)
-    per: dict[str, list[float]] = {}
+    steps = [steps] if isinstance(steps, int) else list(steps)
+    times = [model.trace.wave_times(st) for st in steps]
+    times = [t for t in times if t] or [{}]
+    scale, extra = ((runtime.per_slice_scale, runtime.per_slice_fwd_ms + runtime.per_slice_bwd_ms)
+                    if runtime is not None else (1.0, 0.0))
+    pred: dict[str, float] = {}
+    got: dict[str, list[float]] = {}
     for s in model.plan.rank_slices(model.rank):
-        got = times.get(f"{s.name} fwd", 0.0) + times.get(f"{s.name} bwd", 0.0)
-        acc = per.setdefault(s.metaop, [0.0, 0.0])
-        acc[0] += s.time_ms
-        acc[1] += got * 1e3
-    return sorted(((m, p, q) for m, (p, q) in per.items()), key=lambda r: -abs(r[2] - r[1]))
+        pred[s.metaop] = pred.get(s.metaop, 0.0) + scale * compute_scale * s.time_ms + extra
+        per = got.setdefault(s.metaop, [0.0] * len(times))
+        for i, t in enumerate(times):
+            per[i] += (t.get(f"{s.name} fwd", 0.0) + t.get(f"{s.name} bwd", 0.0)) * 1e3 / passes
+    rows = [(m, pred[m], statistics.median(got[m])) for m in pred]
+    return sorted(rows, key=lambda r: -abs(r[2] - r[1]))
 
 
 class Trainer:
@@ -232,15 +243,15 @@ class Trainer:
         return self._flops
 
     def _log_prediction(self, it: int) -> None:
-        rows = metaop_errors(self.model, it)
-        worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         src = {c.source for _, c in self.plan.curves}
         note = "" if src == {"measured"} else " [analytic curves: run `spindle profile` and pass --spindle-curves]"
+        since = max(self.start + 1, it + 1 - self.args.spindle_predict_interval)  # the run's first step warms up
+        runtime, scale = None, 1.0
         try:
             if self._prediction is None:  # read the curves file once, not every prediction line
                 self._prediction = self._prediction_setup()
             cluster, scale, costs = self._prediction
-            since = max(self.start + 1, it + 1 - self.args.spindle_predict_interval)  # the run's first step warms up
+            runtime = costs.runtime
             pred = predict_step(self.plan, cluster, self.model.trace, range(min(since, it), it + 1), self.rank,
                                 passes=self.accum,
                                 grad_bytes=grad_bytes_of(self.args), compute_scale=scale, costs=costs)
@@ -248,6 +259,9 @@ class Trainer:
             self.logs.prediction(it + 1, pred.predicted_ms, pred.measured_ms)
         except ValueError as e:  # e.g. a --spindle-plan made for other islands: say so, keep training
             whole = f"no step prediction ({' '.join(str(e).split())})"
+        rows = metaop_errors(self.model, range(min(since, it), it + 1), runtime, passes=self.accum,
+                             compute_scale=scale)
+        worst = ", ".join(f"{m} {p:.1f}/{q:.1f} ms" for m, p, q in rows[:3])
         log.info(f"prediction | rank {self.rank}: {whole} | largest MetaOp errors (predicted/measured "
                  f"ms per pass, this rank): {worst}{note}")
 

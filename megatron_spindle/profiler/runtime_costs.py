@@ -3,8 +3,13 @@
 The step simulator charges them when a curves file carries them (``measured.runtime``; the forms and where they
 enter: :mod:`megatron_spindle.planner.simulation.runtime_costs`). :func:`measure_runtime` times the runtime's own
 code paths with every profile process at once, in the runtime's regime (as :func:`.link.measure_link`: all
-processes meet at a barrier and compute for ``busy_ms`` before each timed repeat, as after a wave's slices; each
-point is the **mean** of its repeats, so a process descheduled on shared cores counts as it does in a step):
+processes meet at a barrier and compute for ``busy_ms`` before each timed repeat, as after a wave's slices; a
+post and its delivery are the **median** of their repeats, the collectives and the norm the **mean**, so a
+process descheduled on shared cores counts as it does at a step's end). Why medians for the posts: their
+repeats here are heavy-tailed (on 2 CPU ranks, 2026-12-03: means 0.4-1.2 ms against medians 0.1-0.4 ms, a few
+repeats 5-10 times the rest), while the executor's own boundaries in a training step take the medians' size
+(the demo's ``w<k> fwd transfer`` spans: 0.1-0.3 ms for one or two messages when the peer is not late), so the
+means charged every boundary of a step 1.1-1.3 ms and overpredicted the step's transfer by 5-8 ms:
 
 * **post**: :func:`megatron_spindle.runtime.p2p.post_p2p` (the executor's only point-to-point call) of one
   boundary's batch between paired processes (0-1, 2-3, ...): ``k`` sends and ``k`` receives each
@@ -27,6 +32,7 @@ Fitting needs numpy only; measuring needs torch.
 from __future__ import annotations
 
 import datetime
+import statistics
 import time
 from typing import Mapping, Sequence
 
@@ -158,8 +164,8 @@ def measure_runtime(*, device, repeats: int = 30, warmup: int = 3, busy_ms: floa
                     posts.append((t1 - t0) * 1e3)
                     totals.append((time.perf_counter() - t0) * 1e3)
                 n_ops = len(ops)
-            if posts:
-                mine[("post", pattern, n_ops)] = (sum(posts) / len(posts), sum(totals) / len(totals))
+            if posts:  # medians (module docstring)
+                mine[("post", pattern, n_ops)] = (statistics.median(posts), statistics.median(totals))
     for j in collectives:
         times = []
         for i in range(warmup + repeats):

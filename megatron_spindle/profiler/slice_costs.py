@@ -10,16 +10,21 @@ measures that directly, every profile process at once:
 1. plan the profiled model on the profile's own processes (:func:`..planner.step.build.make_plan` with the
    analytic curves: only the slices' shapes are needed), build the executor on it and run ``warmup + passes``
    passes of synthetic data (:class:`..models.data.SyntheticData`), forward, backward and the gradient sync,
-   as a training step does; each slice's ``fwd`` and ``bwd`` span of the executor's trace is averaged over the
-   timed passes (means, as the other runtime costs: a descheduled slice counts as in a step);
+   as a training step does; a slice's ``fwd`` and ``bwd`` are the medians of its spans over the timed passes
+   (a pass slowed by another process on shared cores does not move them; the training line's measured step is
+   a median too, :mod:`..megatron.prediction`);
 2. time every layer of this process's slices alone at the slice's local batch, as the profile's points are
    timed (:func:`.timing.time_layer`, the median of the repeats); a slice's **point** is their sum;
-3. :func:`fit_slices`: ``fwd_ms = mean(fwd − s·point)`` and ``bwd_ms = mean(bwd − (1 − s)·point)`` over
-   every measured slice of every process, ``s`` the simulator's forward share
-   (:data:`..planner.workload.recompute.FORWARD_SHARE`, how the timeline splits a slice), each clipped at 0;
-   the fit error is the largest relative error of ``point + fwd_ms + bwd_ms`` against a slice's measured
-   ``fwd + bwd`` (large on the smallest slices, whose spans are a few tenths of a millisecond), ``rms_ms`` the
-   root mean square of that residual in milliseconds.
+3. :func:`fit_slices`: ``fwd + bwd ≈ a + k·point`` over every measured slice of every process, least squares
+   on the relative error with ``a ≥ 0`` and ``k ≥ 1``: ``a`` the fixed part (input assembly, entering the
+   slice's modules), ``k`` the scale on its layers (megatron.core DDP's hook on every parameter's gradient, the
+   layers run among the executor's other work rather than alone; seen here 1.1-1.4 on 2 CPU ranks, where a
+   fixed part alone left big slices 0.5-1.8 ms short). ``a`` is split by the forward's own excess:
+   ``fwd_ms = mean(fwd − s·k·point)`` clipped to ``[0, a]``, ``bwd_ms = a − fwd_ms``, ``s`` the simulator's
+   forward share (:data:`..planner.workload.recompute.FORWARD_SHARE`, how the timeline splits a slice). The
+   fit error is the largest relative error of ``a + k·point`` against a slice's measured ``fwd + bwd`` (large
+   on the smallest slices, whose spans are a few tenths of a millisecond), ``rms_ms`` the root mean square of
+   that residual in milliseconds.
 
 Slices with tensor parallelism are not measured (a layer's point would need its group at once); nothing is
 measured when no plan of the model fits the profile's processes, nor on CUDA (the executor's spans are host times there, not the device's), so a GPU profile charges
@@ -31,33 +36,65 @@ import dataclasses
 import statistics
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from ..planner.step.build import make_plan
 from ..planner.workload.recompute import FORWARD_SHARE
 
 
 def fit_slices(measurements: Sequence[Mapping], share: float = FORWARD_SHARE) -> dict:
-    """``{"fwd_ms", "bwd_ms", "fit_error", "rms_ms", "slices", "measurements"}`` (module docstring) from
-    :func:`measure_slices`'s list of ``{"slice", "rank", "fwd_ms", "bwd_ms", "point_ms"}``.
+    """``{"fwd_ms", "bwd_ms", "scale", "fit_error", "rms_ms", "slices", "measurements"}`` (module docstring)
+    from :func:`measure_slices`'s list of ``{"slice", "rank", "fwd_ms", "bwd_ms", "point_ms"}``.
 
-    >>> fit_slices([{"fwd_ms": 1.5, "bwd_ms": 2.5, "point_ms": 3.0}, {"fwd_ms": 2.5, "bwd_ms": 4.5, "point_ms": 6.0}],
-    ...            share=1/3)["fwd_ms"], fit_slices([{"fwd_ms": 1.0, "bwd_ms": 2.0, "point_ms": 6.0}])["bwd_ms"]
-    (0.5, 0.0)
+    >>> r = fit_slices([{"fwd_ms": 1.5, "bwd_ms": 2.5, "point_ms": 3.0}, {"fwd_ms": 2.5, "bwd_ms": 4.5, "point_ms": 6.0}],
+    ...                share=1/3)
+    >>> round(r["fwd_ms"], 9), round(r["bwd_ms"], 9), round(r["scale"], 9)
+    (0.5, 0.5, 1.0)
+    >>> fit_slices([{"fwd_ms": 1.0, "bwd_ms": 2.0, "point_ms": 6.0}])["bwd_ms"]
+    0.0
     """
     if not measurements:
         raise ValueError("per-slice cost fit: no measured slices")
     n = len(measurements)
-    fwd = max(0.0, sum(m["fwd_ms"] - share * m["point_ms"] for m in measurements) / n)
-    bwd = max(0.0, sum(m["bwd_ms"] - (1 - share) * m["point_ms"] for m in measurements) / n)
-    res = [m["point_ms"] + fwd + bwd - m["fwd_ms"] - m["bwd_ms"] for m in measurements]
-    err = max(abs(r) / max(m["fwd_ms"] + m["bwd_ms"], 1e-9) for r, m in zip(res, measurements))
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "fit_error": err, "rms_ms": (sum(r * r for r in res) / n) ** 0.5,
-            "slices": n, "measurements": [dict(m) for m in measurements]}
+    p = np.array([float(m["point_ms"]) for m in measurements])
+    t = np.array([float(m["fwd_ms"]) + float(m["bwd_ms"]) for m in measurements])
+    w = 1.0 / np.maximum(t, 1e-9)  # relative error: the many small slices and the few big ones alike
+    a, k = _fit_line(p, t, w)
+    fwd = min(a, max(0.0, float(np.mean([m["fwd_ms"] - share * k * m["point_ms"] for m in measurements]))))
+    res = a + k * p - t
+    err = float(np.max(np.abs(res) * w))
+    return {"fwd_ms": fwd, "bwd_ms": a - fwd, "scale": k, "fit_error": err,
+            "rms_ms": float(np.sqrt(np.mean(res * res))), "slices": n,
+            "measurements": [dict(m) for m in measurements]}
 
 
-def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, layer_warmup: int = 3,
-                   layer_repeats: int = 10, min_seconds: float = 0.2) -> list[dict]:
+def _fit_line(p: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """``(a, k)`` minimising ``Σ (w·(a + k·p − t))²`` with ``a ≥ 0`` and ``k ≥ 1`` (the optimum lies inside, or
+    on the edge of the one bound it breaks: a convex problem in two unknowns)."""
+    A = np.stack([np.ones_like(p), p], axis=1) * w[:, None]
+    y = t * w
+    if len(p) >= 2 and np.ptp(p) > 0:
+        (a, k), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if a >= 0 and k >= 1:
+            return float(a), float(k)
+    candidates = []
+    ww = w * w
+    a1 = max(0.0, float(np.sum(ww * (t - p)) / np.sum(ww)))  # k = 1, a free
+    candidates.append((a1, 1.0))
+    pp = float(np.sum(ww * p * p))
+    k0 = max(1.0, float(np.sum(ww * p * t)) / pp) if pp > 0 else 1.0  # a = 0, k free
+    candidates.append((0.0, k0))
+    return min(candidates, key=lambda c: float(np.sum((w * (c[0] + c[1] * p - t)) ** 2)))
+
+
+def measure_slices(graph, cluster, *, device, passes: int = 15, warmup: int = 3, rounds: int = 3,
+                   layer_warmup: int = 3, layer_repeats: int = 10, min_seconds: float = 0.2) -> list[dict]:
     """Every process's slices of one plan of ``graph`` on ``cluster`` resized to the world (module docstring);
-    collective over the world; the same list on every process (empty on CUDA or without a plan that fits)."""
+    collective over the world; the same list on every process (empty on CUDA or without a plan that fits).
+
+    The executor's passes and the layers' timings alternate in ``rounds`` rounds (``passes / rounds`` passes,
+    then every layer for ``min_seconds / rounds``), so that a stretch of other load on a shared machine falls
+    on both sides of the comparison alike instead of on one."""
     import torch  # optional: torch (fitting needs none)
     import torch.distributed as dist  # optional: torch, as above
 
@@ -66,6 +103,8 @@ def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, 
     from ..runtime.executor import SpindleModel  # optional: torch, as above
     from .timing import time_layer  # optional: torch, as above
 
+    if rounds < 1 or passes < rounds:
+        raise ValueError(f"per-slice cost: need 1 <= rounds <= passes, got rounds={rounds}, passes={passes}")
     device = torch.device(device)
     if device.type == "cuda":
         return []
@@ -77,27 +116,37 @@ def measure_slices(graph, cluster, *, device, passes: int = 5, warmup: int = 2, 
         return []  # no plan of the model fits the profile's processes: not measured
     model = SpindleModel(plan, graph, seed=0, timeout_s=300, device=device)
     data = SyntheticData(graph, seed=0)
-    for i in range(warmup + passes):
-        model.trace.step = i
-        st = model(data.batch(i))
-        model.backward(st)
-        model.finalize_grads()
-    spans: dict[str, float] = {}
-    for s in model.trace.spans:
-        if s.step >= warmup and s.cat in ("forward", "backward"):
-            spans[s.name] = spans.get(s.name, 0.0) + s.dur_s * 1e3 / passes
     metaops = {m.name: m for m in plan.metaops}
-    mine = []
-    for s in plan.rank_slices(rank):
-        m = metaops[s.metaop]
-        if m.tp > 1 or f"{s.name} fwd" not in spans or f"{s.name} bwd" not in spans:
-            continue  # tensor-parallel, or no backward (frozen): not measured
+    mine = [s for s in plan.rank_slices(rank) if metaops[s.metaop].tp == 1]  # tensor-parallel: not measured
+    samples: dict[tuple[str, int], list[float]] = {}  # (slice, layer) -> this layer's repeats, every round
+    step = 0
+    for r in range(rounds):
+        for _ in range((warmup if r == 0 else 0) + passes // rounds + (r < passes % rounds)):
+            model.trace.step = step
+            st = model(data.batch(step))
+            model.backward(st)
+            model.finalize_grads()
+            step += 1
+        for s in mine:
+            a, b = model._local_range(s)
+            op = metaops[s.metaop]
+            for layer in range(s.layer_start, s.layer_stop):
+                samples.setdefault((s.name, layer), []).extend(time_layer(
+                    graph, op.operators[layer], b - a, warmup=layer_warmup, repeats=layer_repeats,
+                    min_seconds=min_seconds / rounds, device=device))
+    per_pass: dict[str, dict[int, float]] = {}
+    for sp in model.trace.spans:
+        if sp.step >= warmup and sp.cat in ("forward", "backward"):
+            got = per_pass.setdefault(sp.name, {})
+            got[sp.step] = got.get(sp.step, 0.0) + sp.dur_s * 1e3
+    spans = {name: statistics.median(got.values()) for name, got in per_pass.items()}
+    out = []
+    for s in mine:
+        if f"{s.name} fwd" not in spans or f"{s.name} bwd" not in spans:
+            continue  # no backward (frozen): not measured
         a, b = model._local_range(s)
-        point = 0.0
-        for layer in range(s.layer_start, s.layer_stop):
-            point += statistics.median(time_layer(graph, m.operators[layer], b - a, warmup=layer_warmup,
-                                                  repeats=layer_repeats, min_seconds=min_seconds, device=device))
-        mine.append({"slice": s.name, "rank": rank, "layers": s.layer_stop - s.layer_start, "local_batch": b - a,
-                     "fwd_ms": spans[f"{s.name} fwd"], "bwd_ms": spans[f"{s.name} bwd"], "point_ms": point})
+        point = sum(statistics.median(samples[(s.name, layer)]) for layer in range(s.layer_start, s.layer_stop))
+        out.append({"slice": s.name, "rank": rank, "layers": s.layer_stop - s.layer_start, "local_batch": b - a,
+                    "fwd_ms": spans[f"{s.name} fwd"], "bwd_ms": spans[f"{s.name} bwd"], "point_ms": point})
     model.destroy()
-    return [m for got in comm.all_gather_object(mine) for m in got]
+    return [m for got in comm.all_gather_object(out) for m in got]

@@ -4,8 +4,9 @@ layers' compute and the link's transit, in the step simulator's terms. Pure Pyth
 A curves file from ``spindle profile`` with two or more processes carries them in ``measured.runtime``
 (:mod:`megatron_spindle.profiler.runtime_costs` measures the runtime's own code paths with every profile process
 at once and fits these forms); analytic curves have no such block, and without one the simulator charges none
-of them (its behaviour before they were measured). Every cost is a mean over repeats (a slow repeat, a process
-descheduled on shared cores, counts as it counts in a step):
+of them (its behaviour before they were measured). The posts and deliveries are medians over repeats, the
+per-slice costs medians over passes, the collectives and the norm means (why:
+:mod:`megatron_spindle.profiler.runtime_costs`, :mod:`megatron_spindle.profiler.slice_costs`):
 
 * **posting a boundary's batch** (:func:`..runtime.p2p.post_p2p`, one ``batch_isend_irecv``): a rank that sends
   or receives ``k`` point-to-point messages at a wave boundary spends ``post_ms(k) = a + b·k`` of host time
@@ -22,9 +23,11 @@ descheduled on shared cores, counts as it counts in a step):
 * **the gradient norm's host work** (the sum of squares over this rank's gradients before its all-reduce):
   ``e + f·tensors + g·elements/1e6``;
 * **per slice** (``measured.runtime.slice``, :mod:`megatron_spindle.profiler.slice_costs`): what the executor
-  spends on a slice beyond its layers' points (input assembly, module hooks, DDP's gradient hooks):
-  ``per_slice_fwd_ms`` on each slice's forward and ``per_slice_bwd_ms`` on its backward (:mod:`.timeline`).
-  A curves file without it (older profiles, GPU profiles) charges none.
+  spends on a slice beyond its layers' points: a fixed part (input assembly, entering its modules)
+  ``per_slice_fwd_ms`` on each slice's forward and ``per_slice_bwd_ms`` on its backward, and a part that grows
+  with the slice's layers (megatron.core DDP's hook per parameter, the layers run among the executor's other
+  work rather than alone), a slice's points times ``per_slice_scale`` (:mod:`.timeline`). A curves file
+  without it (older profiles, GPU profiles) charges none (scale 1).
 """
 from __future__ import annotations
 
@@ -51,11 +54,16 @@ class RuntimeCosts:
     """The executor's own time on a slice's forward beyond its layers."""
     per_slice_bwd_ms: float = 0.0
     """The same on a slice's backward."""
+    per_slice_scale: float = 1.0
+    """A slice's layers in the executor over their points timed alone (at least 1)."""
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"runtime cost {k}={v!r} must be a non-negative number (a measured time)")
+        if not self.per_slice_scale >= 1:
+            raise ValueError(f"runtime cost per_slice_scale={self.per_slice_scale!r} must be at least 1 (the "
+                             f"executor's layers over the same layers timed alone)")
 
     def post_ms(self, ops: int) -> float:
         """Host time of posting a batch of ``ops`` point-to-point operations (0 when there are none)."""
@@ -93,6 +101,7 @@ class RuntimeCosts:
                        norm_fixed_ms=float(norm.get("fixed_ms", 0.0)),
                        norm_per_tensor_ms=float(norm.get("per_tensor_ms", 0.0)),
                        norm_per_melement_ms=float(norm.get("per_melement_ms", 0.0)),
-                       per_slice_fwd_ms=float(sl.get("fwd_ms", 0.0)), per_slice_bwd_ms=float(sl.get("bwd_ms", 0.0)))
+                       per_slice_fwd_ms=float(sl.get("fwd_ms", 0.0)), per_slice_bwd_ms=float(sl.get("bwd_ms", 0.0)),
+                       per_slice_scale=float(sl.get("scale", 1.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"curves file: measured.runtime is malformed ({e}); run `spindle profile` again") from e

@@ -75,6 +75,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
     waves = {w.index: w for w in plan.waves}
 
     extra_f, extra_b = (runtime.per_slice_fwd_ms, runtime.per_slice_bwd_ms) if runtime is not None else (0.0, 0.0)
+    stretch = runtime.per_slice_scale if runtime is not None else 1.0
 
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
@@ -104,7 +105,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                     both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
             start = max(ready, max(free[r] for r in s.ranks))
-            e = done[s.name] = start + share * slice_ms[s.name] + (extra_b if backward else extra_f)
+            e = done[s.name] = start + share * stretch * slice_ms[s.name] + (extra_b if backward else extra_f)
             for r in s.ranks:
                 free[r] = e
         if backward:  # backward: posted after the wave's backward
