@@ -234,9 +234,9 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
         if per_slice:
             runtime["slice"] = fit_slices(per_slice)
             sl = runtime["slice"]
-            say(f"runtime ({backend}): per slice {sl['fwd_ms']:.3f} ms forward + {sl['bwd_ms']:.3f} ms backward "
-                f"beyond its layers ({sl['slices']} slices, residual {sl['rms_ms']:.3f} ms rms, fit error "
-                f"{sl['fit_error']:.0%})")
+            say(f"runtime ({backend}): per slice {sl['fwd_ms']:.3f} ms forward + {sl['bwd_ms']:.3f} ms backward, "
+                f"its layers x{sl['scale']:.2f} of their points ({sl['slices']} slices, residual {sl['rms_ms']:.3f} "
+                f"ms rms, fit error {sl['fit_error']:.0%})")
         else:
             say(f"runtime ({backend}): the cost per slice not measured (on CUDA, or no plan of the model fits the "
                 f"profile's processes): not charged")
