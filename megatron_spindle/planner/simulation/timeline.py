@@ -23,8 +23,9 @@ With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank t
 messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
 boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive after the
 later of the two ends has posted, the measured delivery plus ``t_boundary`` less the link's latency later
-(``transit_ms``); and every slice takes the executor's measured per-slice cost beyond its curve time
-(``per_slice_fwd_ms`` on its forward, ``per_slice_bwd_ms`` on its backward), also with ``transfers=False``.
+(``transit_ms``); and every slice takes its curve time times the executor's measured ``per_slice_scale``,
+plus its fixed per-slice cost (``per_slice_fwd_ms`` on its forward, ``per_slice_bwd_ms`` on its backward),
+also with ``transfers=False``.
 Without them, as before: no host time, arrival ``t_boundary`` after both ends reached the boundary.
 """
 from __future__ import annotations
