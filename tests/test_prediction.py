@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from megatron_spindle.megatron.prediction import StepCosts, compute_scale, grad_bytes_of, predict_step
+from megatron_spindle.megatron.prediction import StepCosts, compute_scale, grad_bytes_of, percent, predict_step
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, simulate
@@ -81,7 +81,8 @@ def test_measured_parts_are_medians_over_the_steps_asked_that_were_traced():
     assert "(median of 3 steps)" in three.format() and "median of" not in one.format()
     # and the fastest of them beside it: step 3's
     assert three.fastest_ms == pytest.approx(one.measured_ms) and one.fastest_ms is None
-    assert f"fastest step {one.measured_ms:.1f} ms, {one.error:+.0%}" in three.format()
+    assert f"fastest step {one.measured_ms:.1f} ms, {percent(one.error)}" in three.format()
+    assert (percent(-0.001), percent(0.004), percent(-0.26)) == ("+0%", "+0%", "-26%")
     assert "fastest" not in one.format()
     with pytest.raises(ValueError, match="no traced step among"):
         predict_step(plan, cluster, FakeTrace(spans), [9, 10], 1, passes=1, grad_bytes=4)

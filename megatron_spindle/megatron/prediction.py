@@ -142,8 +142,8 @@ class StepPrediction:
         return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_ms:.1f} ms measured"
                 + (f" (median of {self.steps} steps)" if self.steps > 1 else "")
                 + ("" if opt else " without the optimizer")
-                + f" ({self.error:+.0%}"
-                + (f"; fastest step {self.fastest_ms:.1f} ms, {self.fastest_error:+.0%}" if self.fastest_ms is not None
+                + f" ({percent(self.error)}"
+                + (f"; fastest step {self.fastest_ms:.1f} ms, {percent(self.fastest_error)}" if self.fastest_ms is not None
                    else "")
                 + f"), {self.passes} pass{'es' if self.passes > 1 else ''}"
                 + (f", predicted compute x{self.compute_scale:.3g} for shared cores" if self.compute_scale != 1 else "")
@@ -157,6 +157,11 @@ class StepPrediction:
                 + f"data {self.data_ms:.1f} ms, other {self.other_ms:.1f} ms"
                 + ("" if self.runtime_costs else " | the runtime's own costs not charged (the curves file has no "
                                                  "runtime measurement; run `spindle profile` with 2+ processes)"))
+
+
+def percent(x: float) -> str:
+    """``x`` as a signed whole percentage, ``+0%`` (not ``-0%``) for a small negative error."""
+    return f"{round(x, 2) + 0.0:+.0%}"
 
 
 def grad_bytes_of(args) -> int:
