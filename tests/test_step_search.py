@@ -62,3 +62,25 @@ def test_the_search_wins_a_row_no_other_candidate_could():
     best_other = min(c["step_ms"] for c in report["candidates"] if "step search" not in c["name"] and c["fits"])
     assert step_time_ms(plan, load_cluster(None, num_devices=16)) < best_other * (1 - 1e-9)
     assert plan.system == "spindle" and all(lv.variant.endswith("step search") for lv in plan.levels)
+
+
+def test_gather_moves_put_a_weight_on_one_two_or_four_islands_alike():
+    # OFASys-4 on 64 devices under task-level's schedule: every embedding table is held on every node; a gather
+    # onto k islands (the same devices in each) splits its outputs' transfer over k NICs
+    from megatron_spindle.planner.simulation.simulate import simulate
+    from megatron_spindle.planner.step.build import plan_system
+    from megatron_spindle.planner.step.step_search import ISLANDS, gather_moves
+    cluster = load_cluster(None, num_devices=64)
+    start = plan_system("task-level", build_graph("ofasys", tasks=4), cluster)
+    g = cluster.gpus_per_node
+    seen = set()
+    for change, order in gather_moves(start, cluster, simulate(start, cluster).pass_ms):
+        for ranks in change.values():
+            per = {}
+            for r in ranks:
+                per[r // g] = per.get(r // g, 0) + 1
+            assert len(set(per.values())) == 1  # as many devices in each island
+            seen.add(len(per))
+        if change:
+            check_plan(relocate(start, change, order))
+    assert seen == set(ISLANDS) == {1, 2, 4}

@@ -24,13 +24,15 @@ after the pass. This search starts from such a plan and changes it by moves judg
 3. **Sink.** Every slice of a MetaOp without producers (an embedding) in a wave of its own just before the
    first wave that uses it: a rank runs its backward in reverse wave order, so its backward then follows its
    consumers' instead of ending the pass, and its weight's all-reduce overlaps the rest of the backward.
-4. **Gather a weight into one island.** A weight whose parameter device group spans islands costs every
+4. **Gather a weight onto few islands.** A weight whose parameter device group spans islands costs every
    node of it ``2(n-1)/n`` of its bytes on the NIC (:mod:`..simulation.link_costs`), however little compute
    it carries. When every MetaOp holding it has no producers and its slices together take at most
-   :data:`GATHER_SHARE` of the pass on ``c`` devices of one island (``c`` the least count valid for all of
-   them), they move to the first ``c`` devices of the island that holds most of the group (the lowest on
-   ties), one wave per slice at the front of their phase: the sync becomes intra-island, paid for with the
-   outputs' transfer. The :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
+   :data:`GATHER_SHARE` of the pass on ``c`` devices (``c`` the least count valid for all of them that
+   ``k`` islands hold alike), they move to the first ``c / k`` devices of each of the ``k`` islands that hold
+   most of the group (the lowest on ties), one wave per slice at the front of their phase, for each ``k`` of
+   :data:`ISLANDS`: with ``k = 1`` the sync becomes intra-island, paid for with the outputs' transfer through
+   one NIC; a larger ``k`` splits that transfer over ``k`` NICs for a ring over ``k`` nodes. Per ``k``, the
+   :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
 5. **Keep the best.** Every move of a round is timed; the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
    from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials.
@@ -55,8 +57,10 @@ from .plan import Plan, SliceRef, WavePlan
 #: Rounds of moves (each keeps the best move of the round).
 MAX_ROUNDS = 12
 #: Timed trials of the whole-step choice's searches together, times the cluster's devices (a trial re-derives
-#: the plan's data flow and simulates it: ~3 ms at 32 devices, ~10 ms at 256): 48 trials at 64 devices.
-TRIAL_DEVICES = 3072
+#: the plan's data flow and simulates it: ~3 ms at 32 devices, ~10 ms at 256): 96 trials at 64 devices (48
+#: before gathers onto 2 and 4 islands joined the rounds: at 48, OFASys-7 on 64 devices ran out a round early,
+#: 250.1 ms against 249.9 without them; at 96, 246.4 ms, planning still 0.4-0.8 s of CPU at 64-1024 devices).
+TRIAL_DEVICES = 6144
 #: ... but at least this many.
 MIN_TRIALS = 8
 #: Donor blocks tried per round (the earliest finishers).
@@ -67,6 +71,8 @@ MAX_STARTS = 4
 MAX_GATHER = 4
 #: A gathered weight's slices may take at most this share of the pass on their new devices.
 GATHER_SHARE = 0.02
+#: Islands a weight is gathered onto (its outputs leave through that many NICs).
+ISLANDS = (1, 2, 4)
 
 
 def relocate(plan: Plan, ranks: Mapping[tuple[int, int], Sequence[int]],
@@ -118,8 +124,16 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
     curves = dict(plan.curves)
     slice_ms = {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks)) for s in plan.slices()}
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
-    return gather_moves(plan, cluster, pass_ms) \
-        + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))]
+    gathers = gather_moves(plan, cluster, pass_ms)
+    one = [m for m in gathers if _islands_of(m[0], cluster) <= 1]  # onto one island (and the sink): first
+    return one + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
+        + [m for m in gathers if _islands_of(m[0], cluster) > 1]
+
+
+def _islands_of(change: Mapping, cluster: Cluster) -> int:
+    """The most islands one moved slice's devices span (0 for no change)."""
+    g = cluster.gpus_per_node
+    return max((len({r // g for r in ranks}) for ranks in change.values()), default=0)
 
 
 def _sync_critical(plan: Plan, cluster: Cluster) -> str | None:
@@ -193,8 +207,8 @@ def _widen(plan: Plan, cluster: Cluster, critical: str, end, block, out: list) -
 
 
 def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dict, list]]:
-    """Gather moves (module docstring, item 4): ``(new ranks, new wave order)`` per weight, heaviest sync per
-    unit of compute first, then all of them together."""
+    """Gather moves (module docstring, item 4): ``(new ranks, new wave order)`` per island count and weight,
+    heaviest sync first, then all of them together."""
     curves = dict(plan.curves)
     by_name = {m.name: m for m in plan.metaops}
     g = cluster.gpus_per_node
@@ -210,21 +224,28 @@ def gather_moves(plan: Plan, cluster: Cluster, pass_ms: float) -> list[tuple[dic
         if not cluster.spans_islands(grp.ranks) or any(by_name[m].producers or by_name[m].tp > 1 for m in ms):
             continue
         sl = [plan.waves[wi].slices[si] for wi, si in at]
-        c = next((c for c in min((by_name[m].valid_counts(g) for m in ms), key=len)
-                  if all(c in by_name[m].valid_counts(g) for m in ms)
-                  and sum(x.num_layers * curves[x.metaop].time(c) for x in sl) <= GATHER_SHARE * pass_ms), None)
-        if c is None:
-            continue
         isl = collections.Counter(r // g for r in grp.ranks)
-        home = min(isl, key=lambda i: (-isl[i], i))  # the island holding most of it, the lowest on ties
-        devices = tuple(range(home * g, min(home * g + c, plan.world_size)))  # the last island may be short
-        if len(devices) == c:
-            found.append((-grp.params * (len(grp.ranks) - 1) / len(grp.ranks), grp.param_key,
-                          {key: devices for key in at}))
-    found.sort(key=lambda f: (f[0], f[1]))
-    picks = [f[2] for f in found[:MAX_GATHER]]
-    if len(found) > 1:
-        picks.append({k: v for f in found for k, v in f[2].items()})
+        homes = sorted(isl, key=lambda i: (-isl[i], i))  # the islands holding most of it, the lowest on ties
+        for k in ISLANDS:
+            if k > len(homes):
+                break
+            c = next((c for c in min((by_name[m].valid_counts(g * k) for m in ms), key=len)
+                      if c % k == 0 and c // k <= g and all(c in by_name[m].valid_counts(g * k) for m in ms)
+                      and sum(x.num_layers * curves[x.metaop].time(c) for x in sl) <= GATHER_SHARE * pass_ms),
+                     None)
+            if c is None:
+                continue
+            devices = tuple(sorted(h * g + j for h in homes[:k] for j in range(c // k)
+                                   if h * g + j < plan.world_size))  # the last island may be short
+            if len(devices) == c:
+                found.append((k, -grp.params * (len(grp.ranks) - 1) / len(grp.ranks), grp.param_key,
+                              {key: devices for key in at}))
+    picks = []
+    for k in ISLANDS:
+        mine = sorted((f for f in found if f[0] == k), key=lambda f: (f[1], f[2]))
+        picks += [f[3] for f in mine[:MAX_GATHER]]
+        if len(mine) > 1:
+            picks.append({key: v for f in mine for key, v in f[3].items()})
     out = [(change, _hoisted(plan, change)) for change in picks]
     sunk = _sunk(plan)
     if sunk is not None:
