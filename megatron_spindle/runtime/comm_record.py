@@ -24,7 +24,7 @@ is recorded once per call, in order: on one communicator that is the same order 
 coalesced kernel.
 
 With ``nccl_rules=True`` the wrappers also make gloo behave as NCCL does where it matters
-(``/work/shared/GPU.md``): ``batch_isend_irecv`` returns ONE work for the whole batch (:class:`BatchWork`,
+(``../shared/GPU.md`` beside the development checkout): ``batch_isend_irecv`` returns ONE work for the whole batch (:class:`BatchWork`,
 what ``_coalescing_manager`` gives for CUDA tensors), and a tensor handed to a collective or P2P call that is not
 on :func:`megatron_spindle.comm.comm_device` raises ``RuntimeError``.
 
