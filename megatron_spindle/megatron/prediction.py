@@ -103,9 +103,10 @@ class StepPrediction:
     steps: int = 1
     """Measured parts are medians over this many steps, each part on its own."""
     fastest_ms: float | None = None
-    """The fastest of those steps, less its optimizer when that is not predicted (``None`` for one step): Python's ``timeit`` rule, "the lowest value gives a
-    lower bound for how fast your machine can run [it]; higher values are typically not caused by variability
-    in Python's speed, but by other processes interfering", is what a shared machine's undisturbed step is."""
+    """The fastest of those steps, less its optimizer when that is not predicted (``None`` for one step).
+    Python's ``timeit`` rule, "the lowest value gives a lower bound for how fast your machine can run [it];
+    higher values are typically not caused by variability in Python's speed, but by other processes
+    interfering", is what a shared machine's undisturbed step is."""
     runtime_costs: bool = False
     """Whether the profile's runtime costs (``measured.runtime``) were charged."""
 

@@ -50,15 +50,16 @@ COLLECTIVES = (1, 2, 4, 8)
 NORM_SHAPES = ((4, 1 << 12), (64, 1 << 12), (16, 1 << 14), (128, 1 << 10), (64, 1 << 14))
 
 
-def nonneg_fit(rows: Sequence[Sequence[float]], t: Sequence[float]) -> tuple[list[float], float]:
-    """``(coefficients, fit error)`` of ``t ≈ rows · coef`` by least squares weighted by ``1/t``, every
-    coefficient ≥ 0 (a negative one is set to 0 and the rest refitted: a cost cannot shrink with more work);
-    the error is the largest relative error over the rows."""
+def nonneg_fit(rows: Sequence[Sequence[float]], t: Sequence[float],
+               weights: Sequence[float] | None = None) -> tuple[list[float], float]:
+    """``(coefficients, fit error)`` of ``t ≈ rows · coef`` by least squares weighted by ``1/t`` (or by
+    ``weights``), every coefficient ≥ 0 (a negative one is set to 0 and the rest refitted: a cost cannot shrink
+    with more work); the error is the largest relative error over the rows."""
     A = np.asarray(rows, dtype=float)
     y = np.asarray(t, dtype=float)
     if A.ndim != 2 or len(A) != len(y) or len(y) == 0:
         raise ValueError("runtime cost fit: need one row of coefficients per measured time")
-    w = 1.0 / np.maximum(y, 1e-9)
+    w = 1.0 / np.maximum(y, 1e-9) if weights is None else np.asarray(weights, dtype=float)
     free = list(range(A.shape[1]))
     coef = np.zeros(A.shape[1])
     while free:

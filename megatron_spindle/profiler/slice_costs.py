@@ -16,7 +16,8 @@ measures that directly, every profile process at once:
 2. time every layer of this process's slices alone at the slice's local batch, as the profile's points are
    timed (:func:`.timing.time_layer`, the median of the repeats); a slice's **point** is their sum;
 3. :func:`fit_slices`: ``fwd + bwd ≈ a + k·point`` over every measured slice of every process, least squares
-   on the relative error with ``a ≥ 0`` and ``k ≥ 1``: ``a`` the fixed part (input assembly, entering the
+   on the relative error with ``a ≥ 0`` and ``k ≥ 1`` (:func:`.runtime_costs.nonneg_fit` of ``fwd + bwd − point``
+   on ``1`` and ``point``): ``a`` the fixed part (input assembly, entering the
    slice's modules), ``k`` the scale on its layers (megatron.core DDP's hook on every parameter's gradient, the
    layers run among the executor's other work rather than alone; seen here 1.1-1.4 on 2 CPU ranks, where a
    fixed part alone left big slices 0.5-1.8 ms short). ``a`` is split by the forward's own excess:
@@ -40,6 +41,7 @@ import numpy as np
 
 from ..planner.step.build import make_plan
 from ..planner.workload.recompute import FORWARD_SHARE
+from .runtime_costs import nonneg_fit
 
 
 def fit_slices(measurements: Sequence[Mapping], share: float = FORWARD_SHARE) -> dict:
@@ -59,32 +61,15 @@ def fit_slices(measurements: Sequence[Mapping], share: float = FORWARD_SHARE) ->
     p = np.array([float(m["point_ms"]) for m in measurements])
     t = np.array([float(m["fwd_ms"]) + float(m["bwd_ms"]) for m in measurements])
     w = 1.0 / np.maximum(t, 1e-9)  # relative error: the many small slices and the few big ones alike
-    a, k = _fit_line(p, t, w)
+    # t − p ≈ a + r·p with a, r ≥ 0, on the relative error of t: k = 1 + r
+    (a, r), _ = nonneg_fit(np.stack([np.ones_like(p), p], axis=1), t - p, weights=w)
+    k = 1.0 + r
     fwd = min(a, max(0.0, float(np.mean([m["fwd_ms"] - share * k * m["point_ms"] for m in measurements]))))
     res = a + k * p - t
     err = float(np.max(np.abs(res) * w))
     return {"fwd_ms": fwd, "bwd_ms": a - fwd, "scale": k, "fit_error": err,
             "rms_ms": float(np.sqrt(np.mean(res * res))), "slices": n,
             "measurements": [dict(m) for m in measurements]}
-
-
-def _fit_line(p: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float]:
-    """``(a, k)`` minimising ``Σ (w·(a + k·p − t))²`` with ``a ≥ 0`` and ``k ≥ 1`` (the optimum lies inside, or
-    on the edge of the one bound it breaks: a convex problem in two unknowns)."""
-    A = np.stack([np.ones_like(p), p], axis=1) * w[:, None]
-    y = t * w
-    if len(p) >= 2 and np.ptp(p) > 0:
-        (a, k), *_ = np.linalg.lstsq(A, y, rcond=None)
-        if a >= 0 and k >= 1:
-            return float(a), float(k)
-    candidates = []
-    ww = w * w
-    a1 = max(0.0, float(np.sum(ww * (t - p)) / np.sum(ww)))  # k = 1, a free
-    candidates.append((a1, 1.0))
-    pp = float(np.sum(ww * p * p))
-    k0 = max(1.0, float(np.sum(ww * p * t)) / pp) if pp > 0 else 1.0  # a = 0, k free
-    candidates.append((0.0, k0))
-    return min(candidates, key=lambda c: float(np.sum((w * (c[0] + c[1] * p - t)) ** 2)))
 
 
 def measure_slices(graph, cluster, *, device, passes: int = 15, warmup: int = 3, rounds: int = 3,
