@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planner.simulation.simulate import Breakdown, simulate
+from .planner.simulation.link_costs import SyncFloor, sync_floor
+from .planner.simulation.simulate import Breakdown, StepSimulation, simulate
 from .planner.simulation.step_bound import StepBound
 from .planner.step.build import make_plan
 from .planner.systems.bounds import configured_step_bound
@@ -34,6 +35,14 @@ PARTS = ("compute", "idle", "transfer", "sync")
 
 def _parts(b: Breakdown) -> dict[str, float]:
     return {"compute": b.compute_ms, "idle": b.idle_ms, "transfer": b.transfer_ms, "sync": b.sync_ms}
+
+
+def step_sync_floor(sim: StepSimulation, cluster) -> tuple[SyncFloor, float] | None:
+    """The busiest device or NIC of a simulated plan's gradient sync and the step it forces (``(passes - 1)`` passes
+    before the last one, whose start the buckets' ready times count from); ``None``: no all-reduce spans
+    islands."""
+    f = sync_floor(((c.ranks, c.bytes, c.ready_ms) for c in sim.collectives), cluster)
+    return None if f is None else (f, (sim.passes - 1) * sim.pass_ms + f.end_ms)
 
 
 def _diff(a: Breakdown, b: Breakdown) -> dict[str, float]:
@@ -63,6 +72,8 @@ class Explanation:
     """The whole-step bound at Spindle's configuration."""
     bounds: dict[str, float] = field(default_factory=dict)
     """Every system's bound at its own configuration (ms)."""
+    sync_floor: dict[str, tuple[SyncFloor, float]] = field(default_factory=dict)
+    """Spindle's plan's and the best baseline's sync floor and the step it forces (:func:`step_sync_floor`)."""
 
     @property
     def best_ms(self) -> float:
@@ -81,7 +92,9 @@ class Explanation:
                 "own": {"name": self.own_name, "step_ms": self.own_ms, "breakdown": self.own_parts,
                         "minus_baseline_ms": self.own_diff} if self.own_name else None,
                 "step_bound": self.bound.to_json() if self.bound else None,
-                "step_bounds_ms": self.bounds, "row_step_bound_ms": self.row_bound_ms}
+                "step_bounds_ms": self.bounds, "row_step_bound_ms": self.row_bound_ms,
+                "sync_floor": {k: {"resource": f.resource, "from_ms": f.from_ms, "busy_ms": f.busy_ms,
+                                   "step_floor_ms": t} for k, (f, t) in self.sync_floor.items()}}
 
     def lines(self) -> list[str]:
         out = []
@@ -101,6 +114,11 @@ class Explanation:
         out.append(f"best baseline {self.baseline} {self.baseline_ms:.1f} ms (P={self.passes[1]}); Spindle "
                    f"{self.spindle_ms:.1f} ms (P={self.passes[0]}) is candidate '{self.winner}' of {n}; "
                    f"difference (ms): {fmt(self.diff)}")
+        if self.sync_floor:
+            steps = {"spindle": self.spindle_ms, self.baseline: self.baseline_ms}
+            out.append("sync floor (the device or NIC busiest with gradient all-reduces once they are ready): "
+                       + "; ".join(f"{k}'s {f.resource} {f.busy_ms:.1f} ms from {f.from_ms:.1f} ms, step >= "
+                                   f"{t:.1f} (is {steps[k]:.1f})" for k, (f, t) in self.sync_floor.items()))
         if self.own_name is not None:
             out.append(f"Spindle's own waves ('{self.own_name}', {self.own_ms:.1f} ms, "
                        f"{self.baseline_ms / self.own_ms:.2f}x the best baseline): {fmt(self.own_diff)}")
@@ -123,6 +141,10 @@ def explain_row(cmp, workload, cluster, *, curves_file=None, device=None) -> Exp
                     passes=(ex.passes, br.execution.passes if br and br.execution else None),
                     diff=_diff(sp.sim.breakdown, br.sim.breakdown) if br else {},
                     winner=report.get("winner", ""), candidates=report.get("candidates", []))
+    for name, r in (("spindle", sp), (base, br)):
+        f = step_sync_floor(r.sim, cluster) if r is not None else None
+        if f is not None:
+            e.sync_floor[name] = f
     if report.get("own_plan") is not None:
         own = simulate(report["own_plan"], cluster, check_memory=False)
         e.own_name, e.own_ms, e.own_parts = report["own_name"], own.step_ms, _parts(own.breakdown)

@@ -1,5 +1,6 @@
 """``spindle compare`` explains every row (issue 32, part 3): the best baseline, the parts of the difference,
-the candidate that won, Spindle's own best waves, and the whole-step bound under every system's step."""
+the candidate that won, Spindle's own best waves, the whole-step bound under every system's step, and each
+plan's sync floor under its own step."""
 import json
 
 from megatron_spindle import cli
@@ -21,8 +22,11 @@ def test_a_row_is_explained_and_the_parts_add_up():
     assert e.own_name is not None and e.own_ms >= steps["spindle"]
     for k, bound in e.bounds.items():  # each system's bound is under its step
         assert bound <= steps[k] * (1 + 1e-9)
+    assert set(e.sync_floor) == {"spindle", e.baseline}
+    for k, (f, floor) in e.sync_floor.items():  # each plan's sync floor is under its own step
+        assert f.busy_ms > 0 and floor <= steps[k] * (1 + 1e-9)
     text = format_table(cmp)
-    assert "whole-step bound" in text and f"candidate '{e.winner}'" in text and "own waves" in text
+    assert "sync floor" in text and "whole-step bound" in text and f"candidate '{e.winner}'" in text and "own waves" in text
 
 
 def test_compare_json_carries_the_explanation(capsys):
@@ -33,3 +37,4 @@ def test_compare_json_carries_the_explanation(capsys):
     assert ex["best_baseline"] in TUNED_BASELINES and ex["winner"]
     assert set(ex["spindle_minus_baseline_ms"]) == set(PARTS)
     assert ex["step_bound"]["bound_ms"] <= row["systems"]["spindle"]["step_ms"]
+    assert ex["sync_floor"]["spindle"]["step_floor_ms"] <= row["systems"]["spindle"]["step_ms"] * (1 + 1e-9)

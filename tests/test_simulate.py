@@ -14,6 +14,7 @@ from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.simulation.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
                                                allreduce_time_ms, boundary_time_ms, simulate, step_time_ms,
                                                sync_time_ms)
+from megatron_spindle.planner.simulation.link_costs import schedule_collectives, sync_floor
 from megatron_spindle.planner.step.validate import check_plan
 from megatron_spindle.planner.level.waves import Wave, WaveSlice
 from megatron_spindle.planner.workload.workloads import build_graph
@@ -74,6 +75,27 @@ def test_sync_serializes_on_shared_devices_and_nics():
     assert sync_time_ms([x], c) == pytest.approx(100.100)
     # y waits for x's bytes to leave the NICs (100 ms), then takes its own 100.1 ms
     assert sync_time_ms([x, y], c) == pytest.approx(200.100)
+
+
+def test_sync_floor_names_the_busiest_device_or_nic_and_no_schedule_ends_before_it():
+    c = toy_cluster()
+    # device 1 holds two 10 ms all-reduces, ready at 0 and 5: it is busy until 20.040 at least
+    f = sync_floor([((0, 1), 1e9, 0.0), ((1, 2), 1e9, 5.0)], c)
+    assert (f.resource, f.from_ms) == ("device 1", 0.0) and f.busy_ms == pytest.approx(20.040)
+    # a late bucket alone can set the floor: ready at 50, 10 ms -> 60.02 beats the pair from 0
+    f = sync_floor([((0, 1), 1e9, 0.0), ((1, 2), 1e9, 5.0), ((4, 5), 1e9, 50.0)], c)
+    assert (f.resource, f.from_ms) == ("device 4", 50.0) and f.end_ms == pytest.approx(60.020)
+    # two cross-island groups on disjoint devices of the same nodes: the NICs carry both (100 ms each)
+    f = sync_floor([((0, 8), 1e9, 0.0), ((1, 9), 1e9, 0.0)], c)
+    assert f.resource == "node 0 NIC" and f.end_ms == pytest.approx(200.0)
+    assert sync_floor([((3,), 1e9, 0.0)], c) is None
+    # on mixed groups and ready times the floor never exceeds what the simulator's schedule takes
+    groups = [((0, 1), 4e8), ((1, 8, 9), 2e8), ((8, 9), 6e8), ((2, 10), 1e8), ((0, 8), 3e8), ((3, 4, 5), 5e8)]
+    for shift in range(6):
+        colls = [(r, b, 7.0 * ((i + shift) % 6)) for i, (r, b) in enumerate(groups)]
+        colls.sort(key=lambda x: x[2])
+        end = max(e for _, e in schedule_collectives(colls, c))
+        assert sync_floor(colls, c).end_ms <= end + 1e-9
 
 
 # -- plans built by hand --------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Communication cost primitives of the step simulator (:mod:`.simulate`, items 2 and 3 of its docstring).
 
 Pure Python, hand-checkable (the tests use them directly): a wave boundary's batched point-to-point time, a
-ring all-reduce's time, and all-reduces scheduled on shared devices and NICs.
+ring all-reduce's time, all-reduces scheduled on shared devices and NICs, and the floor the NICs put under them.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..workload.cluster import Cluster
@@ -87,3 +88,52 @@ def sync_time_ms(collectives: Iterable[tuple[Sequence[int], float]], cluster: Cl
     """Time of gradient all-reduces ``(ranks, bytes)`` all ready at once, posted in the given order."""
     return max((end for _, end in schedule_collectives(((r, b, 0.0) for r, b in collectives), cluster)),
                default=0.0)
+
+
+
+@dataclass(frozen=True)
+class SyncFloor:
+    """What a set of gradient all-reduces must spend on its busiest resource: ``resource`` (``"device d"``: every
+    all-reduce occupies its members for its standalone time; ``"node n NIC"``: its cross-island ring bytes,
+    ``2(n-1)/n`` of its bytes at the inter-island bandwidth) is busy ``busy_ms`` with all-reduces that are ready
+    at ``from_ms`` or later, so no order of them ends before ``end_ms = from_ms + busy_ms`` (item 3 of
+    :mod:`.simulate`)."""
+
+    resource: str
+    from_ms: float
+    busy_ms: float
+
+    @property
+    def end_ms(self) -> float:
+        return self.from_ms + self.busy_ms
+
+
+def sync_floor(collectives: Iterable[tuple[Sequence[int], float, float]], cluster: Cluster) -> SyncFloor | None:
+    """The latest end any one device or NIC forces on all-reduces ``(ranks, bytes, ready_ms)`` (``None``: none
+    takes time): per resource, for every ready time ``r`` of the all-reduces on it, ``r`` plus their time on it
+    from ``r`` on (one machine with release times: a lower bound on the end of any schedule of them,
+    :func:`schedule_collectives`' included). Ties: devices before NICs, the lowest index, the earliest ``r``."""
+    jobs: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)  # (0 device | 1 NIC, index)
+    g = cluster.gpus_per_node
+    for ranks, nbytes, ready in collectives:
+        members = set(ranks)
+        t = allreduce_time_ms(ranks, nbytes, cluster)
+        if t == 0.0:
+            continue
+        for d in members:
+            jobs[(0, d)].append((ready, t))
+        if cluster.spans_islands(ranks):
+            nic = ring_bytes(len(members), nbytes) / (cluster.inter_bandwidth_gbps * 1e9) * 1e3
+            for n in {d // g for d in members}:
+                jobs[(1, n)].append((ready, nic))
+    best: tuple[float, tuple[int, int], float, float] | None = None  # (end, resource, -from, busy)
+    for key in sorted(jobs):
+        tail = 0.0
+        for ready, t in sorted(jobs[key], reverse=True):  # latest first: ``tail`` is the time from ``ready`` on
+            tail += t
+            if best is None or ready + tail > best[0]:
+                best = (ready + tail, key, ready, tail)
+    if best is None:
+        return None
+    _, (kind, index), ready, tail = best
+    return SyncFloor(resource=f"device {index}" if kind == 0 else f"node {index} NIC", from_ms=ready, busy_ms=tail)
