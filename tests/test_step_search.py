@@ -84,3 +84,24 @@ def test_gather_moves_put_a_weight_on_one_two_or_four_islands_alike():
         if change:
             check_plan(relocate(start, change, order))
     assert seen == set(ISLANDS) == {1, 2, 4}
+
+
+def test_the_tasks_whose_buckets_start_the_sync_floor_are_critical():
+    # OFASys-4 on 64 devices under task-level's schedule: the shared weights' rings decide the step; the task
+    # that completes the bucket starting the busiest device's (or NIC's) all-reduces is widened as well as the
+    # one completing the bucket that ends last
+    from megatron_spindle.planner.simulation.link_costs import sync_floor
+    from megatron_spindle.planner.simulation.simulate import simulate
+    from megatron_spindle.planner.step.build import plan_system
+    from megatron_spindle.planner.step.step_search import _sync_critical, _uses
+    cluster = load_cluster(None, num_devices=64)
+    start = plan_system("task-level", build_graph("ofasys", tasks=4), cluster)
+    sim = simulate(start, cluster)
+    assert sim.breakdown.sync_ms > 0
+    floor = sync_floor(((c.ranks, c.bytes, c.ready_ms) for c in sim.collectives), cluster)
+    first = [c for c in sim.collectives if c.ready_ms == floor.from_ms and _uses(c, floor.resource, cluster)]
+    assert first and all(c.wave is not None for c in first)
+    task = {m.name: m.task for m in start.metaops}
+    starters = {task[s.metaop] for c in first for s in start.waves[c.wave].slices if set(s.ranks) & set(c.ranks)}
+    critical = _sync_critical(start, cluster)
+    assert critical and set(critical) & starters and len(critical) == len(set(critical))

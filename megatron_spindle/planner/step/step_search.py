@@ -9,13 +9,16 @@ after the pass. This search starts from such a plan and changes it by moves judg
 (:func:`..simulation.simulate.step_time_ms`: compute, transfers and the gradient sync they cause):
 
 1. **Time the plan.** One pass on the timeline (:func:`..simulation.timeline.dataflow_pass`) gives every
-   slice's backward end; the *critical* tasks are the one whose slice ends last and the one whose slice
-   completes the gradient bucket whose all-reduce ends last (the simulator's collectives); a *donor* is any
+   slice's backward end; the *critical* tasks are the one whose slice ends last, the one whose slice
+   completes the gradient bucket whose all-reduce ends last (the simulator's collectives), and the one that
+   completes the bucket starting the plan's sync floor (:func:`..simulation.link_costs.sync_floor`: the
+   device or NIC with the most all-reduce time left once a bucket of it is ready); a *donor* is any
    other task, its block the devices its slices use, ordered by when its last slice ends (earliest first,
    task order on ties: the order only decides which trial comes first, the step decides what is kept), and
    the devices no slice uses.
-2. **Widen.** For a slice ``x`` of a critical task and a donor block ``D`` (one of the first
-   :data:`MAX_DONORS`, or several of them together): ``x`` and every later slice of its task that runs
+2. **Widen.** For a slice ``x`` of a critical task and a donor block ``D`` (the critical task's own devices,
+   those its other slices leave free in a wave; one of the first :data:`MAX_DONORS`, or several of them
+   together): ``x`` and every later slice of its task that runs
    inside ``x``'s devices grow onto the devices of ``D`` (those of ``x``'s islands first, then the lowest),
    each to the largest valid count (rule 3 of :mod:`.validate`) that the devices of ``D`` free in its wave
    allow (rule 2). A MetaOp's later layers and its consumers follow it, so the activations it hands on stay
@@ -46,6 +49,7 @@ import collections
 import dataclasses
 from typing import Mapping, Sequence
 
+from ..simulation.link_costs import sync_floor
 from ..simulation.simulate import simulate, step_time_ms
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
@@ -136,23 +140,41 @@ def _islands_of(change: Mapping, cluster: Cluster) -> int:
     return max((len({r // g for r in ranks}) for ranks in change.values()), default=0)
 
 
-def _sync_critical(plan: Plan, cluster: Cluster) -> str | None:
-    """The task of the slice whose backward completes the gradient bucket whose all-reduce ends last (when
-    it ends after the pass: the sync decides the step), the first such slice of that wave."""
+def _sync_critical(plan: Plan, cluster: Cluster) -> list[str]:
+    """When the sync ends after the pass (it decides the step): the task of the slice whose backward completes
+    the gradient bucket whose all-reduce ends last, then the task of the one that completes the bucket starting
+    the plan's sync floor (:func:`..simulation.link_costs.sync_floor`: the busiest device or NIC's all-reduces
+    from the first ready bucket on; readier sooner, the floor falls), each the first such slice of its wave."""
     sim = simulate(plan, cluster, check_memory=False)
     if not sim.collectives or sim.breakdown.sync_ms <= 0:
-        return None
-    last = max(sim.collectives, key=lambda c: (c.end_ms, c.ranks))
-    if last.wave is None:
-        return None
+        return []
     task = _task_of(plan)
-    members = set(last.ranks)
-    return next((task[s.metaop] for s in plan.waves[last.wave].slices if members & set(s.ranks)), None)
+
+    def of(c) -> str | None:
+        if c.wave is None:
+            return None
+        members = set(c.ranks)
+        return next((task[s.metaop] for s in plan.waves[c.wave].slices if members & set(s.ranks)), None)
+
+    found = [of(max(sim.collectives, key=lambda c: (c.end_ms, c.ranks)))]
+    floor = sync_floor(((c.ranks, c.bytes, c.ready_ms) for c in sim.collectives), cluster)
+    if floor is not None:
+        on = [c for c in sim.collectives if c.ready_ms == floor.from_ms and _uses(c, floor.resource, cluster)]
+        found += [of(c) for c in sorted(on, key=lambda c: c.ranks)]
+    return [t for t in dict.fromkeys(found) if t is not None]
 
 
-def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float], also: str | None = None) -> list[dict]:
+def _uses(c, resource: str, cluster: Cluster) -> bool:
+    """Whether all-reduce ``c`` occupies ``resource`` (``"device d"`` or ``"node n NIC"``)."""
+    kind, index = resource.split()[0], int(resource.split()[1])
+    if kind == "device":
+        return index in c.ranks
+    return cluster.spans_islands(c.ranks) and any(r // cluster.gpus_per_node == index for r in c.ranks)
+
+
+def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float], also: Sequence[str] = ()) -> list[dict]:
     """Widening moves (module docstring, item 2) given every slice's backward end ``done``, for the task that
-    finishes last and then for ``also`` (the task that completes the last gradient bucket)."""
+    finishes last and then for the tasks ``also`` (:func:`_sync_critical`)."""
     task = _task_of(plan)
     by_name = {m.name: m for m in plan.metaops}
     order = list(plan.tasks)
@@ -166,7 +188,7 @@ def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float], also: s
         return []
     first = max(end, key=lambda t: (end[t], -order.index(t)))
     out: list[dict] = []
-    for critical in dict.fromkeys([first] + ([also] if also in end else [])):
+    for critical in dict.fromkeys([first] + [t for t in also if t in end]):
         _widen(plan, cluster, critical, end, block, out)
     return out
 
@@ -180,6 +202,7 @@ def _widen(plan: Plan, cluster: Cluster, critical: str, end, block, out: list) -
     idle = set(range(plan.world_size)) - {r for b in block.values() for r in b}
     pools = ([idle] if idle else []) + [block[t] for t in donors]
     pools += [set().union(*pools[:k]) for k in range(2, len(pools) + 1)]  # several blocks together
+    pools.insert(0, set(block[critical]))  # its own devices that other slices of it leave free in a wave
     mine = [(w.index, i, s) for w in plan.waves for i, s in enumerate(w.slices) if task[s.metaop] == critical]
     starts = sorted(mine, key=lambda x: (-x[2].time_ms, x[0], x[1]))[:MAX_STARTS]
     starts.sort(key=lambda x: (x[0], x[1]))
