@@ -60,8 +60,12 @@ def test_allreduce_ring_inside_and_across_islands():
     assert allreduce_time_ms((0, 1), 1e9, c) == pytest.approx(2 * 0.010 + 10.0)
     # four devices in one island: 6 latencies, 1.5 × the bytes
     assert allreduce_time_ms((0, 1, 2, 3), 1e9, c) == pytest.approx(6 * 0.010 + 15.0)
-    # the same four spread over two islands: the NIC is the bottleneck
-    assert allreduce_time_ms((0, 1, 8, 9), 1e9, c) == pytest.approx(6 * 0.050 + 150.0)
+    # the same four spread over two islands: the NIC is the bottleneck; of the 6 steps 2 cross islands
+    # (NCCL's 2(nodes-1)) and 4 stay inside one
+    assert allreduce_time_ms((0, 1, 8, 9), 1e9, c) == pytest.approx(2 * 0.050 + 4 * 0.010 + 150.0)
+    # one device on each of four islands: every step crosses
+    c32 = toy_cluster(32)
+    assert allreduce_time_ms((0, 8, 16, 24), 1e9, c32) == pytest.approx(6 * 0.050 + 150.0)
     assert allreduce_time_ms((5,), 1e9, c) == 0.0
 
 

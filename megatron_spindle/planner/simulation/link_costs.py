@@ -45,16 +45,23 @@ def ring_bytes(n: int, nbytes: float) -> float:
 
 
 def allreduce_time_ms(ranks: Sequence[int], nbytes: float, cluster: Cluster) -> float:
-    """Standalone time of a ring all-reduce of ``nbytes`` over ``ranks`` (0 for one device)."""
+    """Standalone time of a ring all-reduce of ``nbytes`` over ``ranks`` (0 for one device).
+
+    ``2(n-1)`` ring steps: inside one island each pays the island's step latency; a ring over ``k`` islands
+    crosses between them in ``2(k-1)`` of its steps and stays inside one in the other ``2(n-k)``, and each
+    pays its own link's latency (NCCL's own cost model, ``src/graph/tuning.cc`` ``ncclTopoTuneModel``: ring
+    latency ``(nsteps - nInterSteps)·intraLat + nInterSteps·interLat``, ``nInterSteps = 2(nNodes-1)``). The
+    bytes go at the slowest link's bandwidth: the node's NIC when the ring spans islands."""
     n = len(set(ranks))
     if n <= 1 or nbytes <= 0:
         return 0.0
+    inside = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
     if cluster.spans_islands(ranks):
-        bw, lat = cluster.inter_bandwidth_gbps, cluster.inter_latency_us
+        k = len({d // cluster.gpus_per_node for d in set(ranks)})
+        bw, lat_us = cluster.inter_bandwidth_gbps, 2 * (k - 1) * cluster.inter_latency_us + 2 * (n - k) * inside
     else:
-        bw = cluster.intra_bandwidth_gbps
-        lat = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
-    return 2 * (n - 1) * lat * 1e-3 + ring_bytes(n, nbytes) / (bw * 1e9) * 1e3
+        bw, lat_us = cluster.intra_bandwidth_gbps, 2 * (n - 1) * inside
+    return lat_us * 1e-3 + ring_bytes(n, nbytes) / (bw * 1e9) * 1e3
 
 
 def schedule_collectives(collectives: Iterable[tuple[Sequence[int], float, float]],

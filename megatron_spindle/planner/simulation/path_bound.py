@@ -111,15 +111,21 @@ def edge_ms(src: MetaOp, ns: np.ndarray, dst: MetaOp, nd: np.ndarray, bytes_per_
 def allreduce_parts_ms(h: np.ndarray, nbytes: float, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     """``(bytes, latency)`` parts of the least time of a ring all-reduce of ``nbytes`` over at least ``h``
     devices (item 3). Weights in one bucket share its latencies, their bytes add up: a sum over weights counts
-    the bytes parts and one latency."""
+    the bytes parts and one latency. Latency (:func:`.link_costs.allreduce_time_ms`): a ring over ``h``
+    devices in ``k`` islands pays ``2(k-1)`` steps between islands and ``2(h-k)`` inside one; ``k`` is at
+    least ``⌈h/g⌉`` and at most ``h``, and the latency is linear in ``k``, so the least is at one end (or
+    inside one island, when ``h`` fits one)."""
     inside = cluster.intra_latency_us if cluster.allreduce_latency_us is None else cluster.allreduce_latency_us
     fits = h <= cluster.gpus_per_node
     bw = np.where(fits, max(cluster.intra_bandwidth_gbps, cluster.inter_bandwidth_gbps),
                   cluster.inter_bandwidth_gbps) * 1e9
-    lat = np.where(fits, min(inside, cluster.inter_latency_us), cluster.inter_latency_us) * 1e-3
     hh = np.maximum(h, 1)
+    k = np.maximum(2, -(-hh // cluster.gpus_per_node))  # islands of a ring that spans them
+    span = np.minimum(2 * (k - 1) * cluster.inter_latency_us + 2 * (hh - k) * inside,
+                      2 * (hh - 1) * cluster.inter_latency_us)
+    lat = np.where(fits, np.minimum(2 * (hh - 1) * inside, span), span) * 1e-3
     return (np.where(h > 1, 2.0 * (hh - 1) / hh * nbytes / bw * 1e3, 0.0),
-            np.where(h > 1, 2 * (hh - 1) * lat, 0.0))
+            np.where(h > 1, lat, 0.0))
 
 
 def allreduce_floor_ms(h: np.ndarray, nbytes: float, cluster: Cluster) -> np.ndarray:

@@ -38,7 +38,8 @@ posts during the backward, overlap compute:
        T_c = 2(n-1) · λ + 2(n-1)/n · S / B          (B = B_inter per node if the group spans islands, else B_intra)
 
    (``λ``: the cluster's ``allreduce_latency_us`` inside an island where a profile measured it, else the link's
-   latency.)
+   latency; a ring over ``k`` islands pays the inter-island latency in ``2(k-1)`` of its steps and ``λ`` in the
+   other ``2(n-k)``, as NCCL's own cost model does: :func:`.link_costs.allreduce_time_ms`.)
 
    Buckets are posted in order of readiness; each starts when ready, when every one of its devices has
    finished the all-reduces posted before it (all-reduces sharing a device run one after another; on

@@ -93,7 +93,8 @@ class Cluster:
     intra_latency_us: float = NVLINK_LATENCY_US
     """Latency of one message (one ring step) inside an island, µs."""
     inter_latency_us: float = IB_LATENCY_US
-    """Latency of one message (one ring step) between islands, µs."""
+    """Latency of one message (one ring step) between islands, µs (a ring all-reduce over ``k`` islands pays it in
+    the ``2(k-1)`` steps that cross between them: :func:`..simulation.link_costs.allreduce_time_ms`)."""
     allreduce_latency_us: float | None = None
     """Latency of one ring step of an all-reduce inside an island, µs, where it was measured apart from a
     message's (``spindle profile`` fits both: gloo's all-reduce is not a ring of its own point-to-point
