@@ -21,7 +21,7 @@ from .planner.step.build import make_plan
 from .planner.systems.tune_spindle import tune_spindle
 from .planner.systems.tuning import Workload
 from .planner.workload.cluster import load_cluster
-from .planner.simulation.simulate import step_time_ms
+from .planner.simulation.simulate import simulate, step_sync_floor
 from .planner.simulation.step_bound import plan_step_bound
 from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
@@ -77,7 +77,8 @@ def cmd_plan(args) -> int:
     if idle:
         print(idle, file=sys.stderr)
     whole = plan_step_bound(plan, cluster)  # issue 32: the whole step's bound, beside Σ C*
-    step = step_time_ms(plan, cluster)
+    sim = simulate(plan, cluster, check_memory=False)
+    step, floor = sim.step_ms, step_sync_floor(sim, cluster)
     if args.json:
         print(json.dumps({
             "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
@@ -87,7 +88,9 @@ def cmd_plan(args) -> int:
             "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
             "passes": passes, "plan": args.out, "gantt": args.gantt, "step_ms": step,
-            "step_bound_ms": whole.bound_ms, "step_bound": whole.to_json()}))
+            "step_bound_ms": whole.bound_ms, "step_bound": whole.to_json(),
+            "sync_floor": None if floor is None else {"resource": floor[0].resource, "from_ms": floor[0].from_ms,
+                                                      "busy_ms": floor[0].busy_ms, "step_floor_ms": floor[1]}}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]
@@ -104,6 +107,9 @@ def cmd_plan(args) -> int:
     print(f"step bound    {whole.bound_ms:10.2f} ms   (every wave plan of this configuration: compute and paths "
           f"{whole.compute_ms:.2f} ms, the cheapest sync adds {whole.sync_ms:.2f}); step / bound "
           f"{step / whole.bound_ms:.3f}")
+    if floor is not None:
+        print(f"sync floor    {floor[1]:10.2f} ms   (this plan's {floor[0].resource}: {floor[0].busy_ms:.2f} ms of "
+              f"gradient all-reduces once a bucket of it is ready at {floor[0].from_ms:.2f} ms)")
     if args.out:
         print(f"plan written to {args.out}")
     if args.gantt:

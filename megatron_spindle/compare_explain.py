@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planner.simulation.link_costs import SyncFloor, sync_floor
-from .planner.simulation.simulate import Breakdown, StepSimulation, simulate
+from .planner.simulation.link_costs import SyncFloor
+from .planner.simulation.simulate import Breakdown, simulate, step_sync_floor
 from .planner.simulation.step_bound import StepBound
 from .planner.step.build import make_plan
 from .planner.systems.bounds import configured_step_bound
@@ -35,14 +35,6 @@ PARTS = ("compute", "idle", "transfer", "sync")
 
 def _parts(b: Breakdown) -> dict[str, float]:
     return {"compute": b.compute_ms, "idle": b.idle_ms, "transfer": b.transfer_ms, "sync": b.sync_ms}
-
-
-def step_sync_floor(sim: StepSimulation, cluster) -> tuple[SyncFloor, float] | None:
-    """The busiest device or NIC of a simulated plan's gradient sync and the step it forces (``(passes - 1)`` passes
-    before the last one, whose start the buckets' ready times count from); ``None``: no all-reduce spans
-    islands."""
-    f = sync_floor(((c.ranks, c.bytes, c.ready_ms) for c in sim.collectives), cluster)
-    return None if f is None else (f, (sim.passes - 1) * sim.pass_ms + f.end_ms)
 
 
 def _diff(a: Breakdown, b: Breakdown) -> dict[str, float]:
@@ -73,7 +65,7 @@ class Explanation:
     bounds: dict[str, float] = field(default_factory=dict)
     """Every system's bound at its own configuration (ms)."""
     sync_floor: dict[str, tuple[SyncFloor, float]] = field(default_factory=dict)
-    """Spindle's plan's and the best baseline's sync floor and the step it forces (:func:`step_sync_floor`)."""
+    """Spindle's plan's and the best baseline's sync floor and the step it forces (:func:`.planner.simulation.simulate.step_sync_floor`)."""
 
     @property
     def best_ms(self) -> float:

@@ -41,6 +41,9 @@ def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, cap
         assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
         got[m] = json.loads(capsys.readouterr().out)
     assert (got[path]["makespan_ms"], got[path]["num_waves"]) == (got[model]["makespan_ms"], got[model]["num_waves"])
+    floor = got[model]["sync_floor"]  # the plan's own sync floor is under its step, and the step bound under both
+    assert floor["busy_ms"] > 0 and floor["step_floor_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
+    assert got[model]["step_bound_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
 
 
 def test_workloads_table_and_spec_path_equal_the_name():

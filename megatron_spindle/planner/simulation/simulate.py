@@ -81,8 +81,8 @@ from typing import Mapping
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
-from .link_costs import (allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
-                         schedule_collectives, sync_time_ms)
+from .link_costs import (SyncFloor, allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
+                         schedule_collectives, sync_floor, sync_time_ms)
 from ..step.plan import Plan, Slice
 from .runtime_costs import RuntimeCosts
 from .timeline import dataflow_pass
@@ -274,6 +274,14 @@ def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
     _, pass_ms, _, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes, overlap_sync=True,
                                           compute_scale=1.0, bucket_size=None)
     return passes * pass_ms + (max([end for _, end in spans] + [pass_ms]) - pass_ms)
+
+
+def step_sync_floor(sim: StepSimulation, cluster: Cluster) -> tuple[SyncFloor, float] | None:
+    """The busiest device or NIC of a simulated plan's gradient sync (:func:`.link_costs.sync_floor`) and the
+    step it forces (``passes - 1`` passes before the last one, from whose start the buckets' ready times count);
+    ``None``: no all-reduce takes time."""
+    f = sync_floor(((c.ranks, c.bytes, c.ready_ms) for c in sim.collectives), cluster)
+    return None if f is None else (f, (sim.passes - 1) * sim.pass_ms + f.end_ms)
 
 
 def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes: int | None = None,
