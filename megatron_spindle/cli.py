@@ -89,8 +89,7 @@ def cmd_plan(args) -> int:
             "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
             "passes": passes, "plan": args.out, "gantt": args.gantt, "step_ms": step,
             "step_bound_ms": whole.bound_ms, "step_bound": whole.to_json(),
-            "sync_floor": None if floor is None else {"resource": floor[0].resource, "from_ms": floor[0].from_ms,
-                                                      "busy_ms": floor[0].busy_ms, "step_floor_ms": floor[1]}}))
+            "sync_floor": None if floor is None else floor[0].to_json(floor[1])}))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]

@@ -65,7 +65,8 @@ class Explanation:
     bounds: dict[str, float] = field(default_factory=dict)
     """Every system's bound at its own configuration (ms)."""
     sync_floor: dict[str, tuple[SyncFloor, float]] = field(default_factory=dict)
-    """Spindle's plan's and the best baseline's sync floor and the step it forces (:func:`.planner.simulation.simulate.step_sync_floor`)."""
+    """Spindle's plan's and the best baseline's sync floor and the step it forces
+    (:func:`.planner.simulation.simulate.step_sync_floor`)."""
 
     @property
     def best_ms(self) -> float:
@@ -85,8 +86,7 @@ class Explanation:
                         "minus_baseline_ms": self.own_diff} if self.own_name else None,
                 "step_bound": self.bound.to_json() if self.bound else None,
                 "step_bounds_ms": self.bounds, "row_step_bound_ms": self.row_bound_ms,
-                "sync_floor": {k: {"resource": f.resource, "from_ms": f.from_ms, "busy_ms": f.busy_ms,
-                                   "step_floor_ms": t} for k, (f, t) in self.sync_floor.items()}}
+                "sync_floor": {k: f.to_json(t) for k, (f, t) in self.sync_floor.items()}}
 
     def lines(self) -> list[str]:
         out = []

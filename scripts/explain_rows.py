@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_spindle.atomic import write_file  # noqa: E402
 from megatron_spindle.compare import compare  # noqa: E402
-from megatron_spindle.compare_explain import PARTS, TUNED_BASELINES, step_sync_floor  # noqa: E402
-from megatron_spindle.planner.simulation.simulate import simulate  # noqa: E402
+from megatron_spindle.compare_explain import PARTS, TUNED_BASELINES  # noqa: E402
+from megatron_spindle.planner.simulation.simulate import simulate, step_sync_floor  # noqa: E402
 from megatron_spindle.planner.step.build import make_plan  # noqa: E402
 from megatron_spindle.planner.step.execution import Execution  # noqa: E402
 from megatron_spindle.planner.systems.bounds import configured_step_bound  # noqa: E402
@@ -85,9 +85,7 @@ def explain(key, systems: dict, cluster: str) -> dict:
             "own": None if own is None else {
                 "name": report["own_name"], "step_ms": own.step_ms,
                 "minus_baseline_ms": {p: parts(own.breakdown.to_json())[p] - bp[p] for p in PARTS}},
-            "spindle_sync_floor": None if floor is None else {
-                "resource": floor[0].resource, "from_ms": floor[0].from_ms, "busy_ms": floor[0].busy_ms,
-                "step_floor_ms": floor[1]},
+            "spindle_sync_floor": None if floor is None else floor[0].to_json(floor[1]),
             "step_bound": bounds.get("spindle"), "step_bounds": bounds,
             "row_step_bound_ms": min(v["bound_ms"] for v in bounds.values())}
 

@@ -1,7 +1,8 @@
 """Communication cost primitives of the step simulator (:mod:`.simulate`, items 2 and 3 of its docstring).
 
 Pure Python, hand-checkable (the tests use them directly): a wave boundary's batched point-to-point time, a
-ring all-reduce's time, all-reduces scheduled on shared devices and NICs, and the floor the NICs put under them.
+ring all-reduce's time, all-reduces scheduled on shared devices and NICs, and the floor their busiest device or
+NIC puts under them.
 """
 from __future__ import annotations
 
@@ -114,6 +115,11 @@ class SyncFloor:
     def end_ms(self) -> float:
         return self.from_ms + self.busy_ms
 
+    def to_json(self, step_floor_ms: float) -> dict:
+        """With the step it forces (:func:`.simulate.step_sync_floor`)."""
+        return {"resource": self.resource, "from_ms": self.from_ms, "busy_ms": self.busy_ms,
+                "step_floor_ms": step_floor_ms}
+
 
 def sync_floor(collectives: Iterable[tuple[Sequence[int], float, float]], cluster: Cluster) -> SyncFloor | None:
     """The latest end any one device or NIC forces on all-reduces ``(ranks, bytes, ready_ms)`` (``None``: none
@@ -133,7 +139,7 @@ def sync_floor(collectives: Iterable[tuple[Sequence[int], float, float]], cluste
             nic = ring_bytes(len(members), nbytes) / (cluster.inter_bandwidth_gbps * 1e9) * 1e3
             for n in {d // g for d in members}:
                 jobs[(1, n)].append((ready, nic))
-    best: tuple[float, tuple[int, int], float, float] | None = None  # (end, resource, -from, busy)
+    best: tuple[float, tuple[int, int], float, float] | None = None  # (end, resource, from, busy)
     for key in sorted(jobs):
         tail = 0.0
         for ready, t in sorted(jobs[key], reverse=True):  # latest first: ``tail`` is the time from ``ready`` on
