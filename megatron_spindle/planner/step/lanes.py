@@ -36,6 +36,7 @@ from ..systems.shares import min_share
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp, levels
 from .assemble import assemble_plan, schedule
+from ..simulation.simulate import step_time_ms
 
 #: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
 #: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
@@ -58,50 +59,89 @@ def lane_estimate(ms: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], n: i
     return out
 
 
+def _estimates(lanes: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCurve], memo: dict | None):
+    """``t(i, n)``: lane ``i``'s :func:`lane_estimate` on ``n`` devices, remembered in ``memo`` by task and size."""
+    memo = {} if memo is None else memo
+
+    def t(i: int, n: int) -> float:
+        key = ("estimate", lanes[i][0].task, n)
+        if key not in memo:
+            memo[key] = lane_estimate(lanes[i], curves, n)
+        return memo[key]
+    return t
+
+
 def lane_sizes(lanes: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCurve], num_devices: int,
-               island: int = 8) -> list[int] | None:
+               island: int = 8, allowed: Sequence[int] | None = None, memo: dict | None = None
+               ) -> list[int] | None:
     """Devices per lane (summing to ``num_devices``), ``None`` when the lanes' smallest sizes do not fit: the
     smallest sizes whose estimates (:func:`lane_estimate`, non-increasing in ``n``) meet a common target,
     the target bisected to the least that fits; devices left over go to the lane estimated to finish last
-    while that shortens it."""
+    while that shortens it. With ``allowed`` (ascending), every size is one of them: leftovers go to the
+    lane finishing last in steps to its next allowed size while one fits and shortens it, the rest stay
+    free. ``memo``: the estimates by task and size, shared across calls."""
     N = num_devices
     mins = [min_share(ms, N) for ms in lanes]
-    if sum(mins) > N:
+    sizes_of = [list(range(m, N + 1)) if allowed is None else [n for n in allowed if m <= n <= N] for m in mins]
+    if any(not c for c in sizes_of) or sum(c[0] for c in sizes_of) > N:
         return None
-    memo: dict[tuple[int, int], float] = {}
-
-    def t(i: int, n: int) -> float:
-        if (i, n) not in memo:
-            memo[(i, n)] = lane_estimate(lanes[i], curves, n)
-        return memo[(i, n)]
+    t = _estimates(lanes, curves, memo)
 
     def need(i: int, target: float) -> int:
-        lo, hi = mins[i], N  # the smallest n in [lo, hi] with t(i, n) <= target (hi when none)
+        c = sizes_of[i]  # the smallest allowed n with t(i, n) <= target (the largest when none)
+        lo, hi = 0, len(c) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if t(i, mid) <= target:
+            if t(i, c[mid]) <= target:
                 hi = mid
             else:
                 lo = mid + 1
-        return lo
+        return c[lo]
 
-    lo = max(t(i, N) for i in range(len(lanes)))
-    hi = max(t(i, mins[i]) for i in range(len(lanes)))
-    best = mins
+    k = range(len(lanes))
+    lo = max(t(i, sizes_of[i][-1]) for i in k)
+    hi = max(t(i, sizes_of[i][0]) for i in k)
+    best = [c[0] for c in sizes_of]
     for _ in range(TARGET_STEPS):
         mid = (lo + hi) / 2
-        sizes = [need(i, mid) for i in range(len(lanes))]
+        sizes = [need(i, mid) for i in k]
         if sum(sizes) <= N:
             hi, best = mid, sizes
         else:
             lo = mid
-    sizes = [need(i, hi) for i in range(len(lanes))] if sum(need(i, hi) for i in range(len(lanes))) <= N else best
+    sizes = [need(i, hi) for i in k] if sum(need(i, hi) for i in k) <= N else best
+    if allowed is not None:
+        while True:  # leftovers: the lane that would finish last takes its next allowed size, while it fits
+            i = max(k, key=lambda i: (t(i, sizes[i]), -i))
+            nxt = next((n for n in sizes_of[i] if n > sizes[i]), None)
+            if nxt is None or sum(sizes) - sizes[i] + nxt > N or not t(i, nxt) < t(i, sizes[i]) * (1 - 1e-12):
+                return sizes
+            sizes[i] = nxt
     for _ in range(N - sum(sizes)):  # leftovers: to the lane that would finish last, while that helps
-        i = max(range(len(lanes)), key=lambda i: (t(i, sizes[i]), -i))
+        i = max(k, key=lambda i: (t(i, sizes[i]), -i))
         if not t(i, sizes[i] + 1) < t(i, sizes[i]) * (1 - 1e-12):
-            i = min(range(len(lanes)), key=lambda i: (sizes[i], i))  # none helps: the smallest lane
+            i = min(k, key=lambda i: (sizes[i], i))  # none helps: the smallest lane
         sizes[i] += 1
     return sizes
+
+
+def island_sizes(lanes: Sequence[Sequence[MetaOp]], curves: Mapping[str, ScalingCurve], num_devices: int,
+                 island: int = 8, memo: dict | None = None) -> list[int] | None:
+    """:func:`lane_sizes` over sizes that keep lanes off each other's islands: whole islands, or a divisor
+    of an island (lanes of those share an island among themselves, :func:`island_order`). A node whose
+    devices serve two lanes carries both lanes' weights' all-reduces on its NIC; on whole islands it carries
+    one lane's."""
+    return lane_sizes(lanes, curves, num_devices, island,
+                      allowed=sorted({d for d in range(1, island + 1) if island % d == 0}
+                                     | set(range(island, num_devices + 1, island))), memo=memo)
+
+
+def island_order(sizes: Sequence[int], island: int) -> list[int]:
+    """Lanes in the order they sit side by side (:func:`lane_waves`' ``order``): the lanes of whole islands in
+    task order, then the smaller ones, largest first (divisors of the island: each then starts at a multiple
+    of its size, and none crosses an island)."""
+    return [i for i in range(len(sizes)) if sizes[i] % island == 0] + \
+        sorted((i for i in range(len(sizes)) if sizes[i] % island), key=lambda i: (-sizes[i], i))
 
 
 def _lane_ranks(waves: Sequence[Wave], first: int, size: int) -> list[list[tuple[int, ...]]]:
@@ -174,20 +214,16 @@ def best_pack(sizes: Sequence[int], times: Sequence[float], num_devices: int, is
                key=lambda r: (r[0], ORDERS.index(r[2])))
 
 
-def pack_sizes(lanes: Sequence[Sequence[MetaOp]], curves, num_devices: int, island: int) -> list[int] | None:
+def pack_sizes(lanes: Sequence[Sequence[MetaOp]], curves, num_devices: int, island: int, memo: dict | None = None
+               ) -> list[int] | None:
     """Sizes for :func:`pack`: the balanced lane sizes (:func:`lane_sizes`) cut to the devices their
     estimates use, then improved by :data:`SIZE_ROUNDS` rounds of the best move among doubling or halving one
     task's size or doubling two, judged by :func:`best_pack`'s makespan."""
-    sizes = lane_sizes(lanes, curves, num_devices, island)
+    sizes = lane_sizes(lanes, curves, num_devices, island, memo=memo)
     if sizes is None:
         return None
     mins = [min_share(ms, num_devices) for ms in lanes]
-    memo: dict[tuple[int, int], float] = {}
-
-    def t(i: int, n: int) -> float:
-        if (i, n) not in memo:
-            memo[(i, n)] = lane_estimate(lanes[i], curves, n)
-        return memo[(i, n)]
+    t = _estimates(lanes, curves, memo)
 
     def span(sz):
         return best_pack(sz, [t(i, n) for i, n in enumerate(sz)], num_devices, island)[0]
@@ -213,27 +249,47 @@ def pack_sizes(lanes: Sequence[Sequence[MetaOp]], curves, num_devices: int, isla
 
 
 def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], num_devices: int,
-               groups: Sequence[Sequence[str]] = (), island: int = 8, *, packed: bool = True
+               groups: Sequence[Sequence[str]] = (), island: int = 8, *, packed: bool = True,
+               islands: bool = False, sizes: Sequence[Sequence[int]] | None = None,
+               order: Sequence[Sequence[int]] | None = None, memo: dict | None = None
                ) -> tuple[list[Wave], dict[tuple[int, int], tuple[int, ...]]] | None:
     """The candidate's waves and ranks (module docstring), ``None`` when the lanes do not fit; ``packed``:
-    tasks packed in time (:func:`pack_sizes`), else every task from the start on its balanced lane
-    (:func:`lane_sizes`, consecutive blocks in task order)."""
+    tasks packed in time (:func:`pack_sizes`), else every task from the start on its lane, the lanes side by
+    side: balanced (:func:`lane_sizes`) in task order, or with ``islands`` on whole islands or divisors of
+    one (:func:`island_sizes`, :func:`island_order`), or ``sizes`` given per phase (side by side in ``order``,
+    lane indices per phase; default task order). ``memo``: each lane's waves by its tasks and size, kept
+    across calls (the size search, :func:`size_search`, re-times a few lanes per trial)."""
     tasks = list(dict.fromkeys(m.task for m in metaops))
     phases = [list(g) for g in groups] or [tasks]
+    memo = {} if memo is None else memo
     waves: list[Wave] = []
     ranks: dict[tuple[int, int], tuple[int, ...]] = {}
     clock = 0.0
     for phase, names in enumerate(phases):
         lanes = [ms for ms in ([m for m in metaops if m.task == t] for t in names) if ms]
-        sizes = (pack_sizes if packed else lane_sizes)(lanes, curves, num_devices, island)
-        if sizes is None:
+        if sizes is not None:
+            sz = list(sizes[phase])
+        else:
+            sz = (pack_sizes if packed else island_sizes if islands else lane_sizes)(lanes, curves, num_devices,
+                                                                                     island, memo=memo)
+        if sz is None:
             return None
-        own = [[w for ls in schedule(ms, curves, n, search=False) for w in ls.waves] for ms, n in zip(lanes, sizes)]
-        times = [sum(w.duration_ms for w in lw) for lw in own]
-        where = best_pack(sizes, times, num_devices, island)[1] if packed else \
-            [(sum(sizes[:i]), 0.0) for i in range(len(sizes))]
+        own = []
+        for ms, n in zip(lanes, sz):
+            key = ("waves", ms[0].task, n)
+            if key not in memo:
+                memo[key] = [w for ls in schedule(ms, curves, n, search=False) for w in ls.waves]
+            own.append(memo[key])
+        if packed and sizes is None:
+            where = best_pack(sz, [sum(w.duration_ms for w in lw) for lw in own], num_devices, island)[1]
+        else:
+            seq = list(order[phase]) if order is not None else \
+                island_order(sz, island) if islands and sizes is None else list(range(len(lanes)))
+            where, at = [(0, 0.0)] * len(lanes), 0
+            for i in seq:
+                where[i], at = (at, 0.0), at + sz[i]
         for i in sorted(range(len(lanes)), key=lambda i: (where[i][1], where[i][0])):  # tasks by start
-            for w, rs in zip(own[i], _lane_ranks(own[i], where[i][0], sizes[i])):
+            for w, rs in zip(own[i], _lane_ranks(own[i], where[i][0], sz[i])):
                 out = Wave(level=len(waves), start_ms=clock, duration_ms=w.duration_ms, phase=phase)
                 for s, r in zip(w.slices, rs):
                     ranks[(len(waves), len(out.slices))] = r
@@ -244,17 +300,99 @@ def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     return waves, ranks
 
 
+def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[int]], tasks: Sequence[Sequence[str]],
+                cluster, trials: int):
+    """Lane sizes judged by the whole step: from ``sizes`` (per phase; ``build(sizes)`` makes the plan, ``None``
+    when it does not fit memory), ``d`` devices (an island, half of one, ... one) move between a *critical*
+    task's lane and another lane of its phase, either way (:func:`.step_search.critical_tasks`: the task whose
+    slice completes the bucket that ends the sync last or that starts the sync floor, else the one finishing
+    last), no lane below its least share ``mins``; the first move that shortens the step (by more than a
+    relative 1e-9) is kept and the critical tasks are found again, until no move does or ``trials`` plans are
+    timed. ``(step, sizes, plan)`` of the best found, ``None`` when ``sizes`` do not fit.
+
+    The lanes' estimates (:func:`lane_estimate`) balance compute; the step is decided as much by when each
+    shared weight's gradient is ready and which nodes' NICs carry its all-reduce, which the sizes move in
+    ways no estimate of a lane alone sees (a lane one island smaller holds its weights on one NIC fewer; a
+    lane a few devices smaller splits its MetaOps' layers over other devices, its weights over more groups)."""
+    from .step_search import critical_tasks  # step_search builds on plans; lanes are built before it
+    where = {t: (ph, i) for ph, names in enumerate(tasks) for i, t in enumerate(names)}
+    best = [list(s) for s in sizes]
+    plan = build(best)
+    if plan is None:
+        return None
+    step, used = step_time_ms(plan, cluster), 0
+    steps = [cluster.gpus_per_node >> k for k in range(cluster.gpus_per_node.bit_length())]
+    while used < trials:
+        found = None
+        for t in critical_tasks(plan, cluster):
+            ph, i = where[t]
+            for j in range(len(best[ph])):
+                for d in steps:
+                    for sign in (1, -1):
+                        trial = [list(s) for s in best]
+                        trial[ph][i] += sign * d
+                        trial[ph][j] -= sign * d
+                        if found or used >= trials or j == i or \
+                                trial[ph][i] < mins[ph][i] or trial[ph][j] < mins[ph][j]:
+                            continue
+                        used += 1
+                        q = build(trial)
+                        if q is not None and (got := step_time_ms(q, cluster)) < step * (1 - 1e-9):
+                            found = (got, trial, q)
+        if found is None:
+            break
+        step, best, plan = found
+    return step, best, plan
+
+
+def size_trials(num_devices: int) -> int:
+    """Plans :func:`size_search` may time: a quarter of the cluster's devices, at least 8 (a trial re-schedules
+    two lanes and simulates the plan: ~15 ms at 256 devices; 64 trials there, 16 at 64 devices, where
+    planning must stay under a second)."""
+    return max(8, num_devices // 4)
+
+
 def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
                groups: Sequence[Sequence[str]] = ()) -> list[tuple[str, object]]:
-    """The candidates as ``(name, plan)`` (balanced lanes, then packed; none where the lanes do not fit), with
-    ``own``'s levels, passes and optimizer (``own``: Spindle's own plan)."""
+    """The candidates as ``(name, plan)`` (balanced lanes, lanes on whole islands, packed lanes, then the
+    better of the first two with its sizes searched, :func:`size_search`; none where the lanes do not fit),
+    with ``own``'s levels, passes and optimizer (``own``: Spindle's own plan)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
-    out = []
-    for name, packed in (("spindle, task lanes", False), ("spindle, task lanes, packed", True)):
-        got = lane_waves(metaops, curves, cluster.num_devices, groups, cluster.gpus_per_node, packed=packed)
+    N, island = cluster.num_devices, cluster.gpus_per_node
+    memo: dict = {}
+
+    def plan_of(got):
+        return assemble_plan(graph, cluster, metaops, curves, own.levels, got[0], got[1], system="spindle",
+                             passes=own.passes, distributed_optimizer=own.distributed_optimizer)
+
+    out, side = [], []
+    for name, packed, islands in (("spindle, task lanes", False, False),
+                                  ("spindle, task lanes, whole islands", False, True),
+                                  ("spindle, task lanes, packed", True, False)):
+        got = lane_waves(metaops, curves, N, groups, island, packed=packed, islands=islands, memo=memo)
         if got is not None:
-            out.append((name, assemble_plan(graph, cluster, metaops, curves, own.levels, got[0], got[1],
-                                            system="spindle", passes=own.passes,
-                                            distributed_optimizer=own.distributed_optimizer)))
+            out.append((name, plan_of(got)))
+            if not packed:
+                side.append((step_time_ms(out[-1][1], cluster), len(side), islands, out[-1][0]))
+    if not side:
+        return out
+    tasks = [[t for t in names if any(m.task == t for m in metaops)]
+             for names in ([list(g) for g in groups] or [list(dict.fromkeys(m.task for m in metaops))])]
+    lanes = [[[m for m in metaops if m.task == t] for t in names] for names in tasks]
+    _, _, islands, name = min(side)
+    sizes = [(island_sizes if islands else lane_sizes)(ls, curves, N, island, memo=memo) for ls in lanes]
+    order = [island_order(sz, island) if islands else list(range(len(sz))) for sz in sizes]
+    mins = [[min_share(ms, N) for ms in ls] for ls in lanes]
+
+    def build(sz):
+        if any(sum(s) > N for s in sz):
+            return None
+        got = lane_waves(metaops, curves, N, groups, island, packed=False, sizes=sz, order=order, memo=memo)
+        plan = plan_of(got)
+        return plan if max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9) else None
+
+    found = size_search(build, sizes, mins, tasks, cluster, size_trials(N))
+    if found is not None:
+        out.append((f"{name}, sized by step", found[2]))
     return out

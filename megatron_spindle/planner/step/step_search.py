@@ -164,6 +164,18 @@ def _sync_critical(plan: Plan, cluster: Cluster) -> list[str]:
     return [t for t in dict.fromkeys(found) if t is not None]
 
 
+def critical_tasks(plan: Plan, cluster: Cluster) -> list[str]:
+    """The tasks a search should speed up (:func:`_sync_critical`), else the task whose slice ends the pass."""
+    found = _sync_critical(plan, cluster)
+    if found:
+        return found
+    curves = dict(plan.curves)
+    _, done = dataflow_pass(plan, cluster, {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks))
+                                            for s in plan.slices()})
+    task = _task_of(plan)
+    return [task[max(plan.slices(), key=lambda s: (done[s.name], -s.wave)).metaop]] if done else []
+
+
 def _uses(c, resource: str, cluster: Cluster) -> bool:
     """Whether all-reduce ``c`` occupies ``resource`` (``"device d"`` or ``"node n NIC"``)."""
     kind, index = resource.split()[0], int(resource.split()[1])
