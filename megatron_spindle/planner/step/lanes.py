@@ -41,6 +41,8 @@ from ..simulation.simulate import step_time_ms
 #: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
 #: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
 LANES_MAX_DEVICES = 512
+#: The suffix of the name of a candidate whose lane sizes :func:`size_search` chose.
+SIZED = "sized by step"
 #: Bisection steps on the lanes' common makespan target.
 TARGET_STEPS = 40
 
@@ -346,10 +348,10 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
 
 
 def size_trials(num_devices: int) -> int:
-    """Plans :func:`size_search` may time: a quarter of the cluster's devices, at least 8 (a trial re-schedules
-    two lanes and simulates the plan: ~15 ms at 256 devices; 64 trials there, 16 at 64 devices, where
-    planning must stay under a second)."""
-    return max(8, num_devices // 4)
+    """Plans :func:`size_search` may time: a quarter of the cluster's devices, from 8 to 64 (a trial re-schedules
+    two lanes and simulates the plan: ~10 ms at 64 devices, ~15 ms at 256, ~25 ms at 512; 16 trials at 64
+    devices, where planning must stay under a second, 64 from 256 on)."""
+    return min(64, max(8, num_devices // 4))
 
 
 def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve],
@@ -394,5 +396,5 @@ def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[s
 
     found = size_search(build, sizes, mins, tasks, cluster, size_trials(N))
     if found is not None:
-        out.append((f"{name}, sized by step", found[2]))
+        out.append((f"{name}, {SIZED}", found[2]))
     return out
