@@ -23,10 +23,12 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
    MetaOps, curves and execution; and 5. every module on a fixed block of devices, level after level
    (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks);
 6. Spindle's waves inside task lanes (:mod:`.lanes`, issue 32): each task's MetaOps scheduled by the level
-   scheduler on a block of its own (no activations move between device sets), the blocks balanced, or
-   packed in time so that a task starts on the devices of one that has finished;
-7. the whole-step local search (:mod:`.step_search`) from the best of these and from the best of Spindle's
-   own: devices of a block that finishes early lent to the task that finishes last, judged by the simulator.
+   scheduler on a block of its own (no activations move between device sets), the blocks balanced (on any
+   sizes or on whole islands), or packed in time so that a task starts on the devices of one that has
+   finished; and the better balanced layout with its sizes searched by the simulated step;
+7. the whole-step local search (:mod:`.step_search`) from the best of these, from the best of Spindle's own
+   and from the best of Spindle's own whose lane sizes were not searched: devices of a block that finishes
+   early lent to the task that finishes last, judged by the simulator.
 
 ``Σ C*`` and the certified bounds of :mod:`.solver` are bounds of level-by-level schedules (1 and 2); the
 others are not bound by them and may end below ``Σ C*``.
@@ -254,23 +256,36 @@ def _report(report: dict, scored, fitting, winner: str, own, cluster: Cluster) -
         _, _, report["own_name"], report["own_plan"] = min(mine, key=lambda s: (s[0] * (1 + 1e-12), s[1]))
 
 
+def _lane_search(name: str) -> bool:
+    """Whether candidate ``name`` is lanes on whole islands or with sizes searched by the step (:mod:`.lanes`)."""
+    return "whole islands" in name or SIZED in name
+
+
 def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, int, str, Plan]]:
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
-    the best of Spindle's own and the best of Spindle's own whose lane sizes were not searched (sharing one
-    search's trials), each kept where it shortens the step; none on
+    the best of Spindle's own, other than lanes on whole islands or with searched sizes (sharing one search's
+    trials), and from the best of all and of Spindle's own where those are such lanes (a quarter of the trials
+    each),
+    each kept where it shortens the step; none on
     clusters larger than :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
     ok = sorted((s for s in fitting if _fits(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))
-    # the best, the best of Spindle's own, and the best of those whose sizes were not searched: a plan the size
-    # search left at a local optimum may be one the step search cannot leave, where another start's moves reach
-    # a shorter step (OFASys-7 on 512 devices: 202.1 ms from the searched sizes, 201.2 from the balanced lanes)
-    starts = ok[:1] + [s for s in ok if s[1] in own][:1] + \
-        [s for s in ok if s[1] in own and not s[2].endswith(SIZED)][:1]
+    budget = trial_budget(cluster.num_devices)
+
+    def firsts(pool):  # the best and the best of Spindle's own, once each
+        return list(dict((s[1], s) for s in pool[:1] + [s for s in pool if s[1] in own][:1]).values())
+
+    # the lanes on whole islands or with searched sizes start searches of their own, a quarter of the budget each,
+    # so that the other starts keep theirs: a plan at a local optimum of one search may be one the step search
+    # cannot leave where another start's moves reach a shorter step (OFASys-7 on 16 devices at 4 passes: 964.8 ms
+    # from the lanes on whole islands, 906.8 from task-level's schedule)
+    starts = firsts([s for s in ok if not _lane_search(s[2])])
+    runs = [(s, budget // max(1, len(starts))) for s in starts] + \
+        [(s, budget // 4) for s in firsts(ok) if s[1] not in {t[1] for t in starts}]
     out: list[tuple[float, int, str, Plan]] = []
-    starts = list(dict((s[1], s) for s in starts).values())
-    for t, i, name, p in starts:  # the starts share one search's trials (planning time)
-        q, ms, kept = step_search(p, cluster, t, trials=trial_budget(cluster.num_devices) // len(starts))
+    for (t, i, name, p), trials in runs:
+        q, ms, kept = step_search(p, cluster, t, trials=trials)
         if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")

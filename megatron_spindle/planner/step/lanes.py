@@ -19,6 +19,10 @@ counts and its lanes finish at different times. This candidate keeps the lanes a
    stay where they are).
 3. **Merging.** The ``k``-th waves of a phase's lanes form one wave (lanes on disjoint devices run at their own
    pace in the simulator and the runtime: no barrier at a wave's end), phase after phase.
+4. **Islands and the step.** Lane sizes balanced over whole islands or divisors of one (:func:`island_sizes`)
+   keep each node's NIC to one lane's all-reduces; and the better side-by-side layout has its sizes searched
+   by the simulated step (:func:`size_search`), since the step is decided as much by when a shared weight's
+   gradient is ready and over which nodes it is reduced as by the lanes' compute.
 
 The whole-step choice (:mod:`.choose`) times it with the others; it wins only where its simulated step is the
 shortest, so it can make no plan slower.
