@@ -105,3 +105,16 @@ def test_the_tasks_whose_buckets_start_the_sync_floor_are_critical():
     starters = {task[s.metaop] for c in first for s in start.waves[c.wave].slices if set(s.ranks) & set(c.ranks)}
     critical = _sync_critical(start, cluster)
     assert critical and set(critical) & starters and len(critical) == len(set(critical))
+
+
+def test_without_an_exposed_sync_the_critical_task_is_the_one_that_finishes_last(monkeypatch):
+    from megatron_spindle.planner.simulation.timeline import dataflow_pass
+    from megatron_spindle.planner.step import step_search
+    cluster, (start, *_) = _starts("ofasys", 4, 16)
+    monkeypatch.setattr(step_search, "_sync_critical", lambda plan, cluster: [])
+    curves = dict(start.curves)
+    _, done = dataflow_pass(start, cluster, {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks))
+                                             for s in start.slices()})
+    last = max(done.values())
+    tasks = {m.task for m in start.metaops for s in start.slices() if s.metaop == m.name and done[s.name] == last}
+    assert len(tasks) == 1 and step_search.critical_tasks(start, cluster) == sorted(tasks)
