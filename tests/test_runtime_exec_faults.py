@@ -55,10 +55,12 @@ def test_a_hung_peer_fails_the_others_with_wave_slice_and_peer(tmp_path):
     #       ranks [1, 2, 3]) failed: ... Timed out waiting 3000ms"
     lines = re.findall(r"SpindleTimeout: .*", msg)
     assert any(re.search(r"from rank 3 failed|with ranks \[[\d, ]*\b3\] *\) failed", line) for line in lines), lines
-    for line in lines:  # every rank that failed names its wave, the message and its peer
+    assert any("Timed out" in line for line in lines), lines  # nobody heard from the hung rank: a timeout
+    for line in lines:  # every rank that failed names its wave, the message and its peer; one hop further the
+        # peer may have timed out first and closed its connection (seen once on a loaded machine)
         assert re.match(r"SpindleTimeout: rank \d: wave \d+ (forward|backward): (receive for|send of) w\d+:\S+ "
-                        r"(from|->) w\d+:\S+ samples \[\d+, \d+\) (from|to) rank \d[ (].*failed: .*Timed out",
-                        line), line
+                        r"(from|->) w\d+:\S+ samples \[\d+, \d+\) (from|to) rank \d[ (].*failed: "
+                        r".*(Timed out|Connection closed by peer)", line), line
 
 
 def test_plan_for_another_world_or_model_is_refused():

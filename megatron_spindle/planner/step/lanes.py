@@ -41,6 +41,7 @@ from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp, levels
 from .assemble import assemble_plan, schedule
 from ..simulation.simulate import step_time_ms
+from .step_search import critical_tasks
 
 #: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
 #: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
@@ -320,7 +321,6 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
     shared weight's gradient is ready and which nodes' NICs carry its all-reduce, which the sizes move in
     ways no estimate of a lane alone sees (a lane one island smaller holds its weights on one NIC fewer; a
     lane a few devices smaller splits its MetaOps' layers over other devices, its weights over more groups)."""
-    from .step_search import critical_tasks  # step_search builds on plans; lanes are built before it
     where = {t: (ph, i) for ph, names in enumerate(tasks) for i, t in enumerate(names)}
     best = [list(s) for s in sizes]
     plan = build(best)
