@@ -264,8 +264,8 @@ def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     tasks packed in time (:func:`pack_sizes`), else every task from the start on its lane, the lanes side by
     side: balanced (:func:`lane_sizes`) in task order, or with ``islands`` on whole islands or divisors of
     one (:func:`island_sizes`, :func:`island_order`), or ``sizes`` given per phase (side by side in ``order``,
-    lane indices per phase; default task order). ``memo``: each lane's waves by its tasks and size, kept
-    across calls (the size search, :func:`size_search`, re-times a few lanes per trial)."""
+    lane indices per phase; default task order). ``memo``: each lane's estimates and waves by its task and
+    size, kept across calls (the size search, :func:`size_search`, re-times a few lanes per trial)."""
     tasks = list(dict.fromkeys(m.task for m in metaops))
     phases = [list(g) for g in groups] or [tasks]
     memo = {} if memo is None else memo
@@ -328,8 +328,8 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
         return None
     step, used = step_time_ms(plan, cluster), 0
     steps = [cluster.gpus_per_node >> k for k in range(cluster.gpus_per_node.bit_length())]
-    while used < trials:
-        found = None
+
+    def moves():
         for t in critical_tasks(plan, cluster):
             ph, i = where[t]
             for j in range(len(best[ph])):
@@ -338,13 +338,19 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
                         trial = [list(s) for s in best]
                         trial[ph][i] += sign * d
                         trial[ph][j] -= sign * d
-                        if found or used >= trials or j == i or \
-                                trial[ph][i] < mins[ph][i] or trial[ph][j] < mins[ph][j]:
-                            continue
-                        used += 1
-                        q = build(trial)
-                        if q is not None and (got := step_time_ms(q, cluster)) < step * (1 - 1e-9):
-                            found = (got, trial, q)
+                        if j != i and trial[ph][i] >= mins[ph][i] and trial[ph][j] >= mins[ph][j]:
+                            yield trial
+
+    while used < trials:
+        found = None
+        for trial in moves():
+            if used >= trials:
+                break
+            used += 1
+            q = build(trial)
+            if q is not None and (got := step_time_ms(q, cluster)) < step * (1 - 1e-9):
+                found = (got, trial, q)
+                break
         if found is None:
             break
         step, best, plan = found
