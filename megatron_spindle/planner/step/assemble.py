@@ -166,6 +166,11 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
         distributed_optimizer=distributed_optimizer)
 
 
+def fits_memory(plan: Plan, cluster: Cluster) -> bool:
+    """Whether every device of ``plan`` stays within ``cluster``'s usable memory (a relative 1e-9 of slack)."""
+    return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
+
+
 def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int, *,
                   phase_of: Mapping | None = None, distributed_optimizer: bool = False) -> list[float]:
     """Estimated peak bytes per device (:mod:`..workload.memory`): the states of every layer shard it holds

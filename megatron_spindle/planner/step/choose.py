@@ -44,7 +44,7 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from ..systems import baselines
-from .assemble import assemble_plan
+from .assemble import assemble_plan, fits_memory
 from .backfill import backfill
 from .lanes import LANES_MAX_DEVICES, SIZED, lane_plans
 from .step_search import search as step_search, trial_budget
@@ -84,10 +84,6 @@ class _Steps:
         if got is None:
             got = self._memo[id(plan)] = (plan, step_ms(plan, self.cluster))
         return got[1]
-
-
-def _fits(plan: Plan, cluster: Cluster) -> bool:
-    return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
 
 
 def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
@@ -248,7 +244,7 @@ def _report(report: dict, scored, fitting, winner: str, own, cluster: Cluster) -
     """``winner``: the name of the candidate that won; ``candidates``: every candidate's name, simulated step
     and whether it fits memory, in the order tried; ``own_name`` / ``own_plan``: the best fitting candidate
     built from Spindle's own waves (the indices in ``own``, not a baseline's schedule), if any."""
-    fits = {s[1] for s in fitting if _fits(s[3], cluster)}
+    fits = {s[1] for s in fitting if fits_memory(s[3], cluster)}
     report["winner"] = winner
     report["candidates"] = [{"name": name, "step_ms": t, "fits": i in fits} for t, i, name, _ in scored]
     mine = [s for s in scored if s[1] in own and s[1] in fits]
@@ -270,7 +266,7 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
     clusters larger than :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
-    ok = sorted((s for s in fitting if _fits(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))
+    ok = sorted((s for s in fitting if fits_memory(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))
     budget = trial_budget(cluster.num_devices)
 
     def firsts(pool):  # the best and the best of Spindle's own, once each
@@ -331,7 +327,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
         except ValueError:  # that baseline has no schedule here (too few devices for its shares)
             continue
         scored.append((steps(p), len(plans) + j, name, p))
-    fitting = [s for s in scored if _fits(s[3], cluster)] or scored[:1]
+    fitting = [s for s in scored if fits_memory(s[3], cluster)] or scored[:1]
     own = set(range(len(plans)))
     if baselines:
         found = _searched(scored, fitting, own, cluster)

@@ -39,7 +39,7 @@ from ..level.waves import Wave, WaveSlice
 from ..systems.shares import min_share
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp, levels
-from .assemble import assemble_plan, schedule
+from .assemble import assemble_plan, fits_memory, schedule
 from ..simulation.simulate import step_time_ms
 from .step_search import critical_tasks
 
@@ -308,14 +308,15 @@ def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
 
 
 def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[int]], tasks: Sequence[Sequence[str]],
-                cluster, trials: int):
+                cluster, trials: int, start: tuple[object, float] | None = None):
     """Lane sizes judged by the whole step: from ``sizes`` (per phase; ``build(sizes)`` makes the plan, ``None``
     when it does not fit memory), ``d`` devices (an island, half of one, ... one) move between a *critical*
     task's lane and another lane of its phase, either way (:func:`.step_search.critical_tasks`: the task whose
     slice completes the bucket that ends the sync last or that starts the sync floor, else the one finishing
     last), no lane below its least share ``mins``; the first move that shortens the step (by more than a
     relative 1e-9) is kept and the critical tasks are found again, until no move does or ``trials`` plans are
-    timed. ``(step, sizes, plan)`` of the best found, ``None`` when ``sizes`` do not fit.
+    timed. ``(step, sizes, plan)`` of the best found, ``None`` when ``sizes`` do not fit. ``start``: the plan of
+    ``sizes`` and its step, when the caller has them (not built or timed again).
 
     The lanes' estimates (:func:`lane_estimate`) balance compute; the step is decided as much by when each
     shared weight's gradient is ready and which nodes' NICs carry its all-reduce, which the sizes move in
@@ -323,10 +324,10 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
     lane a few devices smaller splits its MetaOps' layers over other devices, its weights over more groups)."""
     where = {t: (ph, i) for ph, names in enumerate(tasks) for i, t in enumerate(names)}
     best = [list(s) for s in sizes]
-    plan = build(best)
+    plan, step = start if start is not None else (build(best), None)
     if plan is None:
         return None
-    step, used = step_time_ms(plan, cluster), 0
+    step, used = step_time_ms(plan, cluster) if step is None else step, 0
     steps = [cluster.gpus_per_node >> k for k in range(cluster.gpus_per_node.bit_length())]
 
     def moves():
@@ -359,7 +360,7 @@ def size_search(build, sizes: Sequence[Sequence[int]], mins: Sequence[Sequence[i
 
 def size_trials(num_devices: int) -> int:
     """Plans :func:`size_search` may time: a quarter of the cluster's devices, from 8 to 64 (a trial re-schedules
-    two lanes and simulates the plan: ~10 ms at 64 devices, ~15 ms at 256, ~25 ms at 512; 16 trials at 64
+    two lanes and simulates the plan: ~10 ms at 64 devices, ~15 ms at 256; 16 trials at 64
     devices, where planning must stay under a second, 64 from 256 on)."""
     return min(64, max(8, num_devices // 4))
 
@@ -386,13 +387,13 @@ def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[s
         if got is not None:
             out.append((name, plan_of(got)))
             if not packed:
-                side.append((step_time_ms(out[-1][1], cluster), len(side), islands, out[-1][0]))
+                side.append((step_time_ms(out[-1][1], cluster), len(side), islands, out[-1][0], out[-1][1]))
     if not side:
         return out
     tasks = [[t for t in names if any(m.task == t for m in metaops)]
              for names in ([list(g) for g in groups] or [list(dict.fromkeys(m.task for m in metaops))])]
     lanes = [[[m for m in metaops if m.task == t] for t in names] for names in tasks]
-    _, _, islands, name = min(side)
+    step, _, islands, name, start = min(side, key=lambda c: c[:2])
     sizes = [(island_sizes if islands else lane_sizes)(ls, curves, N, island, memo=memo) for ls in lanes]
     order = [island_order(sz, island) if islands else list(range(len(sz))) for sz in sizes]
     mins = [[min_share(ms, N) for ms in ls] for ls in lanes]
@@ -402,9 +403,10 @@ def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[s
             return None
         got = lane_waves(metaops, curves, N, groups, island, packed=False, sizes=sz, order=order, memo=memo)
         plan = plan_of(got)
-        return plan if max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9) else None
+        return plan if fits_memory(plan, cluster) else None
 
-    found = size_search(build, sizes, mins, tasks, cluster, size_trials(N))
+    found = size_search(build, sizes, mins, tasks, cluster, size_trials(N),
+                        start=(start, step) if fits_memory(start, cluster) else None)
     if found is not None:
         out.append((f"{name}, {SIZED}", found[2]))
     return out

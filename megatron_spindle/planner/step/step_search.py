@@ -165,15 +165,33 @@ def _sync_critical(plan: Plan, cluster: Cluster) -> list[str]:
 
 
 def critical_tasks(plan: Plan, cluster: Cluster) -> list[str]:
-    """The tasks a search should speed up (:func:`_sync_critical`), else the task whose slice ends the pass."""
+    """The tasks a search should speed up (:func:`_sync_critical`), else the task that finishes last."""
     found = _sync_critical(plan, cluster)
     if found:
         return found
     curves = dict(plan.curves)
     _, done = dataflow_pass(plan, cluster, {s.name: s.num_layers * curves[s.metaop].time(len(s.ranks))
                                             for s in plan.slices()})
+    end = _task_ends(plan, done)[0]
+    return [_last(plan, end)] if end else []
+
+
+def _task_ends(plan: Plan, done: Mapping[str, float]) -> tuple[dict[str, float], dict[str, set[int]]]:
+    """Per task: when its last slice's backward ends (``done``), and the devices its slices use."""
     task = _task_of(plan)
-    return [task[max(plan.slices(), key=lambda s: (done[s.name], -s.wave)).metaop]] if done else []
+    end: dict[str, float] = {}
+    block: dict[str, set[int]] = {}
+    for s in plan.slices():
+        t = task[s.metaop]
+        end[t] = max(end.get(t, 0.0), done[s.name])
+        block.setdefault(t, set()).update(s.ranks)
+    return end, block
+
+
+def _last(plan: Plan, end: Mapping[str, float]) -> str:
+    """The task that finishes last (the first in task order on ties)."""
+    order = list(plan.tasks)
+    return max(end, key=lambda t: (end[t], -order.index(t)))
 
 
 def _uses(c, resource: str, cluster: Cluster) -> bool:
@@ -187,18 +205,10 @@ def _uses(c, resource: str, cluster: Cluster) -> bool:
 def widen_moves(plan: Plan, cluster: Cluster, done: Mapping[str, float], also: Sequence[str] = ()) -> list[dict]:
     """Widening moves (module docstring, item 2) given every slice's backward end ``done``, for the task that
     finishes last and then for the tasks ``also`` (:func:`_sync_critical`)."""
-    task = _task_of(plan)
-    by_name = {m.name: m for m in plan.metaops}
-    order = list(plan.tasks)
-    end: dict[str, float] = {}
-    block: dict[str, set[int]] = {}
-    for s in plan.slices():
-        t = task[s.metaop]
-        end[t] = max(end.get(t, 0.0), done[s.name])
-        block.setdefault(t, set()).update(s.ranks)
+    end, block = _task_ends(plan, done)
     if len(end) < 2:
         return []
-    first = max(end, key=lambda t: (end[t], -order.index(t)))
+    first = _last(plan, end)
     out: list[dict] = []
     for critical in dict.fromkeys([first] + [t for t in also if t in end]):
         _widen(plan, cluster, critical, end, block, out)
