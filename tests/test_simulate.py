@@ -106,20 +106,23 @@ def test_sync_floor_names_the_busiest_device_or_nic_and_no_schedule_ends_before_
 BATCH, HIDDEN, SEQ, PARAMS = 8, 64, 16, 1000
 
 
-def toy_graph(layers=2, params=PARAMS):
+def toy_graph(layers=2, params=PARAMS, unweighted=()):
+    """``layers`` transformer layers of ``params`` parameters each, but those in ``unweighted`` (no weight)."""
     cfg = LayerConfig(hidden=HIDDEN, num_heads=4, ffn_hidden=4 * HIDDEN, seq_len=SEQ)
     ops, prev = [], ("data:t:x",)
     for i in range(layers):
+        bare = i in unweighted
         ops.append(Operator(name=f"t.enc.{i}", task="t", module="enc", op_type="transformer_layer",
-                            batch=BATCH, layer=cfg, param_key=f"enc.layers.{i}", inputs=prev, fwd_flops=1e9,
-                            param_count=params, out_elems_per_sample=SEQ * HIDDEN, act_bytes_per_sample=1000.0))
+                            batch=BATCH, layer=cfg, param_key="" if bare else f"enc.layers.{i}", inputs=prev,
+                            fwd_flops=1e9, param_count=0 if bare else params, out_elems_per_sample=SEQ * HIDDEN,
+                            act_bytes_per_sample=1000.0))
         prev = (ops[-1].name,)
     return TaskGraph(model="toy", tasks=("t",), operators=tuple(ops))
 
 
-def hand_plan(cluster, slices, params=PARAMS):
+def hand_plan(cluster, slices, params=PARAMS, unweighted=()):
     """``slices``: per wave one ``(layer_start, layers, ranks)``; one layer takes T(n) = 8/n ms."""
-    graph = toy_graph(sum(s[1] for s in slices), params)
+    graph = toy_graph(sum(s[1] for s in slices), params, unweighted)
     (m,) = contract(graph, memory_bytes=cluster.memory_gib * 2**30, max_tp=8)
     curve = ScalingCurve(batch=BATCH, segments=(Segment(0.0, 1e-9, 1.0),), counts=m.valid_counts(cluster.num_devices))
     waves, ranks, clock = [], {}, 0.0
@@ -219,6 +222,21 @@ def test_a_slices_layers_complete_one_by_one_in_its_backward():
                                                      pytest.approx(16 / 3 + 4.02))
     assert (l0.ready_ms, l0.start_ms) == (pytest.approx(8.0), pytest.approx(16 / 3 + 4.02))
     assert sim.breakdown.sync_ms == pytest.approx(16 / 3 + 8.04 - 8.0)  # as with the layers in two waves
+
+
+def test_a_slices_last_layer_completes_first_and_its_first_layer_last():
+    # the bare layers (no weight) leave one all-reduce per weighted layer, which says when that layer completed
+    c = toy_cluster(16)
+
+    def ready(slices):
+        plan = hand_plan(c, slices, params=BIG, unweighted=(1,))
+        return [x.ready_ms for x in simulate(plan, c, check_memory=False).collectives]
+
+    # layers 0-1 on 2 devices, backward 8/3 -> 8: layer 1's backward first, layer 0's last (done at 8)
+    assert ready([(0, 2, (0, 1))]) == [pytest.approx(8.0)]
+    # layer 0, then layers 1-2 in a second wave: backward of layers 2, 1 from 4 to 28/3 (layer 2 done at 20/3),
+    # then layer 0's to 12
+    assert ready([(0, 1, (0, 1)), (1, 2, (0, 1))]) == [pytest.approx(20 / 3), pytest.approx(12.0)]
 
 
 def test_sync_on_disjoint_devices_runs_side_by_side():

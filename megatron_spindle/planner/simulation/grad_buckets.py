@@ -11,11 +11,11 @@ as soon as every gradient in it is complete.
 Here a parameter group (:class:`..step.plan.ParamGroup`) is complete when the last backward, in execution order,
 of a slice that holds it on one of its ranks has passed its layer: a slice runs its layers' backward in
 reverse, so with ``backward_ms`` (the slice's backward time, split evenly over its layers) layer ``j`` of a
-slice of layers ``[a, b)`` ending at ``done`` is complete at ``done - backward · (b - 1 - j) / (b - a)``, as
-its gradient hooks fire in megatron.core DDP (the static-grid baseline counts its layers the same way);
-without it, at the slice's end (``done_ms`` of that slice). Per rank set the groups
-are taken in order of completion and cut into buckets at ``bucket_size`` parameters; a bucket is ready when
-its last group is. Groups of frozen MetaOps (``trainable=False``) have no gradient and are skipped.
+slice of layers ``[a, b)`` ending at ``done`` is complete at ``done - backward · (j - a) / (b - a)`` (the last
+layer first, the first at the slice's end), as its gradient hooks fire in megatron.core DDP (the static-grid
+baseline counts its layers the same way); without it, at the slice's end (``done_ms`` of that slice). Per rank
+set the groups are taken in order of completion and cut into buckets at ``bucket_size`` parameters; a bucket
+is ready when its last group is. Groups of frozen MetaOps (``trainable=False``) have no gradient and are skipped.
 
 A pure function of the plan and the slices' backward end times, so every system (Spindle's plan or a
 baseline's) is bucketed the same way.
@@ -77,10 +77,10 @@ def gradient_buckets(plan: Plan, done_ms: Mapping[str, float], pass_ms: float, *
                 uses.append((done, w.index, s.name))
                 continue
             per_layer = backward_ms[s.name] / len(keys)
-            for i, key in enumerate(keys):  # layer i's backward ends (len - 1 - i) layers before the slice's end
-                if key:
+            for i, key in enumerate(keys):  # the backward runs the layers last to first: layer i's ends i
+                if key:                      # layers' backward before the slice's end (the first layer's at it)
                     per_key[key].append((len(uses), s.ranks))
-                    uses.append((done - per_layer * (len(keys) - 1 - i), w.index, s.name))
+                    uses.append((done - per_layer * i, w.index, s.name))
     order = sorted(range(len(uses)), key=uses.__getitem__)
     rank_of = [0] * len(uses)
     for pos, i in enumerate(order):
