@@ -4,8 +4,8 @@
 Prints one row per built-in workload and device count (8, 16, 32, 64): the makespan of Spindle's
 level-by-level waves, Σ C* (the relaxed bound), the certified integer-aware bound of level-by-level wave
 schedules (:mod:`megatron_spindle.planner.level.solver`) and how its levels were bounded, both ratios, which
-schedule the whole-step choice kept (:mod:`megatron_spindle.planner.step.choose`; with its compute makespan when
-it is not Spindle's level-by-level waves), the number of waves of the chosen plan, and the planning time
+candidate the whole-step choice kept (:mod:`megatron_spindle.planner.step.choose`; when it is not Spindle's
+level-by-level waves, its simulated step beside theirs), the number of waves of the chosen plan, and the planning time
 (process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
 seconds; the fastest of ``--repeat`` runs, 3 by default, each giving the same plan bytes), the CPU seconds of the certificate (:func:`megatron_spindle.planner.step.assemble.certify_bounds`: the
 near-optimal cover on a plan not certified within 3% by the LP, which ``make_plan`` leaves out; not in the
@@ -52,7 +52,7 @@ def run_one(model: str, tasks: int, gpus: int, search: bool, repeat: int = 1):
     plans = {p.dumps() if p is not None else None for p, *_ in got}
     if len(plans) != 1:
         raise SystemExit(f"{model}-{tasks} on {gpus} devices: {len(plans)} different plans in {repeat} repeats")
-    return got[0][0], min(g[1] for g in got), min(g[2] for g in got), got[0][3]
+    return got[0][0], min(g[1] for g in got), min(g[2] for g in got), got[0][3], got[0][4]
 
 
 def _run_once(model: str, tasks: int, gpus: int, search: bool):
@@ -60,11 +60,14 @@ def _run_once(model: str, tasks: int, gpus: int, search: bool):
     gc.collect()  # the rows before leave garbage; collecting it is not this row's planning time
     dataflow.clear_caches()  # nor do their layouts and messages serve it
     c0, w0 = time.process_time(), time.perf_counter()
+    report: dict = {}
     try:
-        plan = make_plan(graph, load_cluster(None, num_devices=gpus), search=search)
+        plan = make_plan(graph, load_cluster(None, num_devices=gpus), search=search, report=report)
     except ValueError as e:
-        return None, time.process_time() - c0, time.perf_counter() - w0, str(e).splitlines()[0]
-    return plan, time.process_time() - c0, time.perf_counter() - w0, ""
+        return None, time.process_time() - c0, time.perf_counter() - w0, str(e).splitlines()[0], ""
+    steps = {c["name"]: c["step_ms"] for c in report.get("candidates", ())}
+    winner = report.get("winner", "spindle")
+    return plan, time.process_time() - c0, time.perf_counter() - w0, "", (winner, steps.get(winner), steps.get("spindle"))
 
 
 def certified(model: str, tasks: int, gpus: int, search: bool) -> tuple[float, float, str, float]:
@@ -87,14 +90,14 @@ def certified(model: str, tasks: int, gpus: int, search: bool) -> tuple[float, f
             ", ".join(f"{v} {k}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])), cpu)
 
 
-def schedule_of(plan) -> str:
-    """Which whole-step candidate won (:mod:`megatron_spindle.planner.step.choose`)."""
-    v = plan.levels[0].variant if plan.levels else ""
-    if "whole step" in v:
-        return v.split(" schedule")[0]
-    if any("(first search)" in lv.variant for lv in plan.levels):
-        return "first-search waves"
-    return "per-level by step" if any("(by step)" in lv.variant for lv in plan.levels) else "spindle"
+def schedule_of(won: tuple) -> str:
+    """The whole-step candidate that won (:mod:`megatron_spindle.planner.step.choose`, ``make_plan``'s report),
+    without the ``spindle, `` of Spindle's own candidates (``spindle``: its level-by-level waves), and, when
+    another won, its simulated step beside the level-by-level waves'."""
+    name, step, waves = won
+    if name == "spindle" or step is None or waves is None:
+        return name
+    return f"{name.removeprefix('spindle, ')} (step {step:.1f} ms; waves {waves:.1f})"
 
 
 def main(argv=None) -> int:
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     rows, r_star, r_bound = [], [], []
     for model, k in WORKLOADS:
         for n in GPUS:
-            plan, cpu, wall, err = run_one(model, k, n, search, args.repeat)
+            plan, cpu, wall, err, winner = run_one(model, k, n, search, args.repeat)
             name = f"{model}-{k}"
             if plan is None:
                 rows.append([name, str(n)] + ["-"] * 8 + [f"{cpu:.2f}", f"{wall:.2f}", "-", "-", err])
@@ -120,8 +123,7 @@ def main(argv=None) -> int:
                 own = plan.makespan_ms
             r_star.append(own / plan.lower_bound_ms)
             r_bound.append(own / b)
-            won = schedule_of(plan)
-            choice = won if won == "spindle" else f"{won} ({plan.makespan_ms:.1f} ms)"
+            choice = schedule_of(winner)
             rows.append([name, str(n), str(len(plan.waves)), f"{own:.1f}", f"{plan.lower_bound_ms:.1f}",
                          f"{b:.1f}", kinds, f"{r_star[-1]:.3f}", f"{r_bound[-1]:.3f}", choice,
                          f"{cpu:.2f}", f"{wall:.2f}", f"{cert:.2f}", hashlib.sha256(plan.dumps().encode()).hexdigest()[:16], ""])
@@ -143,12 +145,12 @@ def main(argv=None) -> int:
     print(f"makespan / certified bound: max {max(r_bound):.3f}, median {statistics.median(r_bound):.3f}, "
           f"{sum(r <= 1.03 for r in r_bound)}/{len(r_bound)} within 1.03")
     for n in (64, 256, 1024):
-        plan, cpu, wall, err = run_one("multitask-clip", 10, n, search, args.repeat)
+        plan, cpu, wall, err, winner = run_one("multitask-clip", 10, n, search, args.repeat)
         # the ratios of Spindle's level-by-level waves, as in the table (the whole-step choice may keep another
         # schedule, whose makespan these level-by-level bounds do not bound)
         own, b = certified("multitask-clip", 10, n, search)[:2] if plan else (0.0, 0.0)
         extra = (f"makespan / ΣC* {own / plan.lower_bound_ms:.3f}, / bound {own / b:.3f}, "
-                 f"whole-step choice {schedule_of(plan)}, sha256 {hashlib.sha256(plan.dumps().encode()).hexdigest()[:16]}"
+                 f"whole-step choice {schedule_of(winner)}, sha256 {hashlib.sha256(plan.dumps().encode()).hexdigest()[:16]}"
                  ) if plan else err
         print(f"planning time multitask-clip-10 on {n} devices: {cpu:.2f} s CPU, {wall:.2f} s wall ({extra})")
     return 0
