@@ -5,8 +5,8 @@ Prints one row per built-in workload and device count (8, 16, 32, 64): the makes
 level-by-level waves, Σ C* (the relaxed bound), the certified integer-aware bound of level-by-level wave
 schedules (:mod:`megatron_spindle.planner.level.solver`) and how its levels were bounded, both ratios, which
 candidate the whole-step choice kept (:mod:`megatron_spindle.planner.step.choose`; when it is not Spindle's
-level-by-level waves, its simulated step beside theirs), the number of waves of the chosen plan, and the planning time
-(process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
+level-by-level waves, its simulated step beside theirs), the number of waves of the chosen plan, and the
+planning time (process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
 seconds; the fastest of ``--repeat`` runs, 3 by default, each giving the same plan bytes), the CPU seconds of the certificate (:func:`megatron_spindle.planner.step.assemble.certify_bounds`: the
 near-optimal cover on a plan not certified within 3% by the LP, which ``make_plan`` leaves out; not in the
 planning time) and the first 16 hex digits of the sha256 of the plan's JSON (the bytes ``spindle plan --out``
@@ -67,7 +67,8 @@ def _run_once(model: str, tasks: int, gpus: int, search: bool):
         return None, time.process_time() - c0, time.perf_counter() - w0, str(e).splitlines()[0], ""
     steps = {c["name"]: c["step_ms"] for c in report.get("candidates", ())}
     winner = report.get("winner", "spindle")
-    return plan, time.process_time() - c0, time.perf_counter() - w0, "", (winner, steps.get(winner), steps.get("spindle"))
+    won = (winner, steps.get(winner), steps.get("spindle"))
+    return plan, time.process_time() - c0, time.perf_counter() - w0, "", won
 
 
 def certified(model: str, tasks: int, gpus: int, search: bool) -> tuple[float, float, str, float]:

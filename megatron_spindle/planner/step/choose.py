@@ -261,9 +261,8 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
     the best of Spindle's own, other than lanes on whole islands or with searched sizes (sharing one search's
     trials), and from the best of all and of Spindle's own where those are such lanes (a quarter of the trials
-    each),
-    each kept where it shortens the step; none on
-    clusters larger than :data:`.lanes.LANES_MAX_DEVICES` (planning time)."""
+    each), each kept where it shortens the step; none on clusters larger than :data:`.lanes.LANES_MAX_DEVICES`
+    (planning time)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
     ok = sorted((s for s in fitting if fits_memory(s[3], cluster)), key=lambda s: (s[0] * (1 + 1e-12), s[1]))

@@ -52,6 +52,13 @@ SIZED = "sized by step"
 TARGET_STEPS = 40
 
 
+def _phases(metaops: Sequence[MetaOp], groups: Sequence[Sequence[str]]) -> list[list[list[MetaOp]]]:
+    """Per phase (the execution's task groups; one phase: every task), each of its tasks' MetaOps, a lane each
+    (tasks with none left out)."""
+    names = [list(g) for g in groups] or [list(dict.fromkeys(m.task for m in metaops))]
+    return [[ms for ms in ([m for m in metaops if m.task == t] for t in ns) if ms] for ns in names]
+
+
 def lane_estimate(ms: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], n: int) -> float:
     """A lane's makespan on ``n`` devices, estimated per level: a level of one MetaOp runs at its best valid
     count ``≤ n`` (one slice per wave: devices beyond it idle), a level of several at ``C*``."""
@@ -266,14 +273,11 @@ def lane_waves(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], nu
     one (:func:`island_sizes`, :func:`island_order`), or ``sizes`` given per phase (side by side in ``order``,
     lane indices per phase; default task order). ``memo``: each lane's estimates and waves by its task and
     size, kept across calls (the size search, :func:`size_search`, re-times a few lanes per trial)."""
-    tasks = list(dict.fromkeys(m.task for m in metaops))
-    phases = [list(g) for g in groups] or [tasks]
     memo = {} if memo is None else memo
     waves: list[Wave] = []
     ranks: dict[tuple[int, int], tuple[int, ...]] = {}
     clock = 0.0
-    for phase, names in enumerate(phases):
-        lanes = [ms for ms in ([m for m in metaops if m.task == t] for t in names) if ms]
+    for phase, lanes in enumerate(_phases(metaops, groups)):
         if sizes is not None:
             sz = list(sizes[phase])
         else:
@@ -390,9 +394,8 @@ def lane_plans(own, graph, cluster, metaops: Sequence[MetaOp], curves: Mapping[s
                 side.append((step_time_ms(out[-1][1], cluster), len(side), islands, out[-1][0], out[-1][1]))
     if not side:
         return out
-    tasks = [[t for t in names if any(m.task == t for m in metaops)]
-             for names in ([list(g) for g in groups] or [list(dict.fromkeys(m.task for m in metaops))])]
-    lanes = [[[m for m in metaops if m.task == t] for t in names] for names in tasks]
+    lanes = _phases(metaops, groups)
+    tasks = [[ms[0].task for ms in ls] for ls in lanes]
     step, _, islands, name, start = min(side, key=lambda c: c[:2])
     sizes = [(island_sizes if islands else lane_sizes)(ls, curves, N, island, memo=memo) for ls in lanes]
     order = [island_order(sz, island) if islands else list(range(len(sz))) for sz in sizes]
