@@ -12,18 +12,18 @@ import sys
 import threading
 import time
 
-from . import compare
+from .compare import cli as compare
 from .argtypes import add_workload_args, positive_int
 from .atomic import check_output
 from .log import setup_logging
 from .planner.workload.analytic import CurvesFile
 from .planner.step.build import make_plan
-from .planner.systems.tune_spindle import tune_spindle
-from .planner.systems.tuning import Workload
+from .planner.tuning.tune_spindle import tune_spindle
+from .planner.tuning.tune import Workload
 from .planner.workload.cluster import load_cluster
 from .planner.simulation.simulate import simulate, step_sync_floor
 from .planner.simulation.step_bound import plan_step_bound
-from .planner.step.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
+from .planner.assembly.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
 from .planner.workload.workloads import build_graph, resolve_passes
 from .hf import cli as hf_cli
 from .profiler import cli as profiler_cli

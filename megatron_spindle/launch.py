@@ -5,7 +5,7 @@ this instead of ``torchrun``. It runs torchrun's own code (:mod:`torch.distribut
 rendezvous, ``--max-restarts``, signal forwarding to the workers) and changes only how a failed run ends.
 torchrun reports a failed worker group with a traceback of its own (``ChildFailedError``, 20 to 40 lines,
 "To enable traceback see ...") under the workers' output, and exits 1 whatever happened; the workers have
-already said what happened in one line and chosen an exit status (:mod:`.megatron.lifeline`). So:
+already said what happened in one line and chosen an exit status (:mod:`.megatron.job.lifeline`). So:
 
 * every worker that failed with one of those statuses (2 bad input, 3 a failed peer, 128 + N stopped by a
   signal) has printed its line: nothing is added;

@@ -58,7 +58,7 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     from megatron_spindle.planner.step.build import plan_system
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import Cluster
-    from megatron_spindle.planner.step.render import grid, metaop_table
+    from megatron_spindle.planner.assembly.render import grid, metaop_table
     from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
     from megatron_spindle.planner.simulation.simulate import simulate
 

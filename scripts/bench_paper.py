@@ -4,7 +4,7 @@
     python scripts/bench_paper.py [--out-dir docs/results] [--cluster a800-8x8] [--no-extra] [--no-fixed]
 
 Every system is tuned to its own best step (``spindle compare``: passes per step, recompute, the distributed
-optimizer, TP, Spindle's phases, each under its own runtime's memory; :mod:`megatron_spindle.planner.systems.tuning`)
+optimizer, TP, Spindle's phases, each under its own runtime's memory; :mod:`megatron_spindle.planner.tuning.tune`)
 on the paper's grid and, beyond it, at 64, 256 and 1024 GPUs. Writes ``paper_grid.json`` (every system's
 configuration and step per row; ``tests/test_paper_grid.py`` checks it), ``paper_table.md`` (the tables beside
 the paper's numbers, where each step goes, the targets met or missed), ``paper_fig8.png`` (speedup over tuned
@@ -23,9 +23,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_spindle.atomic import write_file  # noqa: E402
-from megatron_spindle.compare import Comparison, compare, plot  # noqa: E402
-from megatron_spindle.planner.step.execution import Execution  # noqa: E402
-from megatron_spindle.planner.systems.tuning import Workload  # noqa: E402
+from megatron_spindle.compare.cli import Comparison, compare, plot  # noqa: E402
+from megatron_spindle.planner.assembly.execution import Execution  # noqa: E402
+from megatron_spindle.planner.tuning.tune import Workload  # noqa: E402
 from megatron_spindle.planner.workload.analytic import DeviceModel  # noqa: E402
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
 from megatron_spindle.planner.workload.workloads import resolve_passes  # noqa: E402
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
           f"41.6 % (84B, 2,560 H100s). The band: the analytic model's fitted constants are the eager floor (megatron-core's "
           f"default: no CUDA graphs); every system re-planned at its own configuration under the fast edge (fused / "
           f"CUDA-graph floor) and the slow edge (eager batch-1 floor, Megatron-LM 2021 efficiency level; "
-          f"`compare_band.py`, `docs/results/analytic_curves.md`) gives the \"band edges\" column, which says "
+          f"`compare/band.py`, `docs/results/analytic_curves.md`) gives the \"band edges\" column, which says "
           f"whether the winner or the ranking changes inside the band. "
           f"A profile of one's own GPUs (`spindle profile`, `--curves`) replaces the band with one number.", "",
           "## The race", "", table(head, race_rows(main_res)), ""]

@@ -7,7 +7,7 @@ schedules (:mod:`megatron_spindle.planner.level.solver`) and how its levels were
 candidate the whole-step choice kept (:mod:`megatron_spindle.planner.step.choose`; when it is not Spindle's
 level-by-level waves, its simulated step beside theirs), the number of waves of the chosen plan, and the
 planning time (process CPU seconds, much less sensitive than wall seconds to other programs on the machine, and wall
-seconds; the fastest of ``--repeat`` runs, 3 by default, each giving the same plan bytes), the CPU seconds of the certificate (:func:`megatron_spindle.planner.step.assemble.certify_bounds`: the
+seconds; the fastest of ``--repeat`` runs, 3 by default, each giving the same plan bytes), the CPU seconds of the certificate (:func:`megatron_spindle.planner.assembly.assemble.certify_bounds`: the
 near-optimal cover on a plan not certified within 3% by the LP, which ``make_plan`` leaves out; not in the
 planning time) and the first 16 hex digits of the sha256 of the plan's JSON (the bytes ``spindle plan --out``
 writes: the same on every machine, whatever numpy's BLAS kernel; :mod:`megatron_spindle.planner.exact`). Then
@@ -32,9 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_spindle.planner.level import solver  # noqa: E402
 from megatron_spindle.planner.workload.analytic import build_curves  # noqa: E402
-from megatron_spindle.planner.step import dataflow  # noqa: E402
-from megatron_spindle.planner.step.assemble import certify_bounds  # noqa: E402
-from megatron_spindle.planner.step.build import make_metaops, make_plan, schedule  # noqa: E402
+from megatron_spindle.planner.assembly import dataflow  # noqa: E402
+from megatron_spindle.planner.assembly.assemble import certify_bounds  # noqa: E402
+from megatron_spindle.planner.assembly.assemble import make_metaops, schedule  # noqa: E402
+from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
 from megatron_spindle.planner.workload.metaops import levels  # noqa: E402
 from megatron_spindle.planner.workload.workloads import build_graph  # noqa: E402

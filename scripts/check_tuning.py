@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from megatron_spindle.planner.systems.tuning import Workload  # noqa: E402
+from megatron_spindle.planner.tuning.tune import Workload  # noqa: E402
 
 
 def run_compare(args, extra: list[str]) -> dict:

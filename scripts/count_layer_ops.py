@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from megatron_spindle.compat import apply_cpu_patches  # noqa: E402
+from megatron_spindle.compat.cpu import apply_cpu_patches  # noqa: E402
 
 #: Operators that launch no kernel: views, metadata, allocation, dispatch wrappers.
 NO_KERNEL = frozenset({
@@ -56,7 +56,8 @@ def count_ops(layer, inputs, loss_layer: bool) -> int:
 def main() -> None:
     apply_cpu_patches()
     warnings.filterwarnings("ignore")
-    from megatron_spindle.models.layers import LOSS_OP_TYPES, build_layer, example_inputs
+    from megatron_spindle.models.shapes import LOSS_OP_TYPES, example_inputs
+    from megatron_spindle.models.layers import build_layer
     from megatron_spindle.planner.workload.workloads import build_graph
     counts: dict[str, set[int]] = {}
     for model in MODELS:

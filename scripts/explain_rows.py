@@ -6,7 +6,7 @@
 For every row of the paper's Figure 8 grid and the rows issue 32 names (OFASys-7 @ 32, OFASys-4 @ 32, OFASys-4
 @ 64, Multitask-CLIP-10 @ 256): the tuned baselines as ``paper_grid.json`` records them (a row not there is
 tuned here with ``spindle compare``'s tuner), Spindle re-planned at its recorded configuration by the current
-planner with the whole-step choice's scoreboard (:mod:`megatron_spindle.compare_explain`), where its step and
+planner with the whole-step choice's scoreboard (:mod:`megatron_spindle.compare.explain`), where its step and
 the best baseline's differ part by part, the candidate that won, Spindle's own best waves, and the whole-step
 bound (:mod:`megatron_spindle.planner.simulation.step_bound`) at every system's configuration. Writes
 ``explain_rows.md`` and ``explain_rows.json``. Pure planner code.
@@ -23,14 +23,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_spindle.atomic import write_file  # noqa: E402
-from megatron_spindle.compare import compare  # noqa: E402
-from megatron_spindle.compare_explain import PARTS, TUNED_BASELINES  # noqa: E402
+from megatron_spindle.compare.cli import compare  # noqa: E402
+from megatron_spindle.compare.explain import PARTS, TUNED_BASELINES  # noqa: E402
 from megatron_spindle.planner.simulation.simulate import simulate, step_sync_floor  # noqa: E402
 from megatron_spindle.planner.step.build import make_plan  # noqa: E402
-from megatron_spindle.planner.step.execution import Execution  # noqa: E402
+from megatron_spindle.planner.assembly.execution import Execution  # noqa: E402
 from megatron_spindle.planner.systems.bounds import configured_step_bound  # noqa: E402
-from megatron_spindle.planner.systems.tune_spindle import FULL_NODES  # noqa: E402
-from megatron_spindle.planner.systems.tuning import Workload  # noqa: E402
+from megatron_spindle.planner.tuning.tune_spindle import FULL_NODES  # noqa: E402
+from megatron_spindle.planner.tuning.tune import Workload  # noqa: E402
 from megatron_spindle.planner.workload.analytic import DeviceModel  # noqa: E402
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
 

@@ -49,7 +49,7 @@ fi
 read -r GPU TAG PRESET < <("$PY" - "$WORK" "$DRY" "${STEPS[@]}" <<'PY'
 import datetime, importlib.util, json, sys
 import torch
-from megatron_spindle.megatron.gpu_node import preset_for_gpu
+from megatron_spindle.megatron.job.gpu_node import preset_for_gpu
 from megatron_spindle.planner.workload.cluster import DEFAULT_PRESET
 work, dry, steps = sys.argv[1], sys.argv[2] == "1", [s.split(":") for s in sys.argv[3:]]
 gpu = torch.cuda.is_available()

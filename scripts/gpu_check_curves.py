@@ -21,7 +21,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_spindle.megatron.session import init_distributed
+from megatron_spindle.megatron.trainer.session import init_distributed
 from megatron_spindle.profiler.run import ProfileConfig, profile
 
 MODELS = (("multitask-clip", 10, "multitask_clip_10"), ("ofasys", 7, "ofasys_7"), ("qwen-val", None, "qwen_val"))

@@ -2,7 +2,7 @@
 """NCCL's batch semantics on the real NCCL, on one rank (a step of scripts/gpu_check.sh).
 
 One process, world size 1, its process group started the way the trainer starts it
-(:func:`megatron_spindle.megatron.session.init_distributed`: NCCL on a GPU, gloo without). It posts batches of
+(:func:`megatron_spindle.megatron.trainer.session.init_distributed`: NCCL on a GPU, gloo without). It posts batches of
 point-to-point operations to itself through :func:`megatron_spindle.comm.batch_isend_irecv` (the runtime's
 own path) and records, per batch, how many operations went in and how many works came back (NCCL coalesces
 a batch of CUDA tensors into ONE work, gloo returns one per operation), whether waiting on those works
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle import comm
-from megatron_spindle.megatron.session import init_distributed
+from megatron_spindle.megatron.trainer.session import init_distributed
 
 
 def one_batch(pairs: int) -> dict:

@@ -192,10 +192,10 @@ def peer_faults(w: str, files: dict):
     for n, r in enumerate(x.wait(300) for x in nodes):
         yield row("24.5", f"two nodes with other `TASKS` (4 and 7): node {n}", SCRIPT, r)
     env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
-    r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-size", "tiny", "--spindle-tasks",
+    r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", "--spindle-size", "tiny", "--spindle-tasks",
                "4", "--micro-batch-size", "4", "--spindle-startup-timeout", "5"], env, w).wait(300)
     yield row("24.2", "rank 0 of 2 started, rank 1 never (`--spindle-startup-timeout 5`)",
-              "`python -m megatron_spindle.megatron.trainer` by hand", r, shown=" / ".join(r.errors) + " (the other "
+              "`python -m megatron_spindle.megatron.trainer.loop` by hand", r, shown=" / ".join(r.errors) + " (the other "
               "stderr lines: megatron.core's import warnings, which this entry point does not quiet)")
     save = os.path.join(w, "wide")
     launch(["--save", save], w, TRAIN_ITERS=1).wait(300)
@@ -248,7 +248,8 @@ def issue12(w: str):
     marker = os.path.join(w, "pwned")
     with open(os.path.join(it, ".metadata"), "wb") as fh:
         fh.write(b"cposix\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
-    from megatron_spindle.megatron.ckpt_files import MANIFEST, file_digest
+    from megatron_spindle.megatron.checkpoint.directory import MANIFEST
+    from megatron_spindle.megatron.checkpoint.files import file_digest
     m = json.load(open(os.path.join(it, MANIFEST)))
     m["files"][".metadata"] = file_digest(os.path.join(it, ".metadata"))
     json.dump(m, open(os.path.join(it, MANIFEST), "w"))
@@ -272,7 +273,8 @@ def kills(w: str):
         fault, _ = scenarios(12)[i]
         d = os.path.join(w, f"kill{i}")
         rc, out, left = torchrun(KILL_TRAIN + ["--save", d, "--save-interval", "1"], fault=fault)
-        from megatron_spindle.megatron.ckpt_files import latest_iteration, verify_checkpoint
+        from megatron_spindle.megatron.checkpoint.directory import latest_iteration
+        from megatron_spindle.megatron.checkpoint.files import verify_checkpoint
         tracked = latest_iteration(d)
         verify_checkpoint(os.path.join(d, f"iter_{tracked:07d}"))
         err = [x for x in out.splitlines() if x.startswith("error:")]

@@ -14,6 +14,6 @@ def pytest_configure(config):
         import torch  # noqa: F401
     except ImportError:  # the pure planner tests run without torch
         return
-    from megatron_spindle.compat import apply_cpu_patches
+    from megatron_spindle.compat.cpu import apply_cpu_patches
 
     apply_cpu_patches()

@@ -57,7 +57,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
     try:
         import torch.distributed as dist
 
-        from megatron_spindle.compat import apply_cpu_patches
+        from megatron_spindle.compat.cpu import apply_cpu_patches
 
         apply_cpu_patches()  # the entry point's job, as in the launchers (a no-op with CUDA)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

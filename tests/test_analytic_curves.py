@@ -168,8 +168,9 @@ def test_operator_counts_of_a_transformer_layer():
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from count_layer_ops import NO_KERNEL, count_ops
-    from megatron_spindle.compat import apply_cpu_patches
-    from megatron_spindle.models.layers import build_layer, example_inputs
+    from megatron_spindle.compat.cpu import apply_cpu_patches
+    from megatron_spindle.models.layers import build_layer
+    from megatron_spindle.models.shapes import example_inputs
     from torch.profiler import ProfilerActivity, profile
     apply_cpu_patches()
     g = build_graph("multitask-clip", size="tiny", batch=4)

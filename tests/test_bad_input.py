@@ -56,7 +56,7 @@ def train_ranks(args, *, world=2, env_extra=None, timeout_s=240):
         env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                **(env_extra or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_spindle.megatron.trainer", *args],
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", *args],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     out = []
     for p in procs:
@@ -116,7 +116,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("extra,name", BAD_VALUES, ids=[b[1] for b in BAD_VALUES])
 def test_check_args_names_the_bad_value(extra, name, tmp_path):
-    from megatron_spindle.megatron.flags import build_parser, check_args
+    from megatron_spindle.megatron.adapter.flags import build_parser, check_args
     (tmp_path / "file").write_text("x")
     (tmp_path / "latin1.json").write_bytes(b'{"a": "\xe9"}')
     (tmp_path / "empty").mkdir()
@@ -166,7 +166,7 @@ def test_nonfinite_loss_skips_then_stops_before_the_optimizer(nan_run):
     line = same_line_on_every_rank(res, "iteration 3: non-finite loss", "MetaOp", "stopped before the optimizer")
     assert "nothing saved" in line
     # iterations 1 (finite) and 2 (skipped) were saved; iteration 3 never was
-    from megatron_spindle.megatron.ckpt_files import MANIFEST, latest_iteration
+    from megatron_spindle.megatron.checkpoint.directory import MANIFEST, latest_iteration
     assert latest_iteration(save) == 2
     assert sorted(f for f in os.listdir(save) if f.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
     # the skipped step changed nothing: every shard of iteration 2 is byte-equal to iteration 1's
@@ -209,7 +209,7 @@ def test_a_full_disk_is_found_at_start_and_named(tmp_path):
 
 def test_enospc_during_a_save_is_named(tmp_path):
     """Past the start check (the disk fills up later): torch's writer error becomes 'no space left'."""
-    from megatron_spindle.megatron.ckpt_files import describe_save_error
+    from megatron_spindle.megatron.checkpoint.directory import describe_save_error
     mnt = str(tmp_path / "small")
     tiny_tmpfs(mnt, "64k")
     try:
@@ -318,7 +318,7 @@ def test_one_writer_for_every_output_file():
     """No module but atomic.py renames files into place or opens output files for writing itself."""
     import megatron_spindle
     root = os.path.dirname(megatron_spindle.__file__)
-    allowed = {"megatron/checkpoint.py: os.replace("}  # renames the finished checkpoint directory into place
+    allowed = {"megatron/checkpoint/save_load.py: os.replace("}  # renames the finished checkpoint directory into place
     offenders = []
     for d, _, files in os.walk(root):
         for f in files:

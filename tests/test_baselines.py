@@ -1,17 +1,19 @@
 """Baseline planners: valid plans in Spindle's format, their allocation rules, and Spindle against them."""
 import pytest
 
-from megatron_spindle.planner.systems.baselines import (BASELINES, SYSTEMS, best_count, branches, finish_together_shares,
-                                                lower_bound_ms, marginal_gain_shares, task_metaops)
+from megatron_spindle.planner.systems.baselines import BASELINES, SYSTEMS, branches, lower_bound_ms
+from megatron_spindle.planner.systems.shares import (best_count, finish_together_shares, marginal_gain_shares,
+                                                     task_metaops)
 from megatron_spindle.planner.workload.analytic import build_curves
-from megatron_spindle.planner.step.build import assemble_plan, make_metaops, plan_system, schedule
-from megatron_spindle.planner.step.placement import place, sequential_placement
+from megatron_spindle.planner.assembly.assemble import assemble_plan, make_metaops, schedule
+from megatron_spindle.planner.step.build import plan_system
+from megatron_spindle.planner.assembly.placement import place, sequential_placement
 from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.workloads import WORKLOADS, build_graph
 
 #: The paper's Figure 8: (model, tasks, device counts).

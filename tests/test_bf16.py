@@ -35,8 +35,8 @@ def test_bf16_layer_takes_fp32_inputs_and_returns_fp32_loss():
 
 
 def _bf16_rank(rank: int, world: int) -> dict:
-    from megatron_spindle.megatron.flags import fallback_args
-    from megatron_spindle.megatron.trainer import Trainer, pretrain
+    from megatron_spindle.megatron.adapter.flags import fallback_args
+    from megatron_spindle.megatron.trainer.loop import Trainer, pretrain
 
     out = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):

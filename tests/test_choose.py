@@ -4,11 +4,12 @@ import pytest
 
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.step.backfill import backfill
-from megatron_spindle.planner.step.build import assemble_plan, make_metaops, make_plan, schedule
+from megatron_spindle.planner.assembly.assemble import assemble_plan, make_metaops, schedule
+from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.choose import cross_level_waves, step_ms
 from megatron_spindle.planner.workload.cluster import load_cluster
-from megatron_spindle.planner.step.placement import sequential_placement
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.placement import sequential_placement
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.workloads import build_graph
 
 

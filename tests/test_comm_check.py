@@ -88,7 +88,7 @@ def _tensor_parallel_plan(g, n):
     """Each level's MetaOps side by side on blocks of ranks, vision layers with tensor parallelism 4 and the
     others' layers 2; a transformer MetaOp's second half runs in a second wave on the next block (TP group to TP
     group messages; shared weights' gradient groups span blocks)."""
-    from megatron_spindle.planner.step.manual import plan_from_waves
+    from megatron_spindle.planner.assembly.manual import plan_from_waves
     from megatron_spindle.planner.workload.metaops import contract
 
     by_level: dict[int, list] = {}

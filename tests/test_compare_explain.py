@@ -4,9 +4,9 @@ plan's sync floor under its own step."""
 import json
 
 from megatron_spindle import cli
-from megatron_spindle.compare import compare, format_table
-from megatron_spindle.compare_explain import PARTS, TUNED_BASELINES
-from megatron_spindle.planner.systems.tuning import Workload
+from megatron_spindle.compare.cli import compare, format_table
+from megatron_spindle.compare.explain import PARTS, TUNED_BASELINES
+from megatron_spindle.planner.tuning.tune import Workload
 
 
 def test_a_row_is_explained_and_the_parts_add_up():

@@ -1,4 +1,4 @@
-"""The data flow of a plan (planner/step/dataflow.py): layouts, routing, edges, the stored messages. Pure, no torch."""
+"""The data flow of a plan (planner/assembly/dataflow.py): layouts, routing, edges, the stored messages. Pure, no torch."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,10 @@ import pytest
 
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
-from megatron_spindle.planner.step.dataflow import (Layout, boundaries, messages, plan_transfers, rank_messages,
+from megatron_spindle.planner.assembly.dataflow import (Layout, boundaries, messages, plan_transfers, rank_messages,
                                                slice_layout)
-from megatron_spindle.planner.step.plan import Plan
-from megatron_spindle.planner.step.validate import PlanError, check_plan
+from megatron_spindle.planner.assembly.plan import Plan
+from megatron_spindle.planner.assembly.validate import PlanError, check_plan
 from megatron_spindle.planner.workload.workloads import build_graph
 
 BATCH = 8

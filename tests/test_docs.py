@@ -11,7 +11,7 @@
 import re
 from pathlib import Path
 
-from megatron_spindle.megatron.flags import build_parser
+from megatron_spindle.megatron.adapter.flags import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -20,7 +20,7 @@ from megatron_spindle.data.sharding import lanes_for, rank_reads, stream_reads  
 from megatron_spindle.planner.step.build import plan_system  # noqa: E402
 from megatron_spindle.planner.step.build import make_plan  # noqa: E402
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
-from megatron_spindle.planner.step.manual import plan_from_waves  # noqa: E402
+from megatron_spindle.planner.assembly.manual import plan_from_waves  # noqa: E402
 from megatron_spindle.planner.workload.workloads import build_graph  # noqa: E402
 from mp_harness import run_ranks  # noqa: E402
 
@@ -154,8 +154,8 @@ def _train(rank, world, root):
     from contextlib import redirect_stdout
 
     from megatron_spindle.data import energon
-    from megatron_spindle.megatron.flags import build_parser
-    from megatron_spindle.megatron.trainer import pretrain
+    from megatron_spindle.megatron.adapter.flags import build_parser
+    from megatron_spindle.megatron.trainer.loop import pretrain
 
     made = []
     real_init = energon.EnergonData.__init__
@@ -181,7 +181,7 @@ def _train(rank, world, root):
 
 
 def test_train_three_steps_on_four_ranks_from_energon(dataset):
-    from megatron_spindle.planner.step.plan import Plan
+    from megatron_spindle.planner.assembly.plan import Plan
     out = run_ranks(_train, WORLD, dataset, timeout_s=300)
     plan = Plan.from_json(out[0]["plan"])
     graph = build_graph("multitask-clip", tasks=4, size="tiny", batch=BATCH)

@@ -24,9 +24,9 @@ class _Payload:
 
 
 def _model(world):
-    from megatron_spindle.megatron.flags import build_parser
-    from megatron_spindle.megatron.model import graph_for, plan_for
-    from megatron_spindle.megatron.trainer import make_optimizer
+    from megatron_spindle.megatron.adapter.flags import build_parser
+    from megatron_spindle.megatron.adapter.model import graph_for, plan_for
+    from megatron_spindle.megatron.trainer.loop import make_optimizer
     from megatron_spindle.runtime.executor import SpindleModel
     args = build_parser().parse_args(BASE)
     g = graph_for(args, world)
@@ -35,7 +35,7 @@ def _model(world):
 
 
 def _try_load(d, model, opt):
-    from megatron_spindle.megatron.checkpoint import CheckpointError, load_checkpoint
+    from megatron_spindle.megatron.checkpoint.save_load import CheckpointError, load_checkpoint
     try:
         it, _, _ = load_checkpoint(d, model, opt)
         return f"ok {it}"
@@ -45,8 +45,8 @@ def _try_load(d, model, opt):
 
 def _cases(rank, world, root):
     import torch.distributed as dist
-    from megatron_spindle.megatron import ckpt_files as F
-    from megatron_spindle.megatron.checkpoint import checkpoint_bytes, save_checkpoint
+    from megatron_spindle.megatron.checkpoint import files as F
+    from megatron_spindle.megatron.checkpoint.save_load import checkpoint_bytes, save_checkpoint
     model, opt = _model(world)
     out = {}
     d = os.path.join(root, "ck")

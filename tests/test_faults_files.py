@@ -104,7 +104,7 @@ def test_3_two_profiles_sharing_one_cache_keep_both_runs_points(tmp_path):
 def test_8_sighup_to_the_launcher_stops_after_the_step_like_sigterm(tmp_path):
     """A closed terminal (SIGHUP to the launcher, which torchrun forwards): the ranks finish the step, rank 0
     says where the run stands in one line, exit 129; no iter_N.tmp, no lock left."""
-    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    from megatron_spindle.megatron.checkpoint.directory import latest_iteration
     save = str(tmp_path / "ck")
     run = launch(["--save", save, "--save-interval", "1"], str(tmp_path), TRAIN_ITERS=200)
     run.wait_for(r"saved checkpoint \S+ at iteration 2\b")
@@ -124,7 +124,7 @@ def test_4_a_failing_tensorboard_writer_is_one_warning_and_training_goes_on(tmp_
     import argparse
     import errno
     import logging
-    from megatron_spindle.megatron.logs import TrainLogs
+    from megatron_spindle.megatron.trainer.logs import TrainLogs
     logs = TrainLogs(argparse.Namespace(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None), 0)
     calls = []
 
@@ -309,7 +309,7 @@ def test_7_a_plan_that_does_not_fit_this_machine_is_one_line(tmp_path):
     """MODEL_SIZE=full on 2 CPU ranks: the planner's estimate (about 46 GiB) against the host's available
     memory, before any layer is built; skipped on a machine with room for it."""
     import pytest
-    from megatron_spindle.megatron.preflight import _host_available_bytes
+    from megatron_spindle.megatron.job.preflight import _host_available_bytes
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.workload.workloads import build_graph

@@ -44,7 +44,7 @@ def torchrun(args, *, fault=None, nproc=2, timeout_s=300, log=None, torchrun_arg
     if fault:
         env["SPINDLE_FAULT"] = fault
     cmd = [sys.executable, "-m", "megatron_spindle.launch", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "--monitor-interval", "0.2", *torchrun_args, "-m", "megatron_spindle.megatron.trainer",
+           str(free_port()), "--monitor-interval", "0.2", *torchrun_args, "-m", "megatron_spindle.megatron.trainer.loop",
            *args]
     with tempfile.TemporaryFile("w+") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -97,7 +97,8 @@ def reference():
 
 @pytest.mark.parametrize("case", range(3), ids=["before-save", "during-save", "after-save"])
 def test_kill_a_rank_then_resume_gives_the_uninterrupted_losses(reference, case, tmp_path):
-    from megatron_spindle.megatron.ckpt_files import latest_iteration, verify_checkpoint
+    from megatron_spindle.megatron.checkpoint.directory import latest_iteration
+    from megatron_spindle.megatron.checkpoint.files import verify_checkpoint
     fault, last = scenarios(SEED)[case]
     ckpt = str(tmp_path / "ckpt")
     rc, out, left = torchrun(TRAIN + ["--save", ckpt, "--save-interval", "1"], fault=fault)
@@ -122,7 +123,7 @@ def test_kill_a_rank_then_resume_gives_the_uninterrupted_losses(reference, case,
 def test_torchrun_restarts_a_killed_run_from_its_last_checkpoint(reference, tmp_path):
     """--max-restarts 1: rank 1 is SIGKILLed right after saving iteration 2; torchrun starts the group again,
     which resumes from its own --save by itself and ends with the uninterrupted losses."""
-    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    from megatron_spindle.megatron.checkpoint.directory import latest_iteration
     ckpt = str(tmp_path / "ckpt")
     rc, out, left = torchrun(TRAIN + ["--save", ckpt, "--save-interval", "1"], fault="1:2:save-done",
                              torchrun_args=["--max-restarts", "1"])

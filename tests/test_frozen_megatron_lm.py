@@ -43,7 +43,7 @@ def _megatron_run(argv: list[str]) -> dict:
     weights Megatron's optimizer steps."""
     import megatron.training.training as mt
 
-    from megatron_spindle.megatron import hooks
+    from megatron_spindle.megatron.adapter import hooks
 
     counts = {"train_step": 0, "spindle_forward_backward": 0}
     seen: dict = {"losses": [], "init": None, "optimized": None}

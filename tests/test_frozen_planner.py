@@ -14,11 +14,11 @@ import pytest
 from megatron_spindle import cli
 from megatron_spindle.planner.exact import GRID_MS
 from megatron_spindle.planner.step.build import make_plan
-from megatron_spindle.planner.step.dataflow import frozen_param_keys, needs_output_grad
-from megatron_spindle.planner.step.plan import Plan
-from megatron_spindle.planner.step.render import metaop_table, summary
+from megatron_spindle.planner.assembly.dataflow import frozen_param_keys, needs_output_grad
+from megatron_spindle.planner.assembly.plan import Plan
+from megatron_spindle.planner.assembly.render import metaop_table, summary
 from megatron_spindle.planner.simulation.simulate import GRAD_BYTES_PER_PARAM, simulate
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.graph import Operator

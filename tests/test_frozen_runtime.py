@@ -31,7 +31,7 @@ from mp_harness import run_ranks
 from test_runtime_exec import _plan_posts  # the plan's messages a rank posts in one step
 
 from megatron_spindle.planner.step.build import make_plan
-from megatron_spindle.planner.step.manual import plan_from_waves
+from megatron_spindle.planner.assembly.manual import plan_from_waves
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.workload.workloads import build_graph
@@ -113,8 +113,8 @@ def _executor_case(plan, g):
 
 def _trainer(argv, grab=False):
     """The built-in trainer on ``argv``: progress lines, log text, and (``grab``) its weights and optimizer."""
-    from megatron_spindle.megatron.flags import build_parser
-    from megatron_spindle.megatron.trainer import Trainer
+    from megatron_spindle.megatron.adapter.flags import build_parser
+    from megatron_spindle.megatron.trainer.loop import Trainer
 
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)
@@ -313,7 +313,7 @@ def test_imagebind_trains_and_resumes_exactly_without_frozen_optimizer_state(res
                                          ("vision,", "argument --spindle-freeze: 'vision,' has an empty name")])
 def test_spindle_freeze_is_checked_in_one_line(value, match, capfd):
     """The launch scripts' one-process check (the trainer's own exit would end this test's process)."""
-    from megatron_spindle.megatron.flags import preflight_main
+    from megatron_spindle.megatron.adapter.flags import preflight_main
 
     with pytest.raises(SystemExit) if value.endswith(",") else contextlib.nullcontext():
         assert preflight_main(["--spindle-size", "tiny", "--spindle-tasks", "4", "--spindle-freeze", value]) == 2

@@ -1,4 +1,4 @@
-"""The node a run trains on, read for the planner (``megatron/gpu_node.py``) and Megatron's layer choice
+"""The node a run trains on, read for the planner (``megatron/job/gpu_node.py``) and Megatron's layer choice
 (``--transformer-impl``), checked on the CPU with the device stubbed: torch's CUDA queries and NVML are
 replaced by the values an H200, an A100 or an unknown GPU would give.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_spindle.megatron import gpu_node
-from megatron_spindle.megatron.flags import fallback_args
-from megatron_spindle.megatron.model import layer_backend, make_cluster
+from megatron_spindle.megatron.job import gpu_node
+from megatron_spindle.megatron.adapter.flags import fallback_args
+from megatron_spindle.megatron.adapter.model import layer_backend, make_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -134,7 +134,7 @@ def test_nvml_decides_the_islands_up_to_the_ranks_per_node(monkeypatch):
 
 
 def test_an_unknown_cluster_flag_is_one_line_naming_it():
-    from megatron_spindle.megatron.flags import check_args
+    from megatron_spindle.megatron.adapter.flags import check_args
     with pytest.raises(ValueError, match=r"--spindle-cluster b200: unknown cluster preset 'b200'"):
         check_args(run_args("--spindle-cluster", "b200", "--micro-batch-size", "4"), 1)
 
@@ -170,7 +170,7 @@ def test_the_trainer_refuses_transformer_engine_where_it_cannot_run(tmp_path):
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29877",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle", "--spindle-size",
+    proc = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", "--spindle", "--spindle-size",
                            "tiny", "--micro-batch-size", "4", "--train-iters", "1", "--transformer-impl",
                            "transformer_engine"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]  # not torch's own warnings
@@ -237,7 +237,7 @@ def test_megatron_loop_defaults_to_local_layers_and_the_flag_wins():
     pretrain_spindle defaults it to local, as the built-in loop, and an explicit value is kept."""
     import argparse
 
-    from megatron_spindle.megatron.hooks import local_layers_default
+    from megatron_spindle.megatron.adapter.hooks import local_layers_default
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--transformer-impl", default="transformer_engine",

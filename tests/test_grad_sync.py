@@ -52,7 +52,7 @@ def _run(plan, g, k, zero):
     import dataclasses
 
     import torch
-    from megatron_spindle.megatron.schedule import forward_step, reduce_reports, spindle_forward_backward
+    from megatron_spindle.megatron.adapter.schedule import forward_step, reduce_reports, spindle_forward_backward
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 

@@ -175,7 +175,8 @@ def test_a_checkpoint_that_does_not_match_is_refused_in_one_line(hf, tmp_path, c
 
 def test_bad_init_names_and_spec_keys():
     from megatron_spindle.models.hf_mapping import init_targets
-    from megatron_spindle.planner.workload.spec import SpecError, parse_spec
+    from megatron_spindle.planner.workload.spec_layers import SpecError
+    from megatron_spindle.planner.workload.spec import parse_spec
     from megatron_spindle.planner.workload.workloads import build_graph
 
     g = build_graph("multitask-clip", tasks=4, size="tiny")
@@ -201,11 +202,11 @@ def test_bad_init_names_and_spec_keys():
 def _train(rank, world, clip_spec, llama_spec, tb_dir):
     import torch
 
-    from megatron_spindle.megatron.flags import build_parser
-    from megatron_spindle.megatron.trainer import Trainer, pretrain
+    from megatron_spindle.megatron.adapter.flags import build_parser
+    from megatron_spindle.megatron.trainer.loop import Trainer, pretrain
     from megatron_spindle.models.pretrained import Checkpoint
 
-    from megatron_spindle.megatron.equivalence import check_first_step
+    from megatron_spindle.megatron.adapter.equivalence import check_first_step
 
     common = ["--spindle", "--train-iters", "3", "--micro-batch-size", "2", "--lr", "1e-4", "--log-interval", "1"]
     out = {}

@@ -4,7 +4,7 @@
   ``test_planner_core.py``);
 * models never import the runtime (nor the Megatron layer), nor ``hf`` (the ``spindle hf`` commands sit above
   models: the checkpoint's name mapping lives in ``models/hf_mapping.py``, beside the loader that uses it);
-* only ``megatron/hooks.py`` imports ``megatron.training`` (besides the compatibility modules that stand in for
+* only ``megatron/adapter/hooks.py`` imports ``megatron.training`` (besides the compatibility modules that stand in for
   its CUDA-only start-up and bridge its versions, ``compat/megatron_lm.py`` and ``compat/mcore.py``);
 * no import cycle between modules of ``megatron_spindle``;
 * the planner's stages import only themselves and earlier stages; no planner folder holds over 15 modules;
@@ -90,7 +90,7 @@ def test_models_import_neither_the_runtime_nor_the_megatron_layer_nor_hf():
 
 def test_only_the_hooks_import_megatron_training():
     bad = [f"{p.relative_to(PKG)}:{line} {m}" for p, imps in _all().items()
-           if _module_name(p) not in ("megatron_spindle.megatron.hooks", "megatron_spindle.compat.megatron_lm",
+           if _module_name(p) not in ("megatron_spindle.megatron.adapter.hooks", "megatron_spindle.compat.megatron_lm",
                                       "megatron_spindle.compat.mcore")
            for m, line, _, _ in imps if _under(m, "megatron.training")]
     assert not bad, bad
@@ -148,20 +148,21 @@ def test_function_level_imports_are_optional_dependencies_and_say_so():
 
 
 #: The planner's stages in pipeline order: a stage imports only itself and earlier stages (and the planner's
-#: shared modules ``exact``, ``limits``, ``jsonfile``), so its folders read as the pipeline. The whole step is
-#: three folders by concern that use each other (the whole-step choice simulates candidates and weighs the
-#: baselines' schedules; the simulator and the baselines read and build plans): one stage.
-STAGES = (("megatron_spindle.planner.workload",), ("megatron_spindle.planner.level",),
-          ("megatron_spindle.planner.step", "megatron_spindle.planner.simulation", "megatron_spindle.planner.systems"))
+#: shared modules ``exact``, ``limits``, ``jsonfile``), so its folders read as the pipeline: the workload, one
+#: level's schedule, the plan's assembly, the simulator that times a plan, the baselines' schedules, the
+#: whole-step choice that weighs them all, and the tuners that set every system to its best configuration.
+STAGES = ("megatron_spindle.planner.workload", "megatron_spindle.planner.level", "megatron_spindle.planner.assembly",
+          "megatron_spindle.planner.simulation", "megatron_spindle.planner.systems", "megatron_spindle.planner.step",
+          "megatron_spindle.planner.tuning")
 
 
 def _stage(module: str) -> int | None:
-    return next((i for i, folders in enumerate(STAGES) if any(_under(module, f) for f in folders)), None)
+    return next((i for i, folder in enumerate(STAGES) if _under(module, folder)), None)
 
 
 def test_planner_stages_import_only_earlier_stages():
     assert {p.name for p in (PKG / "planner").iterdir() if p.is_dir() and (p / "__init__.py").exists()} \
-        == {f.rsplit(".", 1)[1] for folders in STAGES for f in folders}, "a planner folder outside STAGES"
+        == {f.rsplit(".", 1)[1] for f in STAGES}, "a planner folder outside STAGES"
     bad = []
     for p, imps in _all().items():
         me = _module_name(p)

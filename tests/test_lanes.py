@@ -2,10 +2,10 @@
 import pytest
 
 from megatron_spindle.planner.simulation.simulate import simulate
-from megatron_spindle.planner.step.assemble import make_metaops
+from megatron_spindle.planner.assembly.assemble import make_metaops
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.lanes import lane_plans, lane_sizes, lane_waves, pack
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.workloads import build_graph
@@ -50,7 +50,7 @@ def test_no_lanes_on_large_clusters():
 
 
 def _lanes(model, tasks, gpus):
-    from megatron_spindle.planner.systems.tuning import Workload
+    from megatron_spindle.planner.tuning.tune import Workload
     cluster = load_cluster(None, num_devices=gpus)
     graph = Workload(model=model, tasks=tasks).graph(1)
     metaops = make_metaops(graph, cluster)
@@ -73,7 +73,7 @@ def test_island_sizes_keep_every_lane_off_the_others_islands():
 def test_the_size_search_keeps_only_shorter_steps_and_the_lanes_least_shares():
     from megatron_spindle.planner.simulation.simulate import step_time_ms
     from megatron_spindle.planner.step.lanes import size_search
-    from megatron_spindle.planner.step.assemble import assemble_plan
+    from megatron_spindle.planner.assembly.assemble import assemble_plan
     from megatron_spindle.planner.systems.shares import min_share
     cluster, graph, metaops, curves, lanes = _lanes("multitask-clip", 10, 64)
     own = make_plan(graph, cluster, search=False)
@@ -99,7 +99,7 @@ def test_the_searched_lanes_win_a_row_from_the_best_baseline():
     # Multitask-CLIP-10 on 256 devices: task-level's schedule (power-of-two lanes, a quarter of the devices idle)
     # was the best candidate; the lanes on whole islands, sizes searched by the step, beat it with Spindle's own
     # waves (issue 32)
-    from megatron_spindle.planner.systems.tuning import Workload
+    from megatron_spindle.planner.tuning.tune import Workload
     cluster = load_cluster(None, num_devices=256)
     report: dict = {}
     make_plan(Workload(model="multitask-clip", tasks=10).graph(1), cluster, report=report)

@@ -92,7 +92,7 @@ def test_start_up_deadline_names_what_it_waited_for(tmp_path):
     --spindle-timeout), exit status 3, one line."""
     env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
     t0 = time.monotonic()
-    r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-size", "tiny",
+    r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", "--spindle-size", "tiny",
                "--spindle-tasks", "4", "--micro-batch-size", "4", "--spindle-startup-timeout", "5"],
               env, str(tmp_path)).wait(300)
     took = time.monotonic() - t0
@@ -118,7 +118,7 @@ def sigint_run(tmp_path_factory):
 
 
 def test_a_run_owns_its_save_and_stops_on_sigint_with_one_line(sigint_run):
-    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    from megatron_spindle.megatron.checkpoint.directory import latest_iteration
     r, second, save = sigint_run
     one_line(second, f"--save {save!r} is in use by another run", "pid ")
     assert r.rc == 130, r.err
@@ -134,7 +134,7 @@ def test_torchrun_killed_leaves_no_worker_then_sigterm_saves(tmp_path):
     """kill -9 of torchrun: its workers die with it (parent-death signal). The next run takes the lock the
     dead run left over with a warning, resumes, and on a scheduler's SIGTERM (to torchrun, which forwards
     it) with --exit-signal-handler finishes the step, saves and exits 0."""
-    from megatron_spindle.megatron.ckpt_files import latest_iteration
+    from megatron_spindle.megatron.checkpoint.directory import latest_iteration
     save = str(tmp_path / "ckpt")
     run = bare_torchrun(["--train-iters", "200", "--log-interval", "1", "--save", save, "--save-interval", "1"],
                         str(tmp_path))

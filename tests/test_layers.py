@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from megatron_spindle.models import data as mdata
-from megatron_spindle.models.layers import (LOSS_OP_TYPES, build_layer, example_inputs,
-                                            full_state_dict, layer_seed, load_full_state_dict,
-                                            num_parameters, output_shape, shard_tensor, table_rows,
-                                            unshard_tensors)
+from megatron_spindle.models.shapes import LOSS_OP_TYPES, example_inputs, output_shape
+from megatron_spindle.models.layers import build_layer, layer_seed, table_rows
+from megatron_spindle.models.layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_tensor,
+                                                 unshard_tensors)
 from megatron_spindle.models.reference import ReferenceModel, split_parameter_name
-from megatron_spindle.planner.workload.graph import OP_TYPES
+from megatron_spindle.planner.workload.layer_types import OP_TYPES
 from megatron_spindle.planner.workload.workloads import build_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

@@ -9,7 +9,7 @@ from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.limits import MAX_BATCH, MAX_DEVICES, divisors, factorize
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.step.render import idle_devices, idle_warning
+from megatron_spindle.planner.assembly.render import idle_devices, idle_warning
 from megatron_spindle.planner.workload.workloads import build_graph
 
 

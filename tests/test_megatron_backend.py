@@ -8,14 +8,16 @@ import sys
 
 import pytest
 
-from megatron_spindle.megatron import flags, hooks, trainer
+from megatron_spindle.megatron.adapter import flags
+from megatron_spindle.megatron.adapter import hooks
+from megatron_spindle.megatron.trainer import loop as trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
 def test_hooks_import_without_megatron_training():
     code = ("import sys; sys.modules['megatron.training'] = None\n"
-            "from megatron_spindle.megatron import hooks\n"
+            "from megatron_spindle.megatron.adapter import hooks\n"
             "backend, why = hooks.choose_backend()\n"
             "assert backend == 'loop' and 'megatron.training' in why, why\n"
             "print('ok')")

@@ -19,10 +19,10 @@ import inspect
 
 import pytest
 
-from megatron_spindle.megatron import flags
-from megatron_spindle.megatron.chunk import megatron_forward_backward
-from megatron_spindle.megatron.flags import add_spindle_args
-from megatron_spindle.megatron.schedule import spindle_forward_backward
+from megatron_spindle.megatron.adapter import flags
+from megatron_spindle.megatron.adapter.chunk import megatron_forward_backward
+from megatron_spindle.megatron.adapter.flags import add_spindle_args
+from megatron_spindle.megatron.adapter.schedule import spindle_forward_backward
 from mp_harness import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -131,7 +131,7 @@ def test_megatron_settings_spindle_cannot_honour_are_named():
 def test_passes_per_step_are_the_plans():
     """The plan's passes decide; --global-batch-size must agree (one line naming the values), and a training
     call of Megatron's schedule for another number of microbatches is refused the same way."""
-    from megatron_spindle.megatron.model import step_passes
+    from megatron_spindle.megatron.adapter.model import step_passes
     plan = argparse.Namespace(passes=2)
     assert step_passes(plan, None, 8) == 2 and step_passes(plan, 16, 8) == 2
     with pytest.raises(ValueError) as e:
@@ -229,9 +229,9 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_spindle.megatron import hooks as ad
-    from megatron_spindle.megatron.data import data_iterators
-    from megatron_spindle.megatron.checkpoint import sharded_state_dict as loop_sharded_state_dict
+    from megatron_spindle.megatron.adapter import hooks as ad
+    from megatron_spindle.megatron.adapter.data import data_iterators
+    from megatron_spindle.megatron.checkpoint.save_load import sharded_state_dict as loop_sharded_state_dict
     from megatron_spindle.models.data import SyntheticData
 
     out: dict = {}
@@ -359,7 +359,7 @@ def _rank_main(rank: int, world: int, plan_path: str, ckpt_dir: str) -> dict:
 
 def _tp_plan(path: str) -> None:
     """Every MetaOp on both ranks in level order, the text encoder with tensor parallelism 2; 2 passes per step."""
-    from megatron_spindle.planner.step.manual import plan_from_waves
+    from megatron_spindle.planner.assembly.manual import plan_from_waves
     from megatron_spindle.planner.workload.metaops import contract
     from megatron_spindle.planner.workload.workloads import build_graph
 

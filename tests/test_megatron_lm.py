@@ -53,7 +53,7 @@ def _megatron_run(argv: list[str]) -> dict:
     """One ``pretrain_spindle(backend="megatron")``: losses per training step and call counts."""
     import megatron.training.training as mt
 
-    from megatron_spindle.megatron import hooks
+    from megatron_spindle.megatron.adapter import hooks
     from megatron_spindle.runtime.executor import SpindleModel
 
     counts = {"train_step": 0, "spindle_forward_backward": 0, "finalize_grads": 0, "evaluate": 0}
@@ -97,8 +97,8 @@ def _megatron_run(argv: list[str]) -> dict:
 
 def _loop_run(argv: list[str]) -> list[dict]:
     """The built-in trainer on the same flags: the losses of every step."""
-    from megatron_spindle.megatron.flags import fallback_args
-    from megatron_spindle.megatron.trainer import Trainer, pretrain
+    from megatron_spindle.megatron.adapter.flags import fallback_args
+    from megatron_spindle.megatron.trainer.loop import Trainer, pretrain
 
     got = []
     original = Trainer.train_step

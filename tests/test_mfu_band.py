@@ -4,7 +4,7 @@ import json
 import pytest
 
 from megatron_spindle.cli import main
-from megatron_spindle.compare_band import _groups
+from megatron_spindle.compare.band import _groups
 from megatron_spindle.planner.workload.analytic import (DeviceModel, FUSED_TRANSFORMER_LATENCY_MS,
                                                         LOW_MAX_EFFICIENCY, SLOW_TRANSFORMER_LATENCY_MS,
                                                         TRANSFORMER_LATENCY_MS, fast_edge, slow_edge)

@@ -11,7 +11,8 @@ import pytest
 
 from megatron_spindle import cli
 from megatron_spindle.planner.workload.layer_types import LayerCost, custom_layer_type, register_layer_type
-from megatron_spindle.planner.workload.spec import SpecError, load_spec, parse_spec, shipped_models
+from megatron_spindle.planner.workload.spec_layers import SpecError
+from megatron_spindle.planner.workload.spec import load_spec, parse_spec, shipped_models
 from megatron_spindle.planner.workload.workloads import WORKLOADS, build_graph
 
 HERE = os.path.dirname(os.path.abspath(__file__))

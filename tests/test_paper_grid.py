@@ -12,9 +12,9 @@ import pathlib
 
 import pytest
 
-from megatron_spindle.compare import compare
-from megatron_spindle.planner.step.execution import Execution
-from megatron_spindle.planner.systems.tuning import Workload
+from megatron_spindle.compare.cli import compare
+from megatron_spindle.planner.assembly.execution import Execution
+from megatron_spindle.planner.tuning.tune import Workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GRID_FILE = ROOT / "docs" / "results" / "paper_grid.json"

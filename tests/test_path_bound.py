@@ -11,10 +11,10 @@ from megatron_spindle.planner.simulation.link_costs import allreduce_time_ms, bo
 from megatron_spindle.planner.simulation.path_bound import PathTerms, allreduce_floor_ms, edge_ms
 from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.simulation.step_bound import plan_step_bound, step_bound
-from megatron_spindle.planner.step.assemble import assemble_plan, make_metaops
-from megatron_spindle.planner.step.dataflow import ACTIVATION_BYTES, island_messages, slice_layout
-from megatron_spindle.planner.step.manual import plan_from_waves
-from megatron_spindle.planner.step.validate import PlanError, check_plan
+from megatron_spindle.planner.assembly.assemble import assemble_plan, make_metaops
+from megatron_spindle.planner.assembly.dataflow import ACTIVATION_BYTES, island_messages, slice_layout
+from megatron_spindle.planner.assembly.manual import plan_from_waves
+from megatron_spindle.planner.assembly.validate import PlanError, check_plan
 from megatron_spindle.planner.workload.cluster import Cluster
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph

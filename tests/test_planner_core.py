@@ -176,7 +176,7 @@ def test_polish_keeps_a_valid_schedule_and_never_lengthens_it(model, tasks, gpus
     span, and the same result on a second run (deterministic); and so are throughput waves."""
     from megatron_spindle.planner.level.allocate import bipoint as bp
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.build import make_metaops
+    from megatron_spindle.planner.assembly.assemble import make_metaops
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.level.knapsack import throughput_waves
     from megatron_spindle.planner.level.polish import polish

@@ -19,10 +19,10 @@ from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.curves import fit_piecewise
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph, data_input
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.step.placement import PlacementError
-from megatron_spindle.planner.step.plan import Plan, SliceRef
+from megatron_spindle.planner.assembly.placement import PlacementError
+from megatron_spindle.planner.assembly.plan import Plan, SliceRef
 from megatron_spindle.planner.level.scheduler import plan_level
-from megatron_spindle.planner.step.validate import PlanError, check_plan
+from megatron_spindle.planner.assembly.validate import PlanError, check_plan
 from megatron_spindle.planner.workload.workloads import build_graph
 
 
@@ -113,9 +113,9 @@ def test_validation_rules_name_the_wave_and_device():
 
 def test_placement_keeps_tp_groups_in_islands_and_prefers_local_flows():
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.build import assemble_plan, make_metaops, schedule
+    from megatron_spindle.planner.assembly.assemble import assemble_plan, make_metaops, schedule
     from megatron_spindle.planner.step.choose import step_ms
-    from megatron_spindle.planner.step.placement import place, sequential_placement
+    from megatron_spindle.planner.assembly.placement import place, sequential_placement
     graph, cluster = build_graph("qwen-val"), load_cluster(None, num_devices=32)
     p = make_plan(graph, cluster)
     for s in p.slices():
@@ -278,7 +278,7 @@ def test_cli_plan_tables():
 def test_grid_level_column_is_the_metaops_level_for_a_baselines_schedule_too():
     """A baseline numbers its waves' ``level`` field by wave; the grid prints the MetaLevel of the MetaOps."""
     from megatron_spindle.planner.step.build import plan_system
-    from megatron_spindle.planner.step.render import grid
+    from megatron_spindle.planner.assembly.render import grid
 
     graph, cluster = build_graph("multitask-clip", tasks=4, size="tiny"), load_cluster(None, num_devices=8)
     for system in ("sequential", "spindle"):
@@ -297,7 +297,7 @@ def test_gantt_names_devices_on_the_axis():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from megatron_spindle.planner.step.render import device_ticks, gantt_figure
+    from megatron_spindle.planner.assembly.render import device_ticks, gantt_figure
 
     fig = gantt_figure(clip_plan(16))
     try:

@@ -5,10 +5,11 @@ import pytest
 
 import torch
 
-from megatron_spindle.megatron.prediction import StepCosts, compute_scale, grad_bytes_of, percent, predict_step
+from megatron_spindle.megatron.trainer.prediction import StepCosts, compute_scale, grad_bytes_of, percent, predict_step
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
-from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, simulate
+from megatron_spindle.planner.simulation.link_costs import allreduce_time_ms
+from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.workload.workloads import build_graph
 from megatron_spindle.profiler.step_costs import fit_optimizer, measure_optimizer
 from megatron_spindle.runtime.trace import Span

@@ -15,9 +15,10 @@ from megatron_spindle.cli import main
 from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
 from megatron_spindle.planner.exact import GRID_MS
 from megatron_spindle.planner.workload.analytic import CurvesFile, build_curves
-from megatron_spindle.planner.step.build import make_metaops, make_plan
+from megatron_spindle.planner.assembly.assemble import make_metaops
+from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import Cluster, load_cluster
-from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, boundary_time_ms
+from megatron_spindle.planner.simulation.link_costs import allreduce_time_ms, boundary_time_ms
 from megatron_spindle.planner.workload.workloads import build_graph
 from megatron_spindle.profiler.fit import curves_document, summary_table, uncovered
 from megatron_spindle.profiler.link import cluster_fields, fit_link
@@ -250,7 +251,7 @@ def test_spindle_plan_and_compare_use_the_measured_curves(live, capsys, tmp_path
     rc = main(["plan", "--model", "qwen-val", "--size", "tiny", "--batch", "4", "--gpus", "2", "--gpus-per-node",
                "2", "--curves", files["curves"], "--out", str(plan_json), "--json"])
     assert rc == 0, capsys.readouterr().err
-    from megatron_spindle.planner.step.plan import Plan
+    from megatron_spindle.planner.assembly.plan import Plan
     plan = Plan.load(str(plan_json))
     assert all(plan.curve(m.name).source == "measured" for m in plan.metaops)
     doc = json.load(open(files["curves"]))

@@ -3,9 +3,10 @@ import dataclasses
 
 import pytest
 
-from megatron_spindle.megatron.prediction import StepCosts, predict_step, step_end_allreduces
+from megatron_spindle.megatron.trainer.prediction import StepCosts, predict_step, step_end_allreduces
 from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
-from megatron_spindle.planner.simulation.simulate import allreduce_time_ms, simulate
+from megatron_spindle.planner.simulation.link_costs import allreduce_time_ms
+from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.workloads import build_graph

@@ -38,8 +38,9 @@ from mp_harness import run_ranks
 
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import load_cluster
-from megatron_spindle.planner.simulation.simulate import boundary_time_ms, simulate
-from megatron_spindle.planner.step.manual import plan_from_waves
+from megatron_spindle.planner.simulation.link_costs import boundary_time_ms
+from megatron_spindle.planner.simulation.simulate import simulate
+from megatron_spindle.planner.assembly.manual import plan_from_waves
 from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.workload.workloads import build_graph
 
@@ -364,7 +365,7 @@ def test_each_boundary_is_one_batch_of_its_sends_and_receives(results):
     on every backend. So per pass a rank posts exactly one batch per boundary and direction where it has a
     message to or from another rank, and (in the plan whose encoders share a wave) every forward send of the
     boundary before wave ``w`` starts after this rank's compute of wave ``w - 1`` and its producer's ended."""
-    from megatron_spindle.planner.step.dataflow import boundaries, rank_messages
+    from megatron_spindle.planner.assembly.dataflow import boundaries, rank_messages
 
     cases, out, _, _ = results
     for name, plan in cases.items():

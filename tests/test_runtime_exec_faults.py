@@ -64,7 +64,7 @@ def test_a_hung_peer_fails_the_others_with_wave_slice_and_peer(tmp_path):
 
 
 def test_plan_for_another_world_or_model_is_refused():
-    from megatron_spindle.planner.step.validate import PlanError, check_plan
+    from megatron_spindle.planner.assembly.validate import PlanError, check_plan
     g = graph()
     plan = plans()["a-sequential"]
     with pytest.raises(PlanError, match="plan is for 4 devices but the job has 2"):
@@ -76,7 +76,7 @@ def test_plan_for_another_world_or_model_is_refused():
 
 def test_post_p2p_refuses_a_receive_buffer_off_the_communication_device():
     import torch
-    from megatron_spindle.runtime.executor import post_p2p
+    from megatron_spindle.runtime.p2p import post_p2p
     with pytest.raises(ValueError, match="receive buffer on meta, but this rank communicates on"):
         post_p2p([("recv", torch.empty(2, device="meta"), 1, 1)])
     with pytest.raises(ValueError, match="'bcast' is neither"):

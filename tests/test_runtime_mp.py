@@ -45,9 +45,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _tp_case(model: str, name: str, group, tp_rank: int, tp_size: int) -> dict:
-    from megatron_spindle.models.layers import (LOSS_OP_TYPES, build_layer, example_inputs,
-                                                full_state_dict, load_full_state_dict, shard_spec,
-                                                shard_tensor)
+    from megatron_spindle.models.shapes import LOSS_OP_TYPES, example_inputs
+    from megatron_spindle.models.layers import build_layer
+    from megatron_spindle.models.layer_state import full_state_dict, load_full_state_dict, shard_spec, shard_tensor
     from megatron_spindle.planner.workload.workloads import build_graph
 
     graph = build_graph(model, size="tiny", batch=BATCH)

@@ -6,16 +6,17 @@ import dataclasses
 
 import pytest
 
-from megatron_spindle.planner.step.build import assemble_plan, make_plan
+from megatron_spindle.planner.assembly.assemble import assemble_plan
+from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.workload.cluster import PRESETS, Cluster, load_cluster
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph
 from megatron_spindle.planner.workload.metaops import contract
-from megatron_spindle.planner.simulation.simulate import (FORWARD_SHARE, GRAD_BYTES_PER_PARAM, SimulationError,
-                                               allreduce_time_ms, boundary_time_ms, simulate, step_time_ms,
-                                               sync_time_ms)
+from megatron_spindle.planner.workload.recompute import FORWARD_SHARE
+from megatron_spindle.planner.simulation.simulate import GRAD_BYTES_PER_PARAM, SimulationError, simulate, step_time_ms
+from megatron_spindle.planner.simulation.link_costs import allreduce_time_ms, boundary_time_ms, sync_time_ms
 from megatron_spindle.planner.simulation.link_costs import schedule_collectives, sync_floor
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.level.waves import Wave, WaveSlice
 from megatron_spindle.planner.workload.workloads import build_graph
 
@@ -255,7 +256,7 @@ def test_phases_run_forward_then_backward_each():
     """Two independent slices on one device in two phases: forward A, backward A, forward B, backward B (A's
     gradients are complete after A's own forward and backward instead of at the end of the pass); the pass is
     as long, and the device holds one phase's activations at a time."""
-    from megatron_spindle.planner.step.manual import plan_from_waves
+    from megatron_spindle.planner.assembly.manual import plan_from_waves
     g = build_graph("multitask-clip", tasks=4, size="tiny", batch=8)
     waves = [[("vision-text.vision.embed", 0, 1, (0,))], [("audio-text.audio.embed", 0, 1, (0,))]]
     c = load_cluster(None, num_devices=2, gpus_per_node=2)

@@ -179,7 +179,7 @@ def test_pattern_dives_shorten_the_big_levels(model, tasks, devices, level):
     devices, 0.5% on Multitask-CLIP-4's encoders on 16 (with the analytic curves of
     docs/results/analytic_curves.md; on the former curves: 3.6%, and 0.3% on Multitask-CLIP-4's on 8)."""
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.assemble import make_metaops
+    from megatron_spindle.planner.assembly.assemble import make_metaops
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.workload.metaops import levels
     from megatron_spindle.planner.workload.workloads import build_graph
@@ -201,7 +201,7 @@ def test_patterns_backtracked_from_the_pricing_tables_are_the_repriced_ones(mode
     again, for random duals over every duration and over a subset."""
     import numpy as np
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.assemble import make_metaops
+    from megatron_spindle.planner.assembly.assemble import make_metaops
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.workload.metaops import levels
     from megatron_spindle.planner.workload.workloads import build_graph
@@ -228,7 +228,7 @@ def test_patterns_backtracked_from_the_pricing_tables_are_the_repriced_ones(mode
 def test_planner_levels_carry_a_certified_bound():
     from megatron_spindle.planner.step.build import make_plan
     from megatron_spindle.planner.workload.cluster import load_cluster
-    from megatron_spindle.planner.step.render import certified_bound_ms
+    from megatron_spindle.planner.assembly.render import certified_bound_ms
     from megatron_spindle.planner.workload.workloads import build_graph
     plan = make_plan(build_graph("ofasys", tasks=4), load_cluster(None, num_devices=8))
     for lv in plan.levels:
@@ -302,7 +302,7 @@ def _levels(metaops):
 @functools.lru_cache(maxsize=1)
 def _clip10_64_schedules():
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.assemble import make_metaops, schedule
+    from megatron_spindle.planner.assembly.assemble import make_metaops, schedule
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.workload.workloads import build_graph
     metaops = make_metaops(build_graph("multitask-clip", tasks=10), load_cluster(None, num_devices=64))
@@ -393,7 +393,7 @@ def _encoders_after_dives(tasks: int, devices: int):
     """Multitask-CLIP's encoder level on ``devices``: ``(MetaOps, curves, the best of the heuristics and the
     pattern LP's dives, the planner's annealing moves)``."""
     from megatron_spindle.planner.workload.analytic import build_curves
-    from megatron_spindle.planner.step.assemble import ANNEAL_WORK, make_metaops
+    from megatron_spindle.planner.assembly.assemble import ANNEAL_WORK, make_metaops
     from megatron_spindle.planner.workload.cluster import load_cluster
     from megatron_spindle.planner.workload.metaops import levels
     from megatron_spindle.planner.workload.workloads import build_graph
@@ -412,7 +412,7 @@ def test_rebuild_shortens_the_annealing_best_on_clip7_16(monkeypatch):
     level's bound; by default they stop after two runs in a row find nothing shorter (issue 21's planning
     time), never longer than the annealing alone."""
     from megatron_spindle.planner.level import anneal as anneal_mod
-    from megatron_spindle.planner.step.assemble import REBUILD_WORK
+    from megatron_spindle.planner.assembly.assemble import REBUILD_WORK
     lv, curves, start, moves = _encoders_after_dives(7, 16)
     annealed = anneal_mod.anneal(start, lv, curves, 16, moves=moves, level=1) or start
     runs = []

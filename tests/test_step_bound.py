@@ -13,16 +13,16 @@ import pytest
 
 from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.simulation.step_bound import plan_step_bound, step_bound
-from megatron_spindle.planner.step.assemble import make_metaops
+from megatron_spindle.planner.assembly.assemble import make_metaops
 from megatron_spindle.planner.step.build import make_plan
-from megatron_spindle.planner.step.execution import Execution
-from megatron_spindle.planner.step.manual import plan_from_waves
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.execution import Execution
+from megatron_spindle.planner.assembly.manual import plan_from_waves
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.systems.bounds import configured_step_bound
-from megatron_spindle.planner.systems.tuning import Workload
+from megatron_spindle.planner.tuning.tune import Workload
 from megatron_spindle.planner.workload.analytic import DeviceModel
 from megatron_spindle.planner.level.waves import Wave, WaveSlice
-from megatron_spindle.planner.step.assemble import assemble_plan
+from megatron_spindle.planner.assembly.assemble import assemble_plan
 from megatron_spindle.planner.workload.cluster import Cluster, load_cluster
 from megatron_spindle.planner.workload.curves import ScalingCurve, Segment
 from megatron_spindle.planner.workload.graph import LayerConfig, Operator, TaskGraph

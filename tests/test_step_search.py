@@ -3,11 +3,11 @@ valid plans, and a row where it shortens the step below every other candidate.""
 import pytest
 
 from megatron_spindle.planner.simulation.simulate import step_time_ms
-from megatron_spindle.planner.step.assemble import make_metaops
+from megatron_spindle.planner.assembly.assemble import make_metaops
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.lanes import lane_plans
 from megatron_spindle.planner.step.step_search import moves, relocate, search
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import load_cluster
 from megatron_spindle.planner.workload.workloads import build_graph

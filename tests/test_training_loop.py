@@ -23,7 +23,7 @@ BASE = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--log-interval", "100
 
 
 def _args(extra):
-    from megatron_spindle.megatron.flags import build_parser
+    from megatron_spindle.megatron.adapter.flags import build_parser
     return build_parser().parse_args(BASE + extra)
 
 
@@ -32,7 +32,7 @@ def _run(rank, world, ckpt, script):
     """Run several trainings in one process group; returns each run's summary (task losses of the last step)."""
     import io
     import logging
-    from megatron_spindle.megatron.trainer import pretrain
+    from megatron_spindle.megatron.trainer.loop import pretrain
     out = []
     for extra in script:
         if extra == "FAIL_SAVE":
@@ -57,9 +57,9 @@ def _run(rank, world, ckpt, script):
 def _failing_save(ckpt):
     """A save that dies half-way must leave the previous checkpoint and the tracker untouched."""
     import megatron.core.dist_checkpointing as dc
-    from megatron_spindle.megatron import checkpoint as C
-    from megatron_spindle.megatron.model import graph_for as make_graph, plan_for
-    from megatron_spindle.megatron.trainer import make_optimizer
+    from megatron_spindle.megatron.checkpoint import save_load as C
+    from megatron_spindle.megatron.adapter.model import graph_for as make_graph, plan_for
+    from megatron_spindle.megatron.trainer.loop import make_optimizer
     from megatron_spindle.runtime.executor import SpindleModel
     import torch.distributed as dist
     args = _args(["--spindle", "--micro-batch-size", str(8 // dist.get_world_size())])
@@ -168,7 +168,7 @@ def test_a_failed_save_leaves_the_last_checkpoint(runs):
 def _cli(args, env_extra=None, cwd=None):
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port())}
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", *BASE, "--micro-batch-size", "8",
+    return subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", *BASE, "--micro-batch-size", "8",
                            *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
@@ -180,7 +180,7 @@ def _port():
 
 def test_bad_input_one_clear_error_and_checkpoints_intact(runs, tmp_path):
     d, _, _ = runs
-    r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer", "--spindle-model", "gpt5"],
+    r = subprocess.run([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", "--spindle-model", "gpt5"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: unknown model 'gpt5'; built-in models: imagebind, multitask-clip, ofasys, qwen-val (or give the "

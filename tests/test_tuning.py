@@ -1,16 +1,16 @@
-"""Every system at its own best configuration (planner/systems/tuning.py, tune_spindle.py, static_grids.py,
+"""Every system at its own best configuration (planner/tuning/tune.py, tune_spindle.py, static_grids.py,
 module_blocks.py): the search's rules on small cases, each checked against what it must find."""
 import pytest
 
-from megatron_spindle.planner.step.assemble import make_metaops
+from megatron_spindle.planner.assembly.assemble import make_metaops
 from megatron_spindle.planner.step.build import make_plan, plan_system
-from megatron_spindle.planner.step.execution import Execution, configure, task_groups
+from megatron_spindle.planner.assembly.execution import Execution, configure, task_groups
 from megatron_spindle.planner.systems.module_blocks import plan_module_blocks
 from megatron_spindle.planner.simulation.simulate import simulate
 from megatron_spindle.planner.systems.static_grids import build_grids, module_stages, simulate_grids
-from megatron_spindle.planner.systems.tune_spindle import recompute_order, stash_bytes, tune_spindle
-from megatron_spindle.planner.systems.tuning import Workload, tune_baseline, tune_static_grids
-from megatron_spindle.planner.step.validate import check_plan
+from megatron_spindle.planner.tuning.tune_spindle import recompute_order, stash_bytes, tune_spindle
+from megatron_spindle.planner.tuning.tune import Workload, tune_baseline, tune_static_grids
+from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import Cluster, load_cluster
 
@@ -134,10 +134,10 @@ def test_spindle_is_at_or_below_every_tuned_baseline_it_can_run():
 
 
 def test_at_the_runs_own_passes_the_tuner_makes_a_plan_fit_where_the_plain_one_does_not():
-    """What a training run does when Spindle's plain plan does not fit (megatron/model.py plan_for): at its own
+    """What a training run does when Spindle's plain plan does not fit (megatron/adapter/model.py plan_for): at its own
     passes, recompute, phases or ZeRO-1 where memory binds."""
-    from megatron_spindle.planner.step.placement import PlacementError
-    from megatron_spindle.planner.systems.tuning import FixedPasses
+    from megatron_spindle.planner.assembly.placement import PlacementError
+    from megatron_spindle.planner.tuning.tune import FixedPasses
     g = Workload(model="multitask-clip", tasks=4).graph(16)
     cl = small_memory(8, 8)
     with pytest.raises(PlacementError):

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..models.data import StreamSpec, stream_specs
 from ..planner.workload.graph import TaskGraph
-from ..planner.step.plan import Plan
+from ..planner.assembly.plan import Plan
 from .sharding import RankReads, rank_reads
 
 

@@ -1,7 +1,7 @@
 """Which samples of each task's global batch a rank reads: derived from the plan, pure Python.
 
 A slice whose operators read ``data:<task>:<stream>`` inputs holds, on each rank, the samples of its
-data-parallel replica (:mod:`megatron_spindle.planner.step.dataflow`): replica ``i`` of ``dp`` holds
+data-parallel replica (:mod:`megatron_spindle.planner.assembly.dataflow`): replica ``i`` of ``dp`` holds
 ``[i·B/dp, (i+1)·B/dp)`` of the task's global batch ``B``. Only those ranks read that stream, and only
 those samples.
 
@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..planner.step.dataflow import Layout, slice_layout
+from ..planner.assembly.dataflow import Layout, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
-from ..planner.step.plan import Plan
+from ..planner.assembly.plan import Plan
 
 
 @dataclass(frozen=True)

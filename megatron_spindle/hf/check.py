@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from ..compat import apply_cpu_patches
+from ..compat.cpu import apply_cpu_patches
 from ..models.hf_config import model_spec_toml, read_config, towers
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained

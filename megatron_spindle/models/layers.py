@@ -51,17 +51,14 @@ from torch import Tensor, nn
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from ..planner.workload.graph import DATA_PREFIX, OP_TYPES, Operator, TaskGraph
+from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
+from ..planner.workload.layer_types import OP_TYPES
 from . import recompute
 from .megatron_state import ensure_megatron_globals
 from .custom import build_custom_core, custom_forward, custom_supports_tp
-from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead,
-                     LocalGroup, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, make_norm,
-                     parallel_config, pg_collection, rotary_embedding, self_group, transformer_config,
-                     use_te_backend)
-from .layer_state import (full_state_dict, load_full_state_dict, num_parameters, shard_spec,
-                          shard_tensor, unshard_tensors)
-from .shapes import LOSS_OP_TYPES, example_inputs, input_shapes, output_shape
+from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead, PatchEmbedding,
+                     PoolHead, TokenEmbedding, layer_spec, make_norm, parallel_config, pg_collection,
+                     rotary_embedding, self_group, transformer_config, use_te_backend)
 
 #: Operator types whose layers accept tp > 1.
 TP_OP_TYPES = frozenset({"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter",

@@ -40,7 +40,8 @@ from megatron.core import tensor_parallel
 from torch import Tensor, nn
 
 from ..compat.mcore import fix_checkpoint_without_te
-from ..planner.workload.recompute import RECOMPUTABLE, RECOMPUTE
+from ..planner.workload.recompute import RECOMPUTABLE
+from ..planner.workload.metaops import RECOMPUTE
 
 #: megatron's modules that selective recompute runs again (``recompute_modules``).
 SELECTIVE_MODULES = ("layernorm", "mlp")

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
 from ..planner.workload.recompute import RECOMPUTABLE
-from .layers import LOSS_OP_TYPES, OperatorLayer, build_layer
+from .shapes import LOSS_OP_TYPES
+from .layers import OperatorLayer, build_layer
 from .pretrained import load_pretrained
 
 _SEP = "/"

@@ -35,7 +35,7 @@ from .. import comm
 from ..atomic import write_json
 from ..compat.cpu import apply_cpu_patches
 from ..log import get_logger
-from ..planner.step.build import make_metaops
+from ..planner.assembly.assemble import make_metaops
 from ..planner.workload.cluster import Cluster
 from ..planner.workload.workloads import build_graph
 from . import launch

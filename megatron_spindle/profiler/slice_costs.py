@@ -12,7 +12,7 @@ measures that directly, every profile process at once:
    passes of synthetic data (:class:`..models.data.SyntheticData`), forward, backward and the gradient sync,
    as a training step does; a slice's ``fwd`` and ``bwd`` are the medians of its spans over the timed passes
    (a pass slowed by another process on shared cores does not move them; the training line's measured step is
-   a median too, :mod:`..megatron.prediction`);
+   a median too, :mod:`..megatron.trainer.prediction`);
 2. time every layer of this process's slices alone at the slice's local batch, as the profile's points are
    timed (:func:`.timing.time_layer`, the median of the repeats); a slice's **point** is their sum;
 3. :func:`fit_slices`: ``fwd + bwd ≈ a + k·point`` over every measured slice of every process, least squares

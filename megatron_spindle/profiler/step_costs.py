@@ -1,6 +1,6 @@
 """The optimizer step, measured: the part of a training step after the gradient sync that has no curve.
 
-The trainer's optimizer step (:func:`megatron_spindle.megatron.trainer.make_optimizer`: ``torch.optim.AdamW``
+The trainer's optimizer step (:func:`megatron_spindle.megatron.trainer.loop.make_optimizer`: ``torch.optim.AdamW``
 over the rank's unique parameters, fp32 master weights when training in bf16) costs a fixed part, a part
 per parameter tensor (PyTorch's CPU AdamW loops over tensors) and a part per element. :func:`measure_optimizer`
 times ``zero_grad + step`` of a fresh AdamW on a few shapes (tensors x elements), every process at once (so
@@ -10,7 +10,7 @@ processes sharing cores are measured as they train), and :func:`fit_optimizer` f
 
 by least squares weighted by ``1/t`` (relative errors; coefficients clipped at 0 and the rest refitted).
 :func:`optimizer_ms` evaluates it for one rank's parameters. The result goes into the curves file's
-``measured.optimizer`` (:mod:`.run`); the trainer's live prediction (:mod:`megatron_spindle.megatron.prediction`)
+``measured.optimizer`` (:mod:`.run`); the trainer's live prediction (:mod:`megatron_spindle.megatron.trainer.prediction`)
 reads it.
 """
 from __future__ import annotations

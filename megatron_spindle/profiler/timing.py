@@ -17,7 +17,8 @@ import time
 import torch
 
 from .. import comm
-from ..models.layers import build_layer, example_inputs
+from ..models.layers import build_layer
+from ..models.shapes import example_inputs
 from ..planner.workload.graph import TaskGraph
 
 

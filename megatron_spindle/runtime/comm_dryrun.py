@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compat import apply_cpu_patches
+from ..compat.cpu import apply_cpu_patches
 from ..models.data import SyntheticData
-from ..planner.step.plan import Plan
+from ..planner.assembly.plan import Plan
 from ..planner.workload.graph import TaskGraph
 from ..planner.workload.spec import load_spec
 from . import comm_record

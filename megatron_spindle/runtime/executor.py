@@ -11,7 +11,7 @@ Every slice's layers recompute their activations as its MetaOp says (``MetaOp.re
 :mod:`..models.recompute`). Within a phase:
 
 1. **forward**, for each wave ``w`` in order: post this rank's receives of the plan's transfers into ``w``
-   (``plan.transfers``, computed by :mod:`..planner.step.dataflow`; the executor derives none of its own; local
+   (``plan.transfers``, computed by :mod:`..planner.assembly.dataflow`; the executor derives none of its own; local
    copies need no communication), then run this rank's slices of ``w``, each waiting for exactly its own
    inputs' receives; a slice's sends (to every later wave) are posted as soon as it has run. A slice's
    received inputs are leaves that require grad, so each slice has its own autograd graph;
@@ -61,12 +61,12 @@ from torch import Tensor, nn
 from .. import comm
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
-from ..planner.step.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
+from ..planner.assembly.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
-from ..planner.step.plan import Message, Plan, Slice, Transfer
-from ..planner.step.validate import check_plan
+from ..planner.assembly.plan import Message, Plan, Slice, Transfer
+from ..planner.assembly.validate import check_plan
 from .grad_sync import GradSync
-from .p2p import PassTransfers, SpindleTimeout, TransferPlumbing, post_p2p  # noqa: F401 - re-exported
+from .p2p import PassTransfers, TransferPlumbing
 from .groups import ProcessGroupRegistry
 from .rank_sets import plan_rank_sets, tp_group_name
 from .stash import StashMeter

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import comm
 from ..models.shapes import output_shape
-from ..planner.step.plan import Message, Transfer
+from ..planner.assembly.plan import Message, Transfer
 
 
 class SpindleTimeout(comm.PeerError):

@@ -10,8 +10,8 @@ and a weight held by one rank is reduced over nobody (:mod:`.grad_sync`), so no 
 """
 from __future__ import annotations
 
-from ..planner.step.dataflow import frozen_param_keys
-from ..planner.step.plan import Plan
+from ..planner.assembly.dataflow import frozen_param_keys
+from ..planner.assembly.plan import Plan
 
 
 def tp_group_name(slice_name: str, replica: int) -> str:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .. import comm
 
 from ..planner.workload.graph import TaskGraph
-from ..planner.step.plan import Plan
+from ..planner.assembly.plan import Plan
 from .executor import SpindleModel
 
 

@@ -51,7 +51,7 @@ class Wave:
     duration_ms: float
     slices: list[WaveSlice] = field(default_factory=list)
     phase: int = 0
-    """The plan's execution phase (:attr:`..step.plan.WavePlan.phase`)."""
+    """The plan's execution phase (:attr:`..assembly.plan.WavePlan.phase`)."""
 
 
 def schedule_level(level: int, metaops: Sequence[MetaOp], tuples: Mapping[str, list[AllocTuple]],

@@ -8,7 +8,7 @@ least ``bucket_size`` parameters (megatron.core ``distributed_data_parallel.py``
 gradients are produced by the backward pass, and with ``overlap_grad_reduce`` posts a bucket's all-reduce
 as soon as every gradient in it is complete.
 
-Here a parameter group (:class:`..step.plan.ParamGroup`) is complete when the last backward, in execution order,
+Here a parameter group (:class:`..assembly.plan.ParamGroup`) is complete when the last backward, in execution order,
 of a slice that holds it on one of its ranks has passed its layer: a slice runs its layers' backward in
 reverse, so with ``backward_ms`` (the slice's backward time, split evenly over its layers) layer ``j`` of a
 slice of layers ``[a, b)`` ending at ``done`` is complete at ``done - backward · (j - a) / (b - a)`` (the last
@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..step.plan import Plan
+from ..assembly.plan import Plan
 
 #: megatron.core DDP's default bucket size, parameters (``max(40e6, 1e6 × dp)``).
 DEFAULT_BUCKET_PARAMS = 40_000_000

@@ -2,7 +2,7 @@
 boundary transfers, and its earliest gradients are complete only at the end of the backward.
 
 Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.timeline`, :mod:`.grad_buckets`,
-:mod:`.link_costs`, :mod:`..step.dataflow`). Take a source-to-sink path of the MetaOp graph and list its layers
+:mod:`.link_costs`, :mod:`..assembly.dataflow`). Take a source-to-sink path of the MetaOp graph and list its layers
 ``0..M-1`` in order (every layer of every MetaOp on the path); in a plan layer ``i`` runs in some slice on
 ``n_i`` devices (a valid count: validation's rule), ``T_i = T(n_i)`` (forward + backward).
 
@@ -24,7 +24,7 @@ Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.ti
 3. **Tail.** Layer ``j``'s gradient on this path is complete (:mod:`.grad_buckets`: a slice's layers complete
    in reverse) no earlier than ``r_j = FORWARD_SHARE · Σ_{i<j} T_i + Σ_{i≥j} T_i`` + every edge's forward +
    the backward of the edges after ``j``, from the start of the last pass. Its weight's group holds at least
-   the ``⌊n_j/tp⌋`` ranks of one shard of its slice (:func:`..step.dataflow.param_groups`), so the bucket
+   the ``⌊n_j/tp⌋`` ranks of one shard of its slice (:func:`..assembly.dataflow.param_groups`), so the bucket
    holding it starts no earlier and runs at least one ring all-reduce of the shard over that many devices
    (:func:`.link_costs.allreduce_time_ms`, with the faster link and the smaller latency unless it cannot fit
    one island): the sync ends at ``E ≥ r_j + AR_j(n_j)``, and ``step = (K−1)·t_pass + max(t_pass, E)``.
@@ -51,7 +51,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..step.dataflow import ACTIVATION_BYTES, needs_output_grad
+from ..assembly.dataflow import ACTIVATION_BYTES, needs_output_grad
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.memory import layer_state_bytes, slice_activation_bytes
@@ -87,7 +87,7 @@ def paths(metaops: Sequence[MetaOp], limit: int = MAX_PATHS) -> list[tuple[int, 
 
 
 def _replicas(m: MetaOp, n: np.ndarray) -> np.ndarray:
-    """Data-parallel replicas of a slice of ``m`` on ``n`` devices (:func:`..step.dataflow.slice_layout`; at
+    """Data-parallel replicas of a slice of ``m`` on ``n`` devices (:func:`..assembly.dataflow.slice_layout`; at
     least 1: a count below ``tp`` is one ``m`` cannot use, and its time rules it out)."""
     return np.maximum(1, n // m.tp) if m.batch_splittable else np.ones_like(n)
 

@@ -18,7 +18,7 @@ per-slice costs medians over passes, the collectives and the norm means (why:
   posts in that batch. The link's exchange latency ``λ`` (:mod:`megatron_spindle.profiler.link`) holds a post
   and a delivery, timed in other repeats; the runtime's own measurement times both parts in the same ones;
 * **a small collective** over all ranks (the gradient norm's and each task's loss all-reduce at the step's end,
-  :mod:`megatron_spindle.megatron.prediction`): ``c + d·j`` for ``j`` all-reduces of a few bytes back to back;
+  :mod:`megatron_spindle.megatron.trainer.prediction`): ``c + d·j`` for ``j`` all-reduces of a few bytes back to back;
   ``d`` is one collective's latency on this backend, ``c`` what the first one adds (the ranks meeting);
 * **the gradient norm's host work** (the sum of squares over this rank's gradients before its all-reduce):
   ``e + f·tensors + g·elements/1e6``;

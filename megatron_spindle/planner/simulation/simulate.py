@@ -14,7 +14,7 @@ posts during the backward, overlap compute:
    complete, item 3), the totals do not depend on it. A wave's duration (its longest slice) is reported; the
    pass is timed per device (item 4).
 2. **Inter-wave transfers.** Forward, before wave ``w``: every transfer into a slice of ``w`` moves the
-   messages the plan stores for it (:mod:`..step.dataflow`: copy, shard, concat, send/recv; nothing here derives
+   messages the plan stores for it (:mod:`..assembly.dataflow`: copy, shard, concat, send/recv; nothing here derives
    them again). A message that stays on its device is free. Inside an island a message uses the sender's and
    the receiver's NVLink (full duplex); across islands it uses the sending node's and the receiving node's
    NICs (shared by the node's devices). All messages of a boundary go at once (batched point-to-point), so::
@@ -28,7 +28,7 @@ posts during the backward, overlap compute:
 
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per
-   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`..step.plan.ParamGroup`) gradient
+   bucket, by default ``max(40 M, 1 M × ranks)``): a parameter group's (:class:`..assembly.plan.ParamGroup`) gradient
    is complete when the last backward, in execution order, of a slice holding it on one of its ranks has
    passed its layer (a slice's layers complete one by one, last layer first, its backward time split evenly);
    a bucket is ready when its last group is; a frozen weight's group is in none (no gradient). Each bucket is one ring all-reduce of
@@ -50,7 +50,7 @@ posts during the backward, overlap compute:
        t_sync = max(0, max_c end_c − t_pass)
 
    With ``overlap_sync=False`` every bucket is ready at ``t_pass`` (the hand-written sync of old).
-4. **Step.** A pass runs phase by phase (:attr:`..step.plan.WavePlan.phase`; one phase unless the plan frees
+4. **Step.** A pass runs phase by phase (:attr:`..assembly.plan.WavePlan.phase`; one phase unless the plan frees
    activations early): the forwards of the phase's waves, then their backwards in reverse, then the next
    phase, every slice placed on its devices' timeline as item 1-2 say (:func:`.timeline.dataflow_pass`);
    ``t_pass`` ends when the last device does. With gradient accumulation over ``K`` passes (``passes=K``,
@@ -59,7 +59,7 @@ posts during the backward, overlap compute:
    ``= K ·`` (``t_pass`` minus the same pass with free communication: what the transfers expose),
    *idle* the rest of ``K · t_pass`` (devices waiting for inputs, or unused), *sync* (exposed); the four add
    up to the step.
-5. **Memory.** The plan's per-device estimate (:func:`..step.assemble.device_memory`: model states of every layer
+5. **Memory.** The plan's per-device estimate (:func:`..assembly.assemble.device_memory`: model states of every layer
    the device holds plus the activations its largest phase stashes), checked against the cluster's usable
    memory.
 
@@ -80,10 +80,9 @@ from typing import Mapping
 
 from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
-from .grad_buckets import GradBucket, gradient_buckets  # noqa: F401 - re-exported
-from .link_costs import (SyncFloor, allreduce_time_ms, boundary_time_ms, ring_bytes,  # noqa: F401 - re-exported
-                         schedule_collectives, sync_floor, sync_time_ms)
-from ..step.plan import Plan, Slice
+from .grad_buckets import gradient_buckets
+from .link_costs import SyncFloor, allreduce_time_ms, boundary_time_ms, schedule_collectives, sync_floor, sync_time_ms
+from ..assembly.plan import Plan, Slice
 from .runtime_costs import RuntimeCosts
 from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
@@ -294,7 +293,7 @@ def simulate(plan: Plan, cluster: Cluster, *, check_memory: bool = True, passes:
     default the plan's own); ``grad_bytes``: bytes per gradient element of the all-reduce (4: fp32, 2:
     bf16); ``overlap_sync``: post each bucket when its last gradient is complete (the runtime's default)
     rather than after the backward; ``compute_scale``: every slice takes that many times its curve's time
-    (CPU ranks sharing cores, as the live prediction of :mod:`megatron_spindle.megatron.prediction` sees
+    (CPU ranks sharing cores, as the live prediction of :mod:`megatron_spindle.megatron.trainer.prediction` sees
     them), so buckets become ready later too; ``bucket_size``: parameters per gradient bucket (default
     megatron.core's, :mod:`.grad_buckets`); ``runtime``: the runtime's own measured costs (a profile's
     ``measured.runtime``, :mod:`.runtime_costs`), charged on the pass's timeline (:mod:`.timeline`).

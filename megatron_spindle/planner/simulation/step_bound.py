@@ -21,7 +21,7 @@ passes, ``N`` devices, ``t_pass`` one pass and every layer run on some count ``n
    dropped), ``B`` the island's bandwidth when ``h`` fits in one island, else the per-node one; over its
    members that is ``2(h−1)·S/B``, and bucketing only adds latencies. A weight used by MetaOps on ``n``
    devices with tensor-parallel degree ``t`` has ``t`` shard groups of at least ``⌊n/t⌋`` devices each, ``1/t``
-   of the bytes each (:func:`..step.dataflow.param_groups`); frozen weights have no gradient.
+   of the bytes each (:func:`..assembly.dataflow.param_groups`); frozen weights have no gradient.
 5. **Together.** ``step ≥ max(K·t_pass, (K−1)·t_pass + F + Y)`` and, for weights ``ν + Σ_P μ_P = 1``,
    ``t_pass ≥ ν·X + Σ_P μ_P·L_P``. For any ``λ ∈ [0, 1]``, ``max(a, b) ≥ λa + (1−λ)b``, so
    ``step ≥ (K−1+λ)·(ν·X + Σ_P μ_P·L_P) + (1−λ)·(F + Y)``: a sum over layers and weights whose minimum over

@@ -37,7 +37,7 @@ from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .link_costs import boundary_time_ms
 from .runtime_costs import RuntimeCosts
-from ..step.plan import Plan
+from ..assembly.plan import Plan
 
 
 def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
@@ -144,7 +144,7 @@ def _latency_ms(batch: list, cluster: Cluster) -> float:
 
 #: Batches already timed: ``(cluster's id, ids of the batch's message tuples) -> (the cluster and the tuples,
 #: kept so their ids stay theirs, ms)``. The data flow hands out the same message tuple objects for the same
-#: edge layouts (:func:`..step.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
+#: edge layouts (:func:`..assembly.dataflow.island_messages`), so the whole-step choice's candidates, which share most of
 #: their waves, meet the same batches again.
 _BATCHES: dict[tuple, tuple] = {}
 #: At most this many (a plan has two per wave; the entries keep their message tuples alive).

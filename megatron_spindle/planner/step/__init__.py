@@ -1,9 +1,6 @@
-"""Stage 3, the whole step: from level schedules to the plan the runtime executes.
+"""Stage 6, the whole step: which plan trains a step fastest, judged by the simulator.
 
-Levels assembled into one step and their bounds tightened (``assemble``), the whole-step choice among
-candidates (``choose``, ``backfill``), placement on devices and islands (``placement``, ``placement_state``),
-the data flow between waves (``dataflow``), how a plan runs (``execution``: passes, recompute, phases, the
-distributed optimizer, TP), the plan itself, its checks and drawings (``plan``, ``validate``, ``render``), and
-the entry points (``build``: ``make_plan``, ``plan_system``; ``manual``: hand-written plans for tests). A
-step's cost is :mod:`..simulation`'s; the baselines and the tuners are :mod:`..systems`.
+The whole-step choice among candidates (``choose``): the level-by-level waves, backfilled and cross-level waves
+(``backfill``), task lanes (``lanes``), the step search's local moves (``step_search``) and the baselines'
+schedules; and the entry points (``build``: ``make_plan``, ``plan_system``).
 """

@@ -1,23 +1,23 @@
 """From a task graph to a placed, validated plan: the planner's front door.
 
 ``make_plan(graph, cluster)`` runs contraction, curves, per-level allocation and wavefront scheduling,
-placement, and assembles the :class:`~.plan.Plan` (:mod:`.assemble`); among Spindle's waves, their naive
+placement, and assembles the :class:`~..assembly.plan.Plan` (:mod:`..assembly.assemble`); among Spindle's waves, their naive
 placement and the baselines' schedules it keeps the shortest simulated step (:mod:`.choose`), then checks it
 against the validation rules. :func:`plan_system` gives the plan of any system (Spindle or a baseline).
 """
 from __future__ import annotations
 
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
-from .assemble import assemble_plan, device_memory, make_metaops, schedule  # noqa: F401 - the planner's API
+from ..assembly.assemble import assemble_plan, make_metaops, schedule
 from ..systems.baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
 from .choose import choose_whole_step
-from .execution import Execution, configure
+from ..assembly.execution import Execution, configure
 from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
-from .placement import NODE_BUDGET, PlacementError, place, sequential_placement
-from .plan import LevelInfo, Plan
-from .validate import check_plan
+from ..assembly.placement import NODE_BUDGET, PlacementError, place, sequential_placement
+from ..assembly.plan import LevelInfo, Plan
+from ..assembly.validate import check_plan
 from ..level.scheduler import LevelSchedule
 
 

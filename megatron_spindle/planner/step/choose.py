@@ -44,19 +44,19 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from ..systems import baselines
-from .assemble import assemble_plan, fits_memory
+from ..assembly.assemble import assemble_plan, fits_memory
 from .backfill import backfill
 from .lanes import LANES_MAX_DEVICES, SIZED, lane_plans
 from .step_search import search as step_search, trial_budget
-from .validate import violations
-from .execution import Execution
+from ..assembly.validate import violations
+from ..assembly.execution import Execution
 from ..systems.module_blocks import plan_module_blocks
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
-from .placement import NODE_BUDGET, place, sequential_placement
-from .plan import Plan
+from ..assembly.placement import NODE_BUDGET, place, sequential_placement
+from ..assembly.plan import Plan
 from ..simulation.simulate import step_time_ms
 from ..level.waves import Wave, WaveSlice, schedule_level
 
@@ -92,7 +92,7 @@ def whole_step_candidates(graph: TaskGraph, cluster: Cluster, metaops: Sequence[
     """The baselines' schedules as ``(name, build)`` pairs (built lazily; a build may raise ``ValueError``), on
     the same MetaOps, curves, passes and optimizer; each with its own phases (a task's activations freed after
     its backward), which the wave runtime executes as such. Task-level's lanes mix tasks in a wave, so under
-    the wave runtime its memory is one phase's (:func:`.assemble.device_memory`), not its own runtime's."""
+    the wave runtime its memory is one phase's (:func:`..assembly.assemble.device_memory`), not its own runtime's."""
     prepared = (tuple(metaops), dict(curves))
     ex = execution or Execution()
     kw = dict(passes=ex.passes, distributed_optimizer=ex.distributed_optimizer)

@@ -13,7 +13,7 @@ counts and its lanes finish at different times. This candidate keeps the lanes a
    the waves approach), and devices move from the lane that would finish first to the one that would finish
    last while that lowers the latest (halving the step, from an eighth of the smaller lane down to one device).
    Sizes need not be valid counts: Spindle's bi-point waves use every device of a lane.
-2. **Waves per lane.** Each lane's MetaOps are scheduled by the level scheduler (:func:`.assemble.schedule`,
+2. **Waves per lane.** Each lane's MetaOps are scheduled by the level scheduler (:func:`..assembly.assemble.schedule`,
    the paper's pipeline) on the lane's devices, each wave's slices on consecutive devices of the lane, a slice
    of a MetaOp that ran in the lane's previous wave starting where that one started (its activations mostly
    stay where they are).
@@ -39,7 +39,7 @@ from ..level.waves import Wave, WaveSlice
 from ..systems.shares import min_share
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp, levels
-from .assemble import assemble_plan, fits_memory, schedule
+from ..assembly.assemble import assemble_plan, fits_memory, schedule
 from ..simulation.simulate import step_time_ms
 from .step_search import critical_tasks
 

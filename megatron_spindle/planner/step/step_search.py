@@ -20,7 +20,7 @@ after the pass. This search starts from such a plan and changes it by moves judg
    those its other slices leave free in a wave; one of the first :data:`MAX_DONORS`, or several of them
    together): ``x`` and every later slice of its task that runs
    inside ``x``'s devices grow onto the devices of ``D`` (those of ``x``'s islands first, then the lowest),
-   each to the largest valid count (rule 3 of :mod:`.validate`) that the devices of ``D`` free in its wave
+   each to the largest valid count (rule 3 of :mod:`..assembly.validate`) that the devices of ``D`` free in its wave
    allow (rule 2). A MetaOp's later layers and its consumers follow it, so the activations it hands on stay
    where they are; a donor's own waves still run first on its devices when they come first in wave order
    (a rank runs its slices in wave order); a weight spread over more devices is all-reduced over them.
@@ -54,9 +54,9 @@ from ..simulation.simulate import simulate, step_time_ms
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
 from ..workload.memory import slice_param_keys
-from .assemble import device_memory
-from .dataflow import param_groups, transfers
-from .plan import Plan, SliceRef, WavePlan
+from ..assembly.assemble import device_memory
+from ..assembly.dataflow import param_groups, transfers
+from ..assembly.plan import Plan, SliceRef, WavePlan
 
 #: Rounds of moves (each keeps the best move of the round).
 MAX_ROUNDS = 12

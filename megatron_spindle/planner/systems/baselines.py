@@ -1,7 +1,7 @@
 """Baseline planners: what people run today, written in Spindle's plan format so one simulator times them all.
 
 Every baseline uses Spindle's own MetaOps, scaling curves and plan assembly (:func:`..step.build.assemble_plan`),
-and its plan passes the same validation rules (:func:`..step.validate.check_plan`): each is an executable plan, not
+and its plan passes the same validation rules (:func:`..assembly.validate.check_plan`): each is an executable plan, not
 a formula. They differ only in how devices are shared.
 
 * ``sequential`` (Megatron-LM / DeepSpeed as used today). Tasks run one after another, each on the whole
@@ -39,15 +39,15 @@ from typing import Mapping, Sequence
 
 from ..level.allocate import allocate_level
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
-from ..step.assemble import assemble_plan, make_metaops
+from ..assembly.assemble import assemble_plan, make_metaops
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp, levels
-from ..step.plan import LevelInfo, Plan
+from ..assembly.plan import LevelInfo, Plan
 from .shares import (best_count, finish_together_shares, group_time, marginal_gain_shares, metaop_time, min_share,
                      task_metaops)
-from ..step.validate import check_plan
+from ..assembly.validate import check_plan
 from ..level.waves import ALIGN_SLACK, Wave, WaveSlice
 
 #: Every system the comparison knows, Spindle first.

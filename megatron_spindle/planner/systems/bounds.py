@@ -1,15 +1,15 @@
 """The whole-step bound (:mod:`..simulation.step_bound`) of a workload at one configuration, without planning.
 
-Every system at an :class:`..step.execution.Execution` runs the same MetaOps and curves
-(:func:`..step.build.plan_system` and :func:`.tuning.tune_static_grids` build them this way), so the bound at
+Every system at an :class:`..assembly.execution.Execution` runs the same MetaOps and curves
+(:func:`..step.build.plan_system` and :func:`..tuning.tune.tune_static_grids` build them this way), so the bound at
 a system's configuration bounds that system's step (every plan of it that fits the cluster's memory), and the
 smallest over the configurations compared bounds every plan any of them could run.
 """
 from __future__ import annotations
 
 from ..simulation.step_bound import StepBound, step_bound
-from ..step.assemble import make_metaops
-from ..step.execution import Execution, configure
+from ..assembly.assemble import make_metaops
+from ..assembly.execution import Execution, configure
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
 from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph

@@ -22,7 +22,7 @@ from ..workload.graph import TaskGraph
 from ..workload.metaops import levels
 from .baselines import Lane, _blocks, _Builder, _finish
 from .shares import finish_together_shares, min_share
-from ..step.plan import Plan
+from ..assembly.plan import Plan
 from .static_grids import module_stages
 
 

@@ -44,7 +44,7 @@ from ..simulation.grad_buckets import bucket_params
 from ..simulation.link_costs import boundary_time_ms, schedule_collectives
 from ..simulation.simulate import GRAD_BYTES_PER_PARAM, Breakdown, StepSimulation
 
-ACTIVATION_BYTES = 2  # bf16 activations cross grids (as :mod:`..step.dataflow` counts them)
+ACTIVATION_BYTES = 2  # bf16 activations cross grids (as :mod:`..assembly.dataflow` counts them)
 
 
 @dataclass(frozen=True)

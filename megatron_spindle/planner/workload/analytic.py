@@ -76,7 +76,7 @@ tests/test_analytic_curves.py re-checks every anchor point):
 * **The band (issue 31).** :func:`fast_edge` is the fused / CUDA-graph floor with the default level (the other
   execution mode); :func:`slow_edge` is the eager column's batch-1 latency as floor with Megatron-LM 2021's end-to-end
   level (SC21 Table 1; :data:`LOW_MAX_EFFICIENCY`). ``spindle compare`` re-plans every system under both
-  (:mod:`megatron_spindle.compare_band`). At large batch a training anchor checks the default: NVIDIA
+  (:mod:`megatron_spindle.compare.band`). At large batch a training anchor checks the default: NVIDIA
   DeepLearningExamples' BERT-large pretraining on one A100 (sequence 128, micro-batch 256, 694 sequences/s) lies
   between the fast edge and the slow edge (tests/test_analytic_curves.py).
 

@@ -16,7 +16,8 @@ from typing import Any
 from ...log import get_logger
 from ..limits import MAX_NAME, SPEC_LIMITS
 from . import costs
-from .graph import DATA_PREFIX, LayerConfig, OP_TYPES, Operator, data_input
+from .graph import DATA_PREFIX, LayerConfig, Operator, data_input
+from .layer_types import OP_TYPES
 from .layer_types import custom_layer_type, registered
 
 log = get_logger(__name__)
