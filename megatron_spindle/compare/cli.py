@@ -39,7 +39,7 @@ from ..planner.systems.baselines import BASELINES, SYSTEMS
 from ..planner.step.build import make_plan
 from ..planner.assembly.execution import Execution
 from ..planner.simulation.simulate import StepSimulation, simulate
-from ..planner.tuning.tune_spindle import tune_spindle
+from ..planner.tuning.tune_spindle import tune_with_baselines
 from ..planner.tuning.tune import Tuned, Workload, tune_baseline, tune_static_grids
 from ..planner.workload.analytic import CurvesFile, DeviceModel
 from ..planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
@@ -169,15 +169,13 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
         cl = load_cluster(cluster, num_devices=n)
         device = None if curves_file else DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib)
         kw = dict(curves_file=curves_file, device=device, fixed=fixed)
-        tuned: dict[str, Tuned] = {}
-        for system in systems:
-            if system in BASELINES:
-                tuned[system] = tune_baseline(system, workload, cl, **kw)
-            elif system == "static-grids":
-                tuned[system] = tune_static_grids(workload, cl, **kw)
-        if "spindle" in systems or "spindle-naive-placement" in systems:
-            hints = [t.execution for t in tuned.values() if t.execution is not None and t.system in BASELINES]
-            tuned["spindle"] = tune_spindle(workload, cl, hints=hints, **kw)
+        baselines = [s for s in systems if s in BASELINES]
+        if "spindle" in systems or "spindle-naive-placement" in systems:  # as `spindle plan` tunes it
+            tuned = tune_with_baselines(workload, cl, baselines=baselines, **kw)
+        else:
+            tuned = {system: tune_baseline(system, workload, cl, **kw) for system in baselines}
+        if "static-grids" in systems:
+            tuned["static-grids"] = tune_static_grids(workload, cl, **kw)
         graph0 = workload.graph(1)
         spindle = tuned.get("spindle")
         cmp = Comparison(model=graph0.model, tasks=len(graph0.tasks), gpus=n, cluster=cl.name,
