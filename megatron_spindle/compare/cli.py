@@ -45,6 +45,8 @@ from ..planner.tuning.tune import Tuned, Workload, tune_baseline, tune_static_gr
 from ..planner.workload.analytic import CurvesFile, DeviceModel
 from ..planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
 from ..planner.workload.workloads import resolve_passes
+from ..planner.level.solver import available as highs_available
+from ..plan_output import HIGHS_NOTE
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -394,6 +396,8 @@ def cmd_compare(args) -> int:
         workload.graph(passes)  # passes that do not divide a task's batch: fail now
         fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None
+    if not highs_available():
+        print(HIGHS_NOTE, file=sys.stderr)
     cmps = compare(workload, args.gpus, cluster=args.cluster, curves_file=curves, fixed=fixed,
                    band=not args.no_band and fixed is None)
     if args.plot:
