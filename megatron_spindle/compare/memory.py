@@ -37,10 +37,10 @@ def memory_line(stats: Mapping[str, dict], usable_gib: float) -> str | None:
     even = min(others, key=lambda k: others[k]["spread_gib"])
     lower = sp["max_gib"] <= others[lowest]["max_gib"] * (1 + 1e-9)
     flatter = sp["spread_gib"] <= others[even]["spread_gib"] * (1 + 1e-9)
-    verdict = {(True, True): "lower and more balanced than every baseline's, as the paper reports",
-               (True, False): "lower than every baseline's, but not the most balanced",
-               (False, True): "the most balanced, but not the lowest",
-               (False, False): "neither the lowest nor the most balanced"}[(lower, flatter)]
+    verdict = {(True, True): "at or below every baseline's in peak and in spread (the paper: lower and more balanced)",
+               (True, False): "the lowest peak, but not the most even",
+               (False, True): "the most even, but not the lowest peak",
+               (False, False): "neither the lowest peak nor the most even"}[(lower, flatter)]
     return (f"memory per device (peak of each device, {usable_gib:.1f} GiB usable): Spindle max "
             f"{sp['max_gib']:.1f} GiB, spread {sp['spread_gib']:.1f} (max - min over the devices); lowest baseline "
             f"max {lowest} {others[lowest]['max_gib']:.1f}, most balanced baseline {even} "
