@@ -90,7 +90,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def conf(c: Comparison, s: str) -> str:
     r = c.results[s]
     if not (r.ok and r.execution is not None):
-        return "no plan"
+        return f"no plan: {' '.join((r.error or 'none fits').split())[:90]}"
     return r.execution.label() + (f", MFU {r.mfu:.1%}" if r.mfu is not None else "")
 
 

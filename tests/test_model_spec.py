@@ -38,10 +38,13 @@ def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, cap
     model, tasks = key.rsplit("-", 1)
     path = shipped_models()[model]
     got = {}
+    passes = str(load_spec(model).default_passes())  # the spec's passes: one configuration, planned in a second
     for m in (path, model):
-        assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
+        assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--passes", passes, "--json"]) == 0
         got[m] = json.loads(capsys.readouterr().out)
-    assert (got[path]["makespan_ms"], got[path]["num_waves"]) == (got[model]["makespan_ms"], got[model]["num_waves"])
+    assert (got[path]["step_ms"], got[path]["makespan_ms"], got[path]["num_waves"]) == (
+        got[model]["step_ms"], got[model]["makespan_ms"], got[model]["num_waves"])
+    assert got[model]["configuration"]["given"] is True
     floor = got[model]["sync_floor"]  # the plan's own sync floor is under its step, and the step bound under both
     assert floor["busy_ms"] > 0 and floor["step_floor_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
     assert got[model]["step_bound_ms"] <= got[model]["step_ms"] * (1 + 1e-9)

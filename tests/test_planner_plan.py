@@ -394,6 +394,33 @@ def test_gantt_names_devices_on_the_axis():
     assert device_ticks(32) == list(range(32)) and len(device_ticks(1000)) <= 32
 
 
+def test_gantt_at_32_devices_has_the_step_a_full_key_and_no_overlapping_labels():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from megatron_spindle.plan_output import pass_timeline, step_title
+    from megatron_spindle.planner.assembly.render import codes, gantt_figure, grid, grid_key
+    from megatron_spindle.planner.simulation.simulate import simulate
+
+    cluster = load_cluster(None, num_devices=32)
+    plan = make_plan(build_graph("multitask-clip", tasks=10, passes=16), cluster, passes=16)
+    sim = simulate(plan, cluster, check_memory=False)
+    fig = gantt_figure(plan, timeline=pass_timeline(plan, cluster), step=step_title(sim))
+    try:
+        ax, key = fig.axes
+        assert f"step {sim.step_ms:.1f} ms = 16 passes of {sim.pass_ms:.1f} ms" in ax.get_title()
+        names = [t.get_text() for t in key.get_legend().get_texts()]
+        assert len(names) == len(plan.metaops) and all(n.endswith(m.name) for n, m in zip(names, plan.metaops))
+        fig.canvas.draw()
+        boxes = [t.get_window_extent() for t in ax.texts]
+        assert boxes and not [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+        assert ax.get_xlim()[1] == pytest.approx(sim.pass_ms)  # one pass, forward and backward
+    finally:
+        plt.close(fig)
+    text = grid(plan) + "\n" + grid_key(plan)  # the terminal grid prints its key
+    assert all(f"{code} {name}" in " ".join(text.split()) for name, code in codes(plan).items())
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'"),
     (["--model", "multitask-clip", "--tasks", "11", "--gpus", "8"], "trains 1 to 10 tasks"),
