@@ -79,7 +79,7 @@ def cmd_plan(args) -> int:
     if args.gantt:
         check_plotting("--gantt")
     t0 = time.perf_counter()
-    with _progress(args, cluster, not given):
+    with _progress(args, cluster):
         plan, configured = _make(args, workload, cluster, curves, device, given)
     planning_s = time.perf_counter() - t0
     whole = plan_step_bound(plan, cluster)  # the whole step's bound: every wave plan of this configuration
@@ -140,16 +140,15 @@ def _make(args, workload: Workload, cluster, curves, device, given: bool):
 
 
 @contextlib.contextmanager
-def _progress(args, cluster, auto: bool):
+def _progress(args, cluster):
     """A 'planning: N s so far' line every ``--progress-interval`` seconds while the planner runs (a large
-    cluster or batch, ``--passes auto``: minutes), so a long plan is not taken for a hang."""
+    cluster or batch, the tuned default: up to a minute), so a long plan is not taken for a hang."""
     every = args.progress_interval
     if not (math.isfinite(every) and every >= 0):
         raise ValueError(f"--progress-interval {every}: must be zero or more seconds")
     done = threading.Event()
     out = sys.stderr if args.json else sys.stdout
-    what = (f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
-            + (", every pass count (--passes auto)" if auto else ""))
+    what = f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
 
     def beat():
         t0 = time.perf_counter()

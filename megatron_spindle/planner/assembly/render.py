@@ -262,7 +262,7 @@ def device_ticks(world_size: int, most: int = 32) -> list[int]:
 
 
 #: Gantt geometry, inches: chart width, height per device (within limits), legend row height.
-_WIDTH_IN, _ROW_IN, _KEY_ROW_IN = 12.0, 0.26, 0.15
+_WIDTH_IN, _ROW_IN, _KEY_ROW_IN = 12.0, 0.26, 0.125
 _LABEL_PT = 6.0
 
 
@@ -308,10 +308,12 @@ def gantt_figure(plan: Plan, *, title: str | None = None, timeline=None, step: s
     key_cols = 4 if len(plan.metaops) > 24 else 3
     key_rows = -(-len(plan.metaops) // key_cols)
     chart_h = max(2.5, min(16.0, _ROW_IN * plan.world_size + 1.0))
-    key_h = _KEY_ROW_IN * key_rows + 0.2
-    fig, (ax, kx) = plt.subplots(2, 1, figsize=(_WIDTH_IN, chart_h + key_h + 0.6),
-                                 gridspec_kw={"height_ratios": [chart_h, key_h], "hspace": 0.08})
-    fig.subplots_adjust(left=0.06, right=0.99, top=1 - 0.55 / (chart_h + key_h + 0.6), bottom=0.01)
+    key_h = _KEY_ROW_IN * key_rows + 0.05
+    gap_h = 0.6  # inches between the chart and the key: the time axis's ticks and label
+    total_h = chart_h + gap_h + key_h + 0.55
+    fig, (ax, kx) = plt.subplots(2, 1, figsize=(_WIDTH_IN, total_h), gridspec_kw={
+        "height_ratios": [chart_h, key_h], "hspace": gap_h / ((chart_h + key_h) / 2)})
+    fig.subplots_adjust(left=0.06, right=0.99, top=1 - 0.45 / total_h, bottom=0.01)
     for s, a, b, backward in bars:
         for r in s.ranks:
             ax.broken_barh([(a, b - a)], (r - 0.4, 0.8), facecolors=color[s.metaop], edgecolor="black",
