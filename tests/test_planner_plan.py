@@ -492,3 +492,15 @@ def test_any_task_count_from_one_trains_the_first_k():
             assert build_graph(model, tasks=k, size="tiny").tasks == names[:k]
     with pytest.raises(ValueError, match=r"trains 1 to 3 tasks .*not 4"):
         build_graph("qwen-val", tasks=4)
+
+
+@pytest.mark.parametrize("command,flag", [("plan", "--gantt"), ("compare", "--plot")])
+def test_without_matplotlib_the_picture_flags_are_one_line_before_planning(tmp_path, command, flag):
+    png = str(tmp_path / "x.png")
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from megatron_spindle.cli import main\n"
+            f"sys.exit(main([{command!r}, '--model', 'multitask-clip', '--size', 'tiny', '--tasks', '2', "
+            f"'--gpus', '2', {flag!r}, {png!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == f"spindle {command}: error: {flag} needs matplotlib: pip install -e '.[plot]' (matplotlib)\n"

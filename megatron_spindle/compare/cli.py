@@ -47,6 +47,7 @@ from ..planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
 from ..planner.workload.workloads import resolve_passes
 from ..planner.level.solver import available as highs_available
 from ..plan_output import HIGHS_NOTE
+from ..planner.assembly.render import check_plotting
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -387,6 +388,7 @@ def cmd_compare(args) -> int:
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
     if args.plot:
         check_output(args.plot, "--plot")
+        check_plotting("--plot")  # matplotlib missing: one line now, not after the planning
     workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
     graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
     fixed = None
