@@ -48,6 +48,11 @@ def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, cap
     floor = got[model]["sync_floor"]  # the plan's own sync floor is under its step, and the step bound under both
     assert floor["busy_ms"] > 0 and floor["step_floor_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
     assert got[model]["step_bound_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
+    d = got[model]  # one figure per thing measured: the per-pass makespan with Σ C* only when level by level
+    if d["level_by_level"]:
+        assert 1 - 1e-9 <= d["makespan_ms"] / d["lower_bound_ms"] <= 1.10, d
+    else:
+        assert d["makespan_ms"] is None and d["lower_bound_ms"] is None and d["ratio"] is None, d
 
 
 def test_workloads_table_and_spec_path_equal_the_name():
