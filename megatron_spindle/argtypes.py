@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from .planner.workload.spec import load_spec, shipped_models
+
 
 def _int(text: str, minimum: int, what: str = "") -> int:
     try:
@@ -42,21 +44,25 @@ def name_list(text: str) -> list[str]:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags ``spindle plan`` and ``spindle compare`` share."""
+    specs = {name: load_spec(name) for name in shipped_models()}
     p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
-                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
-                        "(docs/model_spec.md)")
-    p.add_argument("--tasks", type=int, default=None,
-                   help="train the first K tasks (multitask-clip: 4, 7, 10; ofasys: 4, 7; qwen-val: 3); "
-                        "default: the most")
+                   help=f"a shipped model ({', '.join(specs)}) or a model spec file (docs/model_spec.md)")
+    p.add_argument("--tasks", type=positive_int, default=None, metavar="K",
+                   help="train the first K tasks, any K from 1 to the model's most ("
+                        + "; ".join(f"{n}: {s.task_counts[-1]}, the paper's {', '.join(map(str, s.task_counts))}"
+                                    for n, s in specs.items()) + "); default: the most")
     p.add_argument("--size", default="full",
-                   help="model size: full (the paper's) or one of the spec's [sizes] (tiny: tests, CPU demo)")
+                   help="model size: full (the paper's) or one of the spec's [sizes] ("
+                        + "; ".join(f"{n}: {', '.join(s.sizes)}" for n, s in specs.items() if s.sizes)
+                        + "; tiny: tests, CPU demo)")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="global batch per task per optimizer step, Megatron's --global-batch-size (default: the "
                         "model's, from the published recipe it stands for)")
     p.add_argument("--passes", type=passes_arg, default=None,
-                   help="passes per optimizer step (gradient accumulation), or 'auto' (the tuner chooses them, with "
-                        "recompute, phases and the distributed optimizer): each pass plans --batch / --passes "
-                        "samples per task (default: the model's when --batch is not given, else 1)")
+                   help="passes per optimizer step (gradient accumulation; each pass plans --batch / --passes "
+                        "samples per task): K holds Spindle (in compare, every system) to K passes, nothing "
+                        "recomputed; default, or 'auto': the tuned configuration (passes, recompute, phases, the "
+                        "distributed optimizer), the same in spindle plan and spindle compare")
     p.add_argument("--curves", default=None, metavar="FILE",
                    help="JSON scaling curves / device constants (default: the analytic model)")
     p.add_argument("--freeze", type=name_list, default=[], metavar="MODULE[,MODULE]",

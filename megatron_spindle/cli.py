@@ -16,22 +16,33 @@ from .compare import cli as compare
 from .argtypes import add_workload_args, positive_int
 from .atomic import check_output
 from .log import setup_logging
-from .planner.workload.analytic import CurvesFile
+from .planner.workload.analytic import CurvesFile, DeviceModel
 from .planner.step.build import make_plan
-from .planner.tuning.tune_spindle import tune_spindle
+from .planner.tuning.tune_spindle import tune_with_baselines
 from .planner.tuning.tune import Workload
 from .planner.workload.cluster import load_cluster
-from .planner.simulation.simulate import simulate, step_sync_floor
+from .planner.simulation.simulate import simulate
 from .planner.simulation.step_bound import plan_step_bound
-from .planner.assembly.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
-from .planner.workload.workloads import build_graph, resolve_passes
+from .planner.assembly.execution import Execution
+from .planner.assembly.render import check_plotting, gantt, grid, grid_key, idle_warning, metaop_table, summary
+from .planner.assembly.validate import check_plan
+from .planner.level.solver import available as highs_available
+from .plan_output import HIGHS_NOTE, Configured, pass_timeline, plan_json, step_lines, step_title
 from .hf import cli as hf_cli
 from .profiler import cli as profiler_cli
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Every argument error is one line naming the value (no usage block), exit status 2; the subcommands'
+    parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spindle", description="Spindle wavefront planning for "
-                                     "multi-task multi-modal training on Megatron-LM")
+    parser = OneLineParser(prog="spindle", description="Spindle wavefront planning for "
+                           "multi-task multi-modal training on Megatron-LM")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one training step and print it as a wave x device grid")
     add_workload_args(p)
@@ -54,42 +65,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_plan(args) -> int:
-    auto = args.passes == "auto"
-    passes = None if auto else resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes or 1,
-                        freeze=args.freeze)
+    given = args.passes not in (None, "auto")  # a user's --passes wins over the tuned configuration
+    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
+    workload.graph(args.passes if given else 1)  # bad model, tasks, size, batch or passes: fail before planning
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
                            (curves.device.memory_gib if curves else None))
+    device = None if curves else DeviceModel(peak_tflops=cluster.peak_tflops, memory_gib=cluster.memory_gib)
     for path, what in ((args.out, "--out"), (args.gantt, "--gantt")):
         if path:
             check_output(path, what)  # before the planning, not after it
+    if args.gantt:
+        check_plotting("--gantt")
     t0 = time.perf_counter()
-    with _progress(args, cluster, auto):
-        plan, passes, graph = _make(args, graph, cluster, curves, passes, auto)
+    with _progress(args, cluster):
+        plan, configured = _make(args, workload, cluster, curves, device, given)
     planning_s = time.perf_counter() - t0
+    whole = plan_step_bound(plan, cluster)  # the whole step's bound: every wave plan of this configuration
+    sim = simulate(plan, cluster, check_memory=False)
     if args.out:
         plan.save(args.out)
     if args.gantt:
-        gantt(plan, args.gantt)
+        gantt(plan, args.gantt, timeline=pass_timeline(plan, cluster), step=step_title(sim))
     idle = idle_warning(plan)
     if idle:
         print(idle, file=sys.stderr)
-    whole = plan_step_bound(plan, cluster)  # issue 32: the whole step's bound, beside Σ C*
-    sim = simulate(plan, cluster, check_memory=False)
-    step, floor = sim.step_ms, step_sync_floor(sim, cluster)
+    if not highs_available():
+        print(HIGHS_NOTE, file=sys.stderr)
     if args.json:
-        print(json.dumps({
-            "model": plan.model, "tasks": len(plan.tasks), "gpus": plan.world_size,
-            "makespan_ms": plan.makespan_ms, "lower_bound_ms": plan.lower_bound_ms,
-            "ratio": plan.makespan_ms / plan.lower_bound_ms, "certified_bound_ms": certified_bound_ms(plan),
-            "gap": plan.makespan_ms / certified_bound_ms(plan) - 1, "planning_s": planning_s,
-            "num_waves": len(plan.waves), "num_metaops": len(plan.metaops), "num_levels": plan.num_levels,
-            "max_memory_gib": max(plan.device_memory_bytes) / 2**30, "idle_devices": len(idle_devices(plan)),
-            "passes": passes, "plan": args.out, "gantt": args.gantt, "step_ms": step,
-            "step_bound_ms": whole.bound_ms, "step_bound": whole.to_json(),
-            "sync_floor": None if floor is None else floor[0].to_json(floor[1])}))
+        print(json.dumps(plan_json(plan, sim, whole, cluster, configured, planning_s=planning_s,
+                                   files={"plan": args.out, "gantt": args.gantt})))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]
@@ -99,16 +105,10 @@ def cmd_plan(args) -> int:
     print(metaop_table(plan))
     print()
     print(grid(plan))
+    print(grid_key(plan))
     print()
-    print(summary(plan, planning_s))
-    print(f"step          {step:10.2f} ms   (simulated: {plan.passes} pass{'es' if plan.passes != 1 else ''}, "
-          f"transfers and the gradient sync)")
-    print(f"step bound    {whole.bound_ms:10.2f} ms   (every wave plan of this configuration: compute and paths "
-          f"{whole.compute_ms:.2f} ms, the cheapest sync adds {whole.sync_ms:.2f}); step / bound "
-          f"{step / whole.bound_ms:.3f}")
-    if floor is not None:
-        print(f"sync floor    {floor[1]:10.2f} ms   (this plan's {floor[0].resource}: {floor[0].busy_ms:.2f} ms of "
-              f"gradient all-reduces once a bucket of it is ready at {floor[0].from_ms:.2f} ms)")
+    print(summary(plan, planning_s, configuration=configured.line(), schedule=configured.schedule))
+    print(step_lines(sim, whole, cluster))
     if args.out:
         print(f"plan written to {args.out}")
     if args.gantt:
@@ -116,34 +116,39 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _make(args, graph, cluster, curves, passes, auto: bool):
-    """The plan of ``spindle plan``: ``(plan, passes, graph)``."""
-    if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
-        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
-                                      freeze=args.freeze), cluster,
-                             curves_file=curves)
-        if tuned.plan is None:
-            raise ValueError(f"no configuration fits: {tuned.error}")
-        plan, passes = tuned.plan, tuned.execution.passes
-        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
-                            freeze=args.freeze)
-        print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
+def _make(args, workload: Workload, cluster, curves, device, given: bool):
+    """``(plan, configuration)`` of ``spindle plan``: at ``--passes`` when given, else at the configuration
+    ``spindle compare`` picks for Spindle (:func:`.planner.tuning.tune_spindle.tune_with_baselines`: passes,
+    recompute, ZeRO-1, phases), so both commands print one step for one workload."""
+    if given:
+        ex, report = Execution(passes=args.passes), {}
+        plan = make_plan(workload.graph(ex.passes), cluster, curves_file=curves, device=device,
+                         search=not args.no_search, execution=ex, report=report)
+        return plan, Configured(ex, given=True, schedule=report.get("winner", "spindle"))
+    tuned = tune_with_baselines(workload, cluster, curves_file=curves, device=device)["spindle"]
+    if tuned.plan is None:
+        raise ValueError(f"no configuration fits: {tuned.error}")
+    ex, plan, schedule = tuned.execution, tuned.plan, tuned.extra.get("schedule", "spindle")
+    if args.no_search:  # the paper's pipeline alone, at the tuned configuration
+        report: dict = {}
+        plan = make_plan(workload.graph(ex.passes), cluster, curves_file=curves, device=device, search=False,
+                         execution=ex, report=report)
+        schedule = report.get("winner", "spindle")
     else:
-        plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
-    return plan, passes, graph
+        check_plan(plan)  # the tuner plans without validation; what is printed and saved passes every rule
+    return plan, Configured(ex, given=False, schedule=schedule, tried=len(tuned.tried))
 
 
 @contextlib.contextmanager
-def _progress(args, cluster, auto: bool):
+def _progress(args, cluster):
     """A 'planning: N s so far' line every ``--progress-interval`` seconds while the planner runs (a large
-    cluster or batch, ``--passes auto``: minutes), so a long plan is not taken for a hang."""
+    cluster or batch, the tuned default: up to a minute), so a long plan is not taken for a hang."""
     every = args.progress_interval
     if not (math.isfinite(every) and every >= 0):
         raise ValueError(f"--progress-interval {every}: must be zero or more seconds")
     done = threading.Event()
     out = sys.stderr if args.json else sys.stdout
-    what = (f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
-            + (", every pass count (--passes auto)" if auto else ""))
+    what = f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
 
     def beat():
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ seconds; the fastest of ``--repeat`` runs, 3 by default, each giving the same pl
 near-optimal cover on a plan not certified within 3% by the LP, which ``make_plan`` leaves out; not in the
 planning time) and the first 16 hex digits of the sha256 of the plan's JSON (the bytes ``spindle plan --out``
 writes: the same on every machine, whatever numpy's BLAS kernel; :mod:`megatron_spindle.planner.exact`). Then
-the planning time of 10-task Multitask-CLIP on 64, 256 and 1024 devices. Targets (issue 14): makespan ≤ 1.07 × Σ C* and within 3% of the
+the planning time of 10-task Multitask-CLIP on 64, 256 and 1024 devices. Targets: makespan ≤ 1.07 × Σ C* and within 3% of the
 certified bound; planning under 1 s at 64 devices and under 3 s at 1024.
 
 A workload that does not fit the devices' memory prints its placement error instead of numbers.

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Explain Spindle against the best tuned baseline on the paper's grid and issue 32's rows (issue 32, part 3).
+"""Explain Spindle against the best tuned baseline on the paper's grid and the other rows of the race.
 
     python scripts/explain_rows.py [--grid docs/results/paper_grid.json] [--out-dir docs/results]
 
-For every row of the paper's Figure 8 grid and the rows issue 32 names (OFASys-7 @ 32, OFASys-4 @ 32, OFASys-4
-@ 64, Multitask-CLIP-10 @ 256): the tuned baselines as ``paper_grid.json`` records them (a row not there is
+For every row of the paper's Figure 8 grid, four rows beyond it (OFASys-7 @ 32, OFASys-4 @ 32, OFASys-4 @ 64,
+Multitask-CLIP-10 @ 256) and the paper's other rows (Qwen-VAL with a 30B and a 70B language model on 256 and
+1024 GPUs, single tasks): the tuned baselines as ``paper_grid.json`` records them (a row not there is
 tuned here with ``spindle compare``'s tuner), Spindle re-planned at its recorded configuration by the current
 planner with the whole-step choice's scoreboard (:mod:`megatron_spindle.compare.explain`), where its step and
 the best baseline's differ part by part, the candidate that won, Spindle's own best waves, and the whole-step
@@ -14,7 +15,6 @@ bound (:mod:`megatron_spindle.planner.simulation.step_bound`) at every system's 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -34,10 +34,20 @@ from megatron_spindle.planner.tuning.tune import Workload  # noqa: E402
 from megatron_spindle.planner.workload.analytic import DeviceModel  # noqa: E402
 from megatron_spindle.planner.workload.cluster import load_cluster  # noqa: E402
 
-PAPER = [(m, k, g) for m, ks, gs in (("multitask-clip", (4, 7, 10), (8, 16, 32)), ("ofasys", (4, 7), (8, 16, 32)),
-                                     ("qwen-val", (3,), (32, 64))) for k in ks for g in gs]
-ISSUE = [("ofasys", 7, 32), ("ofasys", 4, 32), ("ofasys", 4, 64), ("multitask-clip", 10, 256)]
+#: (model, tasks, GPUs, size) of every row explained.
+PAPER = [(m, k, g, "full") for m, ks, gs in (("multitask-clip", (4, 7, 10), (8, 16, 32)),
+                                             ("ofasys", (4, 7), (8, 16, 32)), ("qwen-val", (3,), (32, 64)))
+         for k in ks for g in gs]
+BEYOND = [("ofasys", 7, 32, "full"), ("ofasys", 4, 32, "full"), ("ofasys", 4, 64, "full"),
+          ("multitask-clip", 10, 256, "full")]
+OTHER = [("qwen-val", 3, g, size) for size in ("30b", "70b") for g in (256, 1024)] + \
+    [(m, 1, g, "full") for m, gs in (("multitask-clip", (8, 16, 32)), ("ofasys", (8, 16, 32)), ("qwen-val", (32, 64)))
+     for g in gs]
 NAMES = {"multitask-clip": "Multitask-CLIP", "ofasys": "OFASys", "qwen-val": "Qwen-VAL"}
+
+
+def label(model: str, k: int, size: str) -> str:
+    return f"{NAMES[model]}-{k}" + ("" if size == "full" else f" ({size.upper()})")
 
 
 def recorded(grid: dict, key) -> dict:
@@ -45,16 +55,16 @@ def recorded(grid: dict, key) -> dict:
     got = grid.get(key)
     if got is not None:
         return got["systems"]
-    model, k, gpus = key
-    (cmp,) = compare(Workload(model=model, tasks=k), [gpus], systems=("spindle",) + TUNED_BASELINES)
+    model, k, gpus, size = key
+    (cmp,) = compare(Workload(model=model, tasks=k, size=size), [gpus], systems=("spindle",) + TUNED_BASELINES)
     return {name: {"step_ms": r.sim.step_ms if r.ok else None,
                    "configuration": r.execution.to_json() if r.execution is not None else None,
                    "breakdown": r.sim.breakdown.to_json() if r.ok else None} for name, r in cmp.results.items()}
 
 
 def explain(key, systems: dict, cluster: str) -> dict:
-    model, k, gpus = key
-    wl = Workload(model=model, tasks=k)
+    model, k, gpus, size = key
+    wl = Workload(model=model, tasks=k, size=size)
     cl = load_cluster(cluster, num_devices=gpus)
     device = DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib)
     ex = Execution.from_json(systems["spindle"]["configuration"])
@@ -77,7 +87,7 @@ def explain(key, systems: dict, cluster: str) -> dict:
     parts = lambda bd: {"compute": bd["compute_ms"], "idle": bd["idle_ms"], "transfer": bd["transfer_ms"],  # noqa: E731
                         "sync": bd["sync_ms"]}
     sp, bp = parts(sim.breakdown.to_json()), parts(b["breakdown"])
-    return {"model": model, "tasks": k, "gpus": gpus, "best_baseline": base, "best_baseline_ms": b["step_ms"],
+    return {"model": model, "tasks": k, "size": size, "gpus": gpus, "best_baseline": base, "best_baseline_ms": b["step_ms"],
             "best_baseline_passes": b["configuration"]["passes"], "spindle_ms": sim.step_ms,
             "spindle_recorded_ms": systems["spindle"]["step_ms"], "spindle_passes": ex.passes,
             "winner": report["winner"], "candidates": report["candidates"],
@@ -97,8 +107,8 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
             "Spindle's sync floor (busiest device or NIC: its all-reduce ms from when ready → step ≥)",
             "bound at Spindle's P: compute, +transfer, +sync", "its sync-end floor", "lowest bound",
             "best step / lowest bound"]
-    out = [f"# Spindle against the best tuned baseline, row by row (issue 32)", "",
-           f"Written by `{command}` on {datetime.date.today().isoformat()} ({seconds:.0f} s). Baselines: "
+    out = ["# Spindle against the best tuned baseline, row by row", "",
+           f"Written by `{command}` ({seconds:.0f} s). Baselines: "
            "`docs/results/paper_grid.json` as recorded (rows not there tuned by `spindle compare`'s tuner); Spindle: "
            "re-planned by the current planner at its recorded configuration. The bound "
            "(`planner/simulation/step_bound.py`) holds for every wave plan at that configuration that fits memory: "
@@ -124,7 +134,7 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
         best = min(r["spindle_ms"], r["best_baseline_ms"])
         bp, sd = r["best_baseline_breakdown_ms"], r["spindle_minus_baseline_ms"]
         out.append("| " + " | ".join([
-            f"{NAMES[r['model']]}-{r['tasks']} @ {r['gpus']}",
+            f"{label(r['model'], r['tasks'], r.get('size', 'full'))} @ {r['gpus']}",
             f"{r['best_baseline']} {r['best_baseline_ms']:.1f} ms ({r['best_baseline_passes']})",
             f"{bp['idle'] / r['best_baseline_ms']:.0%} / {bp['sync'] / r['best_baseline_ms']:.0%}",
             f"{r['spindle_ms']:.1f} ms ({r['spindle_passes']})",
@@ -146,10 +156,10 @@ def main() -> int:
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--cluster", default="a800-8x8")
     args = ap.parse_args()
-    grid = {(r["model"], r["tasks"], r["gpus"]): r for r in json.load(open(args.grid))["rows"]}
+    grid = {(r["model"], r["tasks"], r["gpus"], r.get("size", "full")): r for r in json.load(open(args.grid))["rows"]}
     t0 = time.perf_counter()
     rows = []
-    for key in list(dict.fromkeys(PAPER + ISSUE)):
+    for key in list(dict.fromkeys(PAPER + BEYOND + OTHER)):
         t = time.perf_counter()
         rows.append(explain(key, recorded(grid, key), args.cluster))
         print(f"  {key}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)

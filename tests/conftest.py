@@ -5,6 +5,14 @@ import os
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+try:  # property tests draw the same examples on every machine: a seed from each test's name, no example database
+    from hypothesis import settings
+
+    settings.register_profile("spindle", derandomize=True, database=None)
+    settings.load_profile("spindle")
+except ImportError:  # hypothesis is in the test extra; without it the property tests are not collected
+    pass
+
 
 def pytest_configure(config):
     from megatron_spindle.log import quiet_optional_package_warnings

@@ -77,7 +77,7 @@ def test_idle_devices_are_reported():
     w = idle_warning(plan)
     assert w.startswith(f"warning: {len(idle)} of 64 devices stay idle") and "no level can use more than 16" in w
     r = spindle("plan", "--model", "multitask-clip", "--tasks", "4", "--size", "tiny", "--batch", "2",
-                "--gpus", "64", "--json")
+                "--passes", "1", "--gpus", "64", "--json")
     assert r.returncode == 0 and f"warning: {len(idle)} of 64 devices stay idle" in r.stderr
     full = make_plan(build_graph("multitask-clip", tasks=4, size="tiny"), load_cluster(None, num_devices=8))
     assert idle_warning(full) is None

@@ -38,13 +38,21 @@ def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, cap
     model, tasks = key.rsplit("-", 1)
     path = shipped_models()[model]
     got = {}
+    passes = str(load_spec(model).default_passes())  # the spec's passes: one configuration, planned in a second
     for m in (path, model):
-        assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--json"]) == 0
+        assert cli.main(["plan", "--model", m, "--tasks", tasks, "--gpus", "16", "--passes", passes, "--json"]) == 0
         got[m] = json.loads(capsys.readouterr().out)
-    assert (got[path]["makespan_ms"], got[path]["num_waves"]) == (got[model]["makespan_ms"], got[model]["num_waves"])
+    assert (got[path]["step_ms"], got[path]["makespan_ms"], got[path]["num_waves"]) == (
+        got[model]["step_ms"], got[model]["makespan_ms"], got[model]["num_waves"])
+    assert got[model]["configuration"]["given"] is True
     floor = got[model]["sync_floor"]  # the plan's own sync floor is under its step, and the step bound under both
     assert floor["busy_ms"] > 0 and floor["step_floor_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
     assert got[model]["step_bound_ms"] <= got[model]["step_ms"] * (1 + 1e-9)
+    d = got[model]  # one figure per thing measured: the per-pass makespan with Σ C* only when level by level
+    if d["level_by_level"]:
+        assert 1 - 1e-9 <= d["makespan_ms"] / d["lower_bound_ms"] <= 1.10, d
+    else:
+        assert d["makespan_ms"] is None and d["lower_bound_ms"] is None and d["ratio"] is None, d
 
 
 def test_workloads_table_and_spec_path_equal_the_name():
@@ -67,7 +75,7 @@ def test_llava_example_plans_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["model"] == "llava" and out["tasks"] == 3 and out["makespan_ms"] > 0
+    assert out["model"] == "llava" and out["tasks"] == 3 and out["step_ms"] >= out["step_bound_ms"] > 0
 
 
 def test_llava_tasks_differ_in_sequence_length_and_share_the_llm():

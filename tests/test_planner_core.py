@@ -100,7 +100,8 @@ def test_builtin_workloads_sizes_and_structure():
 
 
 @pytest.mark.parametrize("model,tasks,match", [("nope", None, "unknown model 'nope'"),
-                                               ("multitask-clip", 5, "not 5"), ("qwen-val", 2, "not 2")])
+                                               ("multitask-clip", 11, "not 11"), ("qwen-val", 4, "not 4"),
+                                               ("ofasys", 0, "not 0")])
 def test_bad_workload_names_the_value(model, tasks, match):
     with pytest.raises(ValueError, match=match):
         build_graph(model, tasks=tasks)

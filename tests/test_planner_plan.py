@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_spindle.planner.level.allocate import allocate_level
@@ -22,6 +22,8 @@ from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.assembly.placement import PlacementError
 from megatron_spindle.planner.assembly.plan import Plan, SliceRef
 from megatron_spindle.planner.level.scheduler import plan_level
+from megatron_spindle.planner.simulation.simulate import step_time_ms
+from megatron_spindle.planner.simulation.step_bound import plan_step_bound
 from megatron_spindle.planner.assembly.validate import PlanError, check_plan
 from megatron_spindle.planner.workload.workloads import build_graph
 
@@ -189,15 +191,55 @@ def random_workload(draw):
     return graph, n, CurvesFile.parse({"curves": curves})
 
 
+def below_bound_case():
+    """The case hypothesis once found (3 tasks on 2 devices): the whole-step choice's winner, task-level's
+    schedule with a step search, runs t2's 8 ms loss (level 1) beside three layers of t0's encoder (level 0), so
+    its waves cross levels and take 16 ms against Σ C* = 9 + 8 ms. The bound is right (it bounds level-by-level
+    waves); the plan is not level by level, which its variant did not say and :attr:`Plan.level_by_level` does."""
+    def enc(task, e, i, inputs):
+        name = f"{task}.enc{e}.{i}"
+        return Operator(name=name, task=task, module=f"enc{e}", op_type="transformer_layer", batch=4,
+                        layer=LayerConfig(hidden=16, num_heads=2, ffn_hidden=32, seq_len=4), param_key=name,
+                        inputs=inputs, fwd_flops=1e9, param_count=10, out_elems_per_sample=64,
+                        act_bytes_per_sample=1.0)
+
+    def loss(task, inputs):
+        return Operator(name=f"{task}.loss", task=task, module="loss", op_type="contrastive_loss", batch=4,
+                        layer=LayerConfig(hidden=16, proj_dim=16), param_key="", inputs=inputs, fwd_flops=1e6,
+                        param_count=0, out_elems_per_sample=1, act_bytes_per_sample=8.0, batch_splittable=False,
+                        tp_splittable=False)
+
+    ops = [enc("t0", 0, 0, (data_input("t0", "x0"),)), enc("t0", 1, 0, (data_input("t0", "x1"),))]
+    ops += [enc("t0", 1, i, (f"t0.enc1.{i - 1}",)) for i in range(1, 5)] + [loss("t0", ("t0.enc0.0", "t0.enc1.4"))]
+    for t in ("t1", "t2"):
+        ops += [enc(t, 0, 0, (data_input(t, "x0"),)), loss(t, (f"{t}.enc0.0",))]
+    graph = TaskGraph(model="random", tasks=("t0", "t1", "t2"), operators=tuple(ops))
+    points = {"t0.enc0.0": [[1, 1.0], [2, 1.0]], "t0.enc1.layers": [[1, 3.0], [2, 1.5]], "t0.loss": [[1, 1.0]],
+              "t1.enc0.0": [[1, 1.0], [2, 1.0]], "t1.loss": [[1, 1.0]], "t2.enc0.0": [[1, 1.0], [2, 1.0]],
+              "t2.loss": [[1, 8.0]]}
+    return graph, 2, CurvesFile.parse({"curves": [{"metaop": m, "points": p} for m, p in points.items()]})
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_workload())
+@example(below_bound_case())
 def test_random_plans_validate_and_never_beat_the_bound(work):
     graph, n, curves = work
     plan = make_plan(graph, load_cluster(None, num_devices=n, gpus_per_node=4), curves_file=curves)
     check_plan(plan)
-    if not any("whole step" in lv.variant for lv in plan.levels):  # level-by-level waves: Σ C* bounds them
+    if plan.level_by_level:  # the waves one after another, level by level: Σ C* bounds their makespan
         assert plan.makespan_ms >= plan.lower_bound_ms * (1 - 1e-9)
+    cluster = load_cluster(None, num_devices=n, gpus_per_node=4)
+    assert step_time_ms(plan, cluster) >= plan_step_bound(plan, cluster).bound_ms * (1 - 1e-9)  # every plan
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+def test_the_below_bound_case_is_not_level_by_level():
+    graph, n, curves = below_bound_case()
+    plan = make_plan(graph, load_cluster(None, num_devices=n, gpus_per_node=4), curves_file=curves)
+    assert plan.makespan_ms < plan.lower_bound_ms and not plan.level_by_level
+    own = make_plan(graph, load_cluster(None, num_devices=n, gpus_per_node=4), curves_file=curves, search=False)
+    assert own.level_by_level and own.makespan_ms >= own.lower_bound_ms * (1 - 1e-9)
 
 
 # -- differential test against brute force --------------------------------------------------------------------
@@ -258,21 +300,63 @@ def spindle(*args):
     return subprocess.run([sys.executable, "-m", "megatron_spindle.cli", *args], capture_output=True, text=True)
 
 
+def check_figures(d: dict) -> None:
+    """``spindle plan --json``'s figures: the step and its bound for every plan; the per-pass makespan with Σ C*
+    only for a level-by-level plan, and then within 10% of it."""
+    assert d["step_ms"] >= d["step_bound_ms"] * (1 - 1e-9)
+    keys = ("makespan_ms", "lower_bound_ms", "certified_bound_ms", "ratio", "gap")
+    if d["level_by_level"]:
+        assert 1 - 1e-9 <= d["makespan_ms"] / d["lower_bound_ms"] <= 1.10 and d["ratio"] == pytest.approx(
+            d["makespan_ms"] / d["lower_bound_ms"])
+        assert d["lower_bound_ms"] <= d["certified_bound_ms"] * (1 + 1e-9)
+    else:
+        assert all(d[k] is None for k in keys), d
+
+
 def test_cli_plan_json_and_files(tmp_path):
     r = spindle("plan", "--model", "multitask-clip", "--tasks", "4", "--gpus", "8", "--json",
                 "--out", str(tmp_path / "p.json"), "--gantt", str(tmp_path / "p.png"))
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    for k in ("makespan_ms", "lower_bound_ms", "planning_s", "num_waves", "num_metaops", "num_levels"):
+    for k in ("makespan_ms", "lower_bound_ms", "planning_s", "num_waves", "num_metaops", "num_levels", "step_ms",
+              "step_bound_ms", "configuration", "schedule", "level_by_level"):
         assert k in d
+    check_figures(d)
+    assert d["configuration"]["given"] is False and d["passes"] == d["configuration"]["passes"]
     assert Plan.load(str(tmp_path / "p.json")).world_size == 8
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_cli_plan_tables():
-    r = spindle("plan", "--model", "ofasys", "--tasks", "4", "--gpus", "8")
+def test_plan_prints_the_step_compare_prints():
+    """One step figure: ``spindle plan`` plans at the configuration ``spindle compare`` picks for Spindle."""
+    work = ["--model", "multitask-clip", "--size", "tiny", "--tasks", "4", "--gpus", "4"]
+    r = spindle("plan", *work, "--json")
     assert r.returncode == 0, r.stderr
-    assert "MetaOp" in r.stdout and "wave level" in r.stdout and "lower bound" in r.stdout and "planning time" in r.stdout
+    plan = json.loads(r.stdout)
+    r = spindle("compare", *work, "--json", "--no-band")
+    assert r.returncode == 0, r.stderr
+    sp = json.loads(r.stdout)["results"][0]["systems"]["spindle"]
+    assert plan["step_ms"] == pytest.approx(sp["step_ms"], rel=1e-12)
+    assert plan["configuration"]["label"] == sp["configuration"]["label"]
+    check_figures(plan)
+
+
+def test_cli_plan_tables():
+    r = spindle("plan", "--model", "ofasys", "--tasks", "4", "--gpus", "8", "--passes", "2")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "MetaOp" in out and "wave level" in out and "planning time" in out and "\nkey: A caption." in out
+    assert "configuration P=2 recompute=none (given: --passes" in out
+    assert re.search(r"^step +[\d.]+ ms +\(simulated whole step: 2 passes", out, flags=re.M)
+    assert re.search(r"^step bound +[\d.]+ ms", out, flags=re.M)
+    r = spindle("plan", "--model", "ofasys", "--tasks", "4", "--gpus", "8", "--passes", "2", "--json")
+    d = json.loads(r.stdout)
+    check_figures(d)
+    if d["level_by_level"]:
+        assert "sum C*" in out and "makespan / sum C*" in out
+    else:
+        assert not re.search(r"^sum C\*", out, flags=re.M) and "makespan / sum C*" not in out
+        assert "not level by level" in out
 
 
 def test_grid_level_column_is_the_metaops_level_for_a_baselines_schedule_too():
@@ -310,9 +394,39 @@ def test_gantt_names_devices_on_the_axis():
     assert device_ticks(32) == list(range(32)) and len(device_ticks(1000)) <= 32
 
 
+def test_gantt_at_32_devices_has_the_step_a_full_key_and_no_overlapping_labels():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from megatron_spindle.plan_output import pass_timeline, step_title
+    from megatron_spindle.planner.assembly.render import codes, gantt_figure, grid, grid_key
+    from megatron_spindle.planner.simulation.simulate import simulate
+
+    cluster = load_cluster(None, num_devices=32)
+    plan = make_plan(build_graph("multitask-clip", tasks=10, passes=16), cluster, passes=16)
+    sim = simulate(plan, cluster, check_memory=False)
+    fig = gantt_figure(plan, timeline=pass_timeline(plan, cluster), step=step_title(sim))
+    try:
+        ax, key = fig.axes
+        assert f"step {sim.step_ms:.1f} ms = 16 passes of {sim.pass_ms:.1f} ms" in ax.get_title()
+        names = [t.get_text() for t in key.get_legend().get_texts()]
+        assert len(names) == len(plan.metaops) and all(n.endswith(m.name) for n, m in zip(names, plan.metaops))
+        fig.canvas.draw()
+        boxes = [t.get_window_extent() for t in ax.texts]
+        assert boxes and not [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+        assert ax.get_xlim()[1] == pytest.approx(sim.pass_ms)  # one pass, forward and backward
+    finally:
+        plt.close(fig)
+    text = grid(plan) + "\n" + grid_key(plan)  # the terminal grid prints its key
+    assert all(f"{code} {name}" in " ".join(text.split()) for name, code in codes(plan).items())
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt5", "--gpus", "8"], "unknown model 'gpt5'"),
-    (["--model", "multitask-clip", "--tasks", "3", "--gpus", "8"], "not 3"),
+    (["--model", "multitask-clip", "--tasks", "11", "--gpus", "8"], "trains 1 to 10 tasks"),
+    (["--model", "multitask-clip", "--tasks", "0", "--gpus", "8"], "argument --tasks: 0 must be positive"),
+    (["--model", "multitask-clip", "--gpus", "0"], "argument --gpus: 0 must be positive"),
+    (["--gpus", "8"], "the following arguments are required: --model"),
     (["--model", "qwen-val", "--gpus", "2"], "needs 8 devices"),
     (["--model", "qwen-val", "--gpus", "8", "--curves", "/nonexistent.json"], "does not exist"),
 ])
@@ -358,3 +472,35 @@ def test_plan_task_fields_are_checked_when_read(edit, needle):
 def test_curves_files_are_finite_non_empty_and_bounded(doc, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         CurvesFile.parse(doc, origin="c.json")
+
+
+def test_help_lists_every_shipped_model():
+    from megatron_spindle.planner.workload.spec import shipped_models
+
+    r = spindle("plan", "--help")
+    assert r.returncode == 0 and len(shipped_models()) == 4
+    text = " ".join(r.stdout.split())
+    assert all(m in text for m in shipped_models()) and "30b, 70b" in text
+
+
+def test_any_task_count_from_one_trains_the_first_k():
+    from megatron_spindle.planner.workload.spec import load_spec
+
+    for model in ("multitask-clip", "ofasys", "qwen-val", "imagebind"):
+        names = load_spec(model).task_names()
+        for k in range(1, load_spec(model).task_counts[-1] + 1):
+            assert build_graph(model, tasks=k, size="tiny").tasks == names[:k]
+    with pytest.raises(ValueError, match=r"trains 1 to 3 tasks .*not 4"):
+        build_graph("qwen-val", tasks=4)
+
+
+@pytest.mark.parametrize("command,flag", [("plan", "--gantt"), ("compare", "--plot")])
+def test_without_matplotlib_the_picture_flags_are_one_line_before_planning(tmp_path, command, flag):
+    png = str(tmp_path / "x.png")
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from megatron_spindle.cli import main\n"
+            f"sys.exit(main([{command!r}, '--model', 'multitask-clip', '--size', 'tiny', '--tasks', '2', "
+            f"'--gpus', '2', {flag!r}, {png!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == f"spindle {command}: error: {flag} needs matplotlib: pip install -e '.[plot]' (matplotlib)\n"

@@ -79,12 +79,17 @@ def test_measured_parts_are_medians_over_the_steps_asked_that_were_traced():
     three = predict_step(plan, cluster, FakeTrace(spans), range(3, 9), 1, passes=1, grad_bytes=4)  # 4, 6, 8: none
     assert three.steps == 3 and three.step_measured_ms == pytest.approx(3 * one.step_measured_ms)
     assert three.compute[1] == pytest.approx(3 * one.compute[1]) and three.predicted_ms == one.predicted_ms
-    assert "(median of 3 steps)" in three.format() and "median of" not in one.format()
-    # and the fastest of them beside it: step 3's
+    # the line compares with the fastest of them (step 3's), which a slowed step cannot move, the median beside
     assert three.fastest_ms == pytest.approx(one.measured_ms) and one.fastest_ms is None
-    assert f"fastest step {one.measured_ms:.1f} ms, {percent(one.error)}" in three.format()
+    assert three.compared_ms == pytest.approx(one.measured_ms) and one.compared_ms == one.measured_ms
+    line = three.format()
+    assert line.startswith(f"step {three.predicted_ms:.1f} ms predicted vs {one.measured_ms:.1f} ms, the fastest of "
+                           f"3 steps without the optimizer ({percent(one.error)}; median step {three.measured_ms:.1f} ms, "
+                           f"{percent(three.error)}: other load on the machine)"), line
+    assert "predicted/measured ms (medians):" in line
     assert (percent(-0.001), percent(0.004), percent(-0.26)) == ("+0%", "+0%", "-26%")
-    assert "fastest" not in one.format()
+    assert "fastest" not in one.format() and "median" not in one.format()
+    assert one.format().startswith(f"step {one.predicted_ms:.1f} ms predicted vs {one.measured_ms:.1f} ms, measured without the optimizer (")
     with pytest.raises(ValueError, match="no traced step among"):
         predict_step(plan, cluster, FakeTrace(spans), [9, 10], 1, passes=1, grad_bytes=4)
 

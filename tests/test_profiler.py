@@ -248,8 +248,8 @@ def test_spindle_plan_and_compare_use_the_measured_curves(live, capsys, tmp_path
     files, first, _ = live
     assert first.returncode == 0
     plan_json = tmp_path / "plan.json"
-    rc = main(["plan", "--model", "qwen-val", "--size", "tiny", "--batch", "4", "--gpus", "2", "--gpus-per-node",
-               "2", "--curves", files["curves"], "--out", str(plan_json), "--json"])
+    rc = main(["plan", "--model", "qwen-val", "--size", "tiny", "--batch", "4", "--passes", "1", "--gpus", "2",
+               "--gpus-per-node", "2", "--curves", files["curves"], "--out", str(plan_json), "--json"])
     assert rc == 0, capsys.readouterr().err
     from megatron_spindle.planner.assembly.plan import Plan
     plan = Plan.load(str(plan_json))

@@ -326,15 +326,28 @@ def test_planner_works_without_the_solver_package():
 
 
 def test_cli_plan_prints_bound_and_gap():
-    r = subprocess.run([sys.executable, "-m", "megatron_spindle.cli", "plan", "--model", "ofasys", "--tasks", "4",
-                        "--gpus", "8", "--json"], capture_output=True, text=True)
+    # --no-search: the paper's pipeline, level by level, so its makespan has Σ C* and the certified bound beside it
+    args = [sys.executable, "-m", "megatron_spindle.cli", "plan", "--model", "ofasys", "--tasks", "4", "--gpus", "8",
+            "--passes", "4", "--no-search"]
+    r = subprocess.run([*args, "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["lower_bound_ms"] <= d["certified_bound_ms"] <= d["makespan_ms"]
+    assert d["level_by_level"] and d["lower_bound_ms"] <= d["certified_bound_ms"] <= d["makespan_ms"]
     assert d["gap"] == pytest.approx(d["makespan_ms"] / d["certified_bound_ms"] - 1)
-    r = subprocess.run([sys.executable, "-m", "megatron_spindle.cli", "plan", "--model", "ofasys", "--tasks", "4",
-                        "--gpus", "8"], capture_output=True, text=True)
+    r = subprocess.run(args, capture_output=True, text=True)
     assert "certified for level-by-level wave schedules" in r.stdout and "gap to the certified bound" in r.stdout
+
+
+def test_cli_says_in_one_line_when_highs_is_missing():
+    code = ("import sys; sys.modules['highspy'] = None\n"
+            "from megatron_spindle.cli import main\n"
+            "sys.exit(main(['plan', '--model', 'multitask-clip', '--size', 'tiny', '--tasks', '2', '--gpus', '2', "
+            "'--passes', '1', '--json']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "highspy" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: highspy (HiGHS) is not installed") and \
+        "pip install highspy" in notes[0], r.stderr
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -107,11 +107,14 @@ def test_step_bound_is_deterministic_and_grows_with_passes():
 
 
 def test_the_bound_is_at_or_below_every_system_on_the_paper_grid():
-    """Every system's recorded step (each at its own configuration) is at or above the bound there."""
+    """Every system's recorded step (each at its own configuration) is at or above the bound there. The bound is
+    one of wave plans, whose passes run one after another; the static grids pipeline their micro-batches (1F1B)
+    and are held to it only at one micro-batch (OFASys-1 on 8 GPUs: two micro-batches, 383.6 ms against a wave
+    plan's bound of 397.5 at that configuration)."""
     rows = json.loads((ROOT / "docs" / "results" / "paper_grid.json").read_text())["rows"]
     checked = 0
     for r in rows:
-        wl = Workload(model=r["model"], tasks=r["tasks"])
+        wl = Workload(model=r["model"], tasks=r["tasks"], size=r.get("size", "full"))
         cl = load_cluster(r["cluster"], num_devices=r["gpus"])
         device = DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib)
         memo = {}
@@ -119,6 +122,8 @@ def test_the_bound_is_at_or_below_every_system_on_the_paper_grid():
             if rec.get("configuration") is None or rec["step_ms"] is None:
                 continue
             ex = Execution.from_json(rec["configuration"])
+            if system == "static-grids" and ex.passes > 1:
+                continue
             key = json.dumps(rec["configuration"], sort_keys=True)
             if key not in memo:
                 memo[key] = configured_step_bound(wl.graph(ex.passes), cl, ex, device=device).bound_ms

@@ -1,4 +1,4 @@
-"""What ``spindle compare`` adds beside each step: MFU, and the band the analytic curves leave open (issue 31).
+"""What ``spindle compare`` adds beside each step: MFU, and the band the analytic curves leave open.
 
 **MFU.** Model FLOPs per step (:func:`..planner.workload.flops.step_model_flops`, at the system's own passes;
 recompute is not model FLOPs) over the step time, the devices and the cluster's peak per device

@@ -35,15 +35,19 @@ from ..argtypes import add_workload_args, positive_int_list
 from ..atomic import check_output, write_file
 from .band import band_lines, fill_band, fill_mfu
 from .explain import explain_row
+from .memory import memory_line, memory_stats, plot_memory
 from ..planner.systems.baselines import BASELINES, SYSTEMS
 from ..planner.step.build import make_plan
 from ..planner.assembly.execution import Execution
 from ..planner.simulation.simulate import StepSimulation, simulate
-from ..planner.tuning.tune_spindle import tune_spindle
+from ..planner.tuning.tune_spindle import tune_with_baselines
 from ..planner.tuning.tune import Tuned, Workload, tune_baseline, tune_static_grids
 from ..planner.workload.analytic import CurvesFile, DeviceModel
 from ..planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
 from ..planner.workload.workloads import resolve_passes
+from ..planner.level.solver import available as highs_available
+from ..plan_output import HIGHS_NOTE
+from ..planner.assembly.render import check_plotting
 
 #: The paper's Figure 8 labels for our systems.
 LABELS = {"spindle": "Spindle", "sequential": "sequential (Megatron-LM/DeepSpeed)",
@@ -75,6 +79,13 @@ class SystemResult:
     def ok(self) -> bool:
         return self.sim is not None
 
+    @property
+    def level_by_level(self) -> bool:
+        """Whether the system's plan runs its waves level by level (:attr:`..planner.assembly.plan.Plan.level_by_level`):
+        only then is its per-pass compute makespan bounded by Σ C*."""
+        plan = self.tuned.plan if self.tuned is not None else None
+        return plan is not None and plan.level_by_level and self.sim is not None and self.sim.system == plan.system
+
     def to_json(self) -> dict:
         if not self.ok:
             d = {"error": self.error}
@@ -82,7 +93,9 @@ class SystemResult:
             s = self.sim
             d = {"step_ms": s.step_ms, "breakdown": s.breakdown.to_json(), "shares": s.breakdown.shares(),
                  "peak_memory_gib": s.max_memory_gib, "peak_memory_spread_gib": s.memory_spread_gib,
-                 "makespan_ms": s.makespan_ms, "num_waves": len(s.waves), "model_flops": self.model_flops,
+                 "memory": memory_stats(s.peak_memory_bytes), "num_waves": len(s.waves),
+                 "level_by_level": self.level_by_level,
+                 "makespan_ms": s.makespan_ms if self.level_by_level else None, "model_flops": self.model_flops,
                  "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                  "band_ms": None if self.slow_ms is None else {"fitted": s.step_ms, "slow": self.slow_ms}}
         if self.execution is not None:
@@ -109,7 +122,7 @@ class Comparison:
     cluster: str
     gpus_per_node: int
     lower_bound_ms: float
-    """Σ C* of one pass at Spindle's passes (0 without a Spindle plan)."""
+    """Σ C* of one pass at Spindle's passes (0 without a Spindle plan): a bound of level-by-level waves only."""
     results: dict[str, SystemResult] = field(default_factory=dict)
     tuned: bool = True
     """Every system at its own best configuration (``False``: ``--fixed-passes``)."""
@@ -122,6 +135,8 @@ class Comparison:
     with measured curves or ``band=False``."""
     explanation: object | None = None
     """Where Spindle and the best baseline differ, the winning candidate, the bounds (:mod:`.explain`)."""
+    usable_memory_gib: float = 0.0
+    """Memory per device a plan may use (the cluster's memory times its usable fraction)."""
 
     def step_ms(self, system: str) -> float | None:
         r = self.results.get(system)
@@ -132,6 +147,10 @@ class Comparison:
         a, b = self.step_ms(system), self.step_ms(over)
         return b / a if a and b else None
 
+    def memory(self) -> dict[str, dict]:
+        """Every system with a plan: :func:`.memory.memory_stats` of its devices' peaks."""
+        return {k: memory_stats(r.sim.peak_memory_bytes) for k, r in self.results.items() if r.ok}
+
     @property
     def passes(self) -> int:
         r = self.results.get("spindle")
@@ -140,7 +159,9 @@ class Comparison:
     def to_json(self) -> dict:
         return {"model": self.model, "tasks": self.tasks, "gpus": self.gpus, "cluster": self.cluster,
                 "lower_bound_ms": self.lower_bound_ms, "tuned": self.tuned, "peak_tflops": self.peak_tflops,
-                "curves": self.curves, "band": self.band, "systems": {k: r.to_json() for k, r in self.results.items()},
+                "curves": self.curves, "band": self.band, "usable_memory_gib": self.usable_memory_gib,
+                "memory_note": memory_line(self.memory(), self.usable_memory_gib),
+                "systems": {k: r.to_json() for k, r in self.results.items()},
                 **({"explain": self.explanation.to_json()} if self.explanation is not None else {})}
 
 
@@ -169,21 +190,20 @@ def compare(workload: Workload, gpus: Sequence[int], *, cluster: str | None = DE
         cl = load_cluster(cluster, num_devices=n)
         device = None if curves_file else DeviceModel(peak_tflops=cl.peak_tflops, memory_gib=cl.memory_gib)
         kw = dict(curves_file=curves_file, device=device, fixed=fixed)
-        tuned: dict[str, Tuned] = {}
-        for system in systems:
-            if system in BASELINES:
-                tuned[system] = tune_baseline(system, workload, cl, **kw)
-            elif system == "static-grids":
-                tuned[system] = tune_static_grids(workload, cl, **kw)
-        if "spindle" in systems or "spindle-naive-placement" in systems:
-            hints = [t.execution for t in tuned.values() if t.execution is not None and t.system in BASELINES]
-            tuned["spindle"] = tune_spindle(workload, cl, hints=hints, **kw)
+        baselines = [s for s in systems if s in BASELINES]
+        if "spindle" in systems or "spindle-naive-placement" in systems:  # as `spindle plan` tunes it
+            tuned = tune_with_baselines(workload, cl, baselines=baselines, **kw)
+        else:
+            tuned = {system: tune_baseline(system, workload, cl, **kw) for system in baselines}
+        if "static-grids" in systems:
+            tuned["static-grids"] = tune_static_grids(workload, cl, **kw)
         graph0 = workload.graph(1)
         spindle = tuned.get("spindle")
         cmp = Comparison(model=graph0.model, tasks=len(graph0.tasks), gpus=n, cluster=cl.name,
                          gpus_per_node=cl.gpus_per_node, tuned=fixed is None, peak_tflops=cl.peak_tflops,
                          curves="file" if curves_file else "analytic",
-                         lower_bound_ms=spindle.plan.lower_bound_ms if spindle and spindle.plan else 0.0)
+                         lower_bound_ms=spindle.plan.lower_bound_ms if spindle and spindle.plan else 0.0,
+                         usable_memory_gib=cl.memory_limit_bytes / 2**30)
         for system in systems:
             if system == "spindle-naive-placement":
                 cmp.results[system] = _naive(workload, cl, spindle, curves_file, device)
@@ -219,16 +239,15 @@ def _naive(workload: Workload, cl, spindle: Tuned | None, curves_file, device) -
 def format_table(cmp: Comparison) -> str:
     how = "each system at its own best configuration" if cmp.tuned else "every system at one configuration"
     head = (f"{cmp.model} ({cmp.tasks} tasks) on {cmp.gpus} devices, cluster {cmp.cluster} "
-            f"({cmp.gpus_per_node} per island), {how}: lower bound ΣC* = {cmp.lower_bound_ms:.1f} ms per pass "
-            f"at Spindle's {cmp.passes} pass{'es' if cmp.passes != 1 else ''} per step")
+            f"({cmp.gpus_per_node} per island), {how}")
     cols = ("system", "step ms", "Spindle speedup", "configuration", "TFLOP/s/GPU", "MFU", "slow-edge ms", "compute",
-            "transfer", "sync", "idle", "mem max GiB")
+            "transfer", "sync", "idle", "mem max GiB", "mem spread GiB")
     rows = []
     notes = []
     for name, r in cmp.results.items():
         conf = r.execution.label() if r.execution is not None else ""
         if not r.ok:
-            rows.append((name, "-", "-", conf, "", "", "", "", "", "", "", ""))
+            rows.append((name, "-", "-", conf, "", "", "", "", "", "", "", "", ""))
             notes.append(f"  {name}: {r.error}")
             continue
         sh = r.sim.breakdown.shares()
@@ -236,7 +255,7 @@ def format_table(cmp: Comparison) -> str:
         rows.append((name, f"{r.sim.step_ms:.1f}", "-" if name == "spindle" or sp is None else f"{sp:.2f}x", conf,
                      f"{r.tflops_per_gpu:.1f}", f"{r.mfu:.1%}", "-" if r.slow_ms is None else f"{r.slow_ms:.1f}",
                      f"{sh['compute']:.1%}", f"{sh['transfer']:.1%}", f"{sh['sync']:.1%}", f"{sh['idle']:.1%}",
-                     f"{r.sim.max_memory_gib:.1f}" + ("!" if r.over_memory else "")))
+                     f"{r.sim.max_memory_gib:.1f}" + ("!" if r.over_memory else ""), f"{r.sim.memory_spread_gib:.1f}"))
         if r.over_memory:
             notes.append(f"  {name}: {r.over_memory}")
     width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -246,11 +265,14 @@ def format_table(cmp: Comparison) -> str:
 
     lines = [head, line(cols), "-" * len(line(cols))] + [line(r) for r in rows]
     sp = cmp.results.get("spindle")
-    if sp is not None and sp.ok and cmp.lower_bound_ms > 0:
+    if sp is not None and sp.ok and cmp.lower_bound_ms > 0 and sp.level_by_level:
         s = sp.sim
-        lines.append(f"Spindle / ΣC*: compute makespan {s.makespan_ms / cmp.lower_bound_ms:.3f} "
-                     f"({s.makespan_ms:.1f} ms per pass), whole step {s.step_ms / (cmp.passes * cmp.lower_bound_ms):.2f} "
-                     f"(ΣC* bounds compute of level-by-level schedules only)")
+        lines.append(f"Spindle's waves run level by level: compute makespan {s.makespan_ms:.1f} ms per pass, "
+                     f"{s.makespan_ms / cmp.lower_bound_ms:.3f} x ΣC* ({cmp.lower_bound_ms:.1f} ms per pass at its "
+                     f"{cmp.passes} pass{'es' if cmp.passes != 1 else ''} per step)")
+    mem = memory_line(cmp.memory(), cmp.usable_memory_gib)
+    if mem:
+        lines.append(mem)
     if sp is not None and sp.ok and sp.schedule:
         lines.append(f"Spindle's plan is the {sp.schedule} schedule: its simulated step was the shortest of Spindle's "
                      f"candidates (see planner/step/choose.py)")
@@ -278,7 +300,9 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
          systems: Sequence[str] = ("sequential", "task-level", "intra-task", "static-grids", "spindle-naive-placement",
                                    "spindle"),
          reference: str = "sequential", paper: dict | None = None) -> None:
-    """Grouped bars (one panel per workload, one group per device count): throughput relative to ``reference``.
+    """Grouped bars (one panel per workload, one group per device count): throughput relative to ``reference``,
+    and under each panel every system's memory per device (:func:`.memory.plot_memory`: peak, and the range over
+    the devices).
 
     ``paper`` maps ``(panel title, gpus)`` to the paper's speedup of Spindle, drawn as a marker.
     """
@@ -287,15 +311,18 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # optional: matplotlib (--plot only)
     except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]'") from None
     colors = {"sequential": "#8c8c8c", "task-level": "#4c72b0", "intra-task": "#55a868", "static-grids": "#8172b3",
               "spindle-naive-placement": "#dd8452", "spindle": "#c44e52"}
     k = len(groups)
     cols = min(3, k)
     rows = -(-k // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(max(7.0, 4.2 * cols), 3.2 * rows + 0.6), squeeze=False)
+    fig, grid_axes = plt.subplots(2 * rows, cols, figsize=(max(7.0, 4.2 * cols), 5.2 * rows + 0.6), squeeze=False,
+                                  gridspec_kw={"height_ratios": [3.2, 2.0] * rows})
+    axes = [grid_axes[2 * (i // cols)][i % cols] for i in range(rows * cols)]
+    mem_axes = [grid_axes[2 * (i // cols) + 1][i % cols] for i in range(rows * cols)]
     width = 0.8 / len(systems)
-    for ax, (title, cmps) in zip(axes.flat, groups):
+    for ax, mx, (title, cmps) in zip(axes, mem_axes, groups):
         for j, system in enumerate(systems):
             xs, ys = [], []
             for i, c in enumerate(cmps):
@@ -320,14 +347,15 @@ def plot(groups: Sequence[tuple[str, Sequence[Comparison]]], path: str, *,
         ax.set_xticklabels([f"{c.gpus} GPUs" for c in cmps])
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(f"speedup over {reference}", fontsize=8)
-    for ax in list(axes.flat)[k:]:
+        plot_memory(mx, cmps, systems, colors)
+    for ax in axes[k:] + mem_axes[k:]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
     seen = {}
     for h, lab in zip(handles, labels):
         seen.setdefault(lab, h)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=3, fontsize=7)
-    fig.tight_layout(rect=(0, 0.6 / (3.2 * rows + 0.6), 1, 1))
+    fig.tight_layout(rect=(0, 0.6 / (5.2 * rows + 0.6), 1, 1))
     try:
         write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130), "plot")
     finally:
@@ -360,6 +388,7 @@ def cmd_compare(args) -> int:
     load_cluster(args.cluster, num_devices=max(args.gpus))  # bad preset / file: fail before planning
     if args.plot:
         check_output(args.plot, "--plot")
+        check_plotting("--plot")  # matplotlib missing: one line now, not after the planning
     workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
     graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
     fixed = None
@@ -369,6 +398,8 @@ def cmd_compare(args) -> int:
         workload.graph(passes)  # passes that do not divide a task's batch: fail now
         fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None
+    if not highs_available():
+        print(HIGHS_NOTE, file=sys.stderr)
     cmps = compare(workload, args.gpus, cluster=args.cluster, curves_file=curves, fixed=fixed,
                    band=not args.no_band and fixed is None)
     if args.plot:

@@ -1,4 +1,4 @@
-"""Explain one row of ``spindle compare`` (issue 32, part 3): where Spindle's step and the best tuned baseline's
+"""Explain one row of ``spindle compare``: where Spindle's step and the best tuned baseline's
 differ, which candidate won Spindle's whole-step choice, and how far both are above the whole-step bound.
 
 * **The best baseline** is the tuned baseline (sequential, task-level, intra-task, the static grids) with the

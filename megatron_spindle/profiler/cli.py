@@ -13,6 +13,7 @@ import os
 
 from ..argtypes import non_negative_int, positive_int
 from ..atomic import check_output
+from ..planner.workload.spec import shipped_models
 from .points import default_cache_path
 
 
@@ -25,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "piecewise curves and write them for `spindle plan/compare --curves`. Points already "
                     "in the cache (same backend, device type, dtype, threads, processes per machine) are not measured again.")
     p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
-                   help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file")
+                   help=f"a shipped model ({', '.join(shipped_models())}) or a model spec file")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
     p.add_argument("--batch", type=positive_int, default=None, help="global batch per task (default: the model's)")

@@ -33,6 +33,12 @@ The step comparison is the predicted total of the five parts against the whole m
 counts against the prediction). A part the run cannot predict (a curves file without the optimizer
 measurement, analytic curves) is shown as measured only and left out of both sides.
 
+Which measured step: the simulator models an undisturbed step, so over several steps the line's error is
+against the **fastest** of them (Python's ``timeit`` rule, :attr:`StepPrediction.fastest_ms`), which other work
+on a shared machine cannot make slower than the step itself; the **median** step stands beside it with its
+error, saying how far that other work moved the run. The parts are each part's median over the steps. On
+an idle machine the two figures agree; on a loaded one the median can read +80% where the fastest reads +5%.
+
 ``compute_scale`` stretches the predicted compute, wave time included, when CPU ranks share cores:
 ``r`` ranks on ``c < r`` cores compute about ``r / c`` times slower than the profile's points say
 (:func:`compute_scale`). A point's time is the median of many short repeats, and a repeat of a millisecond
@@ -123,8 +129,18 @@ class StepPrediction:
 
     @property
     def error(self) -> float:
-        """Relative error of the prediction against the measured step."""
+        """Relative error of the prediction against the measured (median) step."""
         return self._error(self.measured_ms)
+
+    @property
+    def compared_ms(self) -> float:
+        """The measured step the line compares with: the fastest step of several, the step itself of one."""
+        return self.measured_ms if self.fastest_ms is None else self.fastest_ms
+
+    @property
+    def compared_error(self) -> float:
+        """The line's error: against :attr:`compared_ms`."""
+        return self._error(self.compared_ms)
 
     @property
     def fastest_error(self) -> float | None:
@@ -141,15 +157,15 @@ class StepPrediction:
         def part(name, pm):
             return f"{name} {pm[0]:.1f}/{pm[1]:.1f}"
         opt = self.optimizer[0] is not None
-        return (f"step {self.predicted_ms:.1f} ms predicted vs {self.measured_ms:.1f} ms measured"
-                + (f" (median of {self.steps} steps)" if self.steps > 1 else "")
+        which = (f"the fastest of {self.steps} steps" if self.fastest_ms is not None else "measured")
+        return (f"step {self.predicted_ms:.1f} ms predicted vs {self.compared_ms:.1f} ms, {which}"
                 + ("" if opt else " without the optimizer")
-                + f" ({percent(self.error)}"
-                + (f"; fastest step {self.fastest_ms:.1f} ms, {percent(self.fastest_error)}" if self.fastest_ms is not None
-                   else "")
+                + f" ({percent(self.compared_error)}"
+                + (f"; median step {self.measured_ms:.1f} ms, {percent(self.error)}: other load on the machine"
+                   if self.fastest_ms is not None else "")
                 + f"), {self.passes} pass{'es' if self.passes > 1 else ''}"
                 + (f", predicted compute x{self.compute_scale:.3g} for shared cores" if self.compute_scale != 1 else "")
-                + " | predicted/measured ms: "
+                + " | predicted/measured ms" + (" (medians)" if self.fastest_ms is not None else "") + ": "
                 + ", ".join([part("compute", self.compute), part("transfer + wave wait", self.transfer),
                              part("exposed sync", self.sync), part("norm + loss all-reduce", self.step_end)]
                             + ([part("optimizer", self.optimizer)] if opt else []))

@@ -330,6 +330,24 @@ class Plan:
         return len(self.levels)
 
     @property
+    def level_by_level(self) -> bool:
+        """Whether the plan's waves run level by level, as the level scheduler builds them: every wave runs
+        MetaOps of the one level its ``level`` names, the waves' levels never go back, and each wave starts
+        where the one before it ends. ``makespan_ms`` is then the compute of one pass and ``lower_bound_ms``
+        (Σ C*) and the levels' certified bounds bound it. Other plans (a baseline's schedule, task lanes whose
+        waves run side by side, a step search's waves across levels) are not bounded by them: only the whole
+        step and its bound (:mod:`..simulation.step_bound`) measure those."""
+        members = {lv.index: {m for m, _ in lv.n_star} for lv in self.levels}
+        clock, last = 0.0, -1
+        for w in self.waves:
+            if w.level < last or w.level not in members or any(s.metaop not in members[w.level] for s in w.slices):
+                return False
+            if abs(w.start_ms - clock) > 1e-6 * max(1.0, clock):
+                return False
+            clock, last = w.start_ms + w.duration_ms, w.level
+        return True
+
+    @property
     def phases(self) -> list[list[int]]:
         """Wave indices of each phase, in execution order (see :attr:`WavePlan.phase`)."""
         out: dict[int, list[int]] = {}

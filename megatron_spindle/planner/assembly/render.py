@@ -134,30 +134,34 @@ def bound_kinds(plan: Plan) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
-def summary(plan: Plan, planning_s: float | None = None) -> str:
+def summary(plan: Plan, planning_s: float | None = None, *, configuration: str | None = None,
+            schedule: str | None = None) -> str:
+    """The plan in a few lines. The per-pass compute makespan is shown with Σ C* and the certified bound only
+    when the waves run level by level (:attr:`.plan.Plan.level_by_level`), the only plans those bounds bound;
+    ``configuration`` and ``schedule`` (the whole-step candidate that won), when given, say how it was chosen."""
     mem = plan.device_memory_bytes
-    ratio = plan.makespan_ms / plan.lower_bound_ms if plan.lower_bound_ms else float("nan")
-    bound = certified_bound_ms(plan)
-    gap = plan.makespan_ms / bound - 1 if bound else float("nan")
     chosen = plan.levels[0].variant if plan.levels else ""
     recomputed = sum(m.recompute != "none" for m in plan.metaops)
     lines = [
         f"model {plan.model}: {len(plan.tasks)} tasks, {len(plan.metaops)} MetaOps in {plan.num_levels} levels, "
         f"{plan.world_size} devices ({plan.gpus_per_node} per island), {len(plan.waves)} waves",
-        f"execution   {plan.passes} pass{'es' if plan.passes != 1 else ''} per step, {len(plan.phases)} "
+        *([f"configuration {configuration}"] if configuration else []),
+        f"execution     {plan.passes} pass{'es' if plan.passes != 1 else ''} per step, {len(plan.phases)} "
         f"phase{'s' if len(plan.phases) != 1 else ''}, {recomputed} MetaOp(s) recomputed, "
         f"{'distributed' if plan.distributed_optimizer else 'replicated'} optimizer state",
-        f"makespan      {plan.makespan_ms:10.2f} ms   (predicted compute time of one step)",
-        f"sum C*        {plan.lower_bound_ms:10.2f} ms   (relaxed lower bound: sum over levels of C*)",
-        f"bound         {bound:10.2f} ms   (certified for level-by-level wave schedules, per level: "
-        f"{bound_kinds(plan)})",
-        f"ratio         {ratio:10.3f}   (makespan / sum C*); gap to the certified bound {gap:.1%}",
-        *([f"schedule      the {chosen.split(' schedule')[0]} schedule: its simulated step is shorter than "
-           f"Spindle's own waves"] if "whole step" in chosen else []),
+    ]
+    if schedule and schedule != "spindle":
+        lines.append(f"schedule      {schedule.removeprefix('spindle, ')} (the whole-step candidate with the "
+                     f"shortest simulated step, docs/planning.md#whole-step-choice)")
+    elif schedule is None and "whole step" in chosen:
+        lines.append(f"schedule      the {chosen.split(' schedule')[0]} schedule: its simulated step is shorter "
+                     f"than Spindle's own waves")
+    lines += _makespan_lines(plan)
+    lines += [
         f"memory        max {max(mem) / 2**30:.2f} GiB, min {min(mem) / 2**30:.2f} GiB per device "
         f"(limit {plan.memory_limit_bytes / 2**30:.1f} GiB)",
         f"transfers     {sum(t.bytes - t.local_bytes for t in plan.transfers) / 2**20:.1f} MiB moved per "
-        f"step forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands",
+        f"pass forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands",
     ]
     frozen = [m for m in plan.metaops if not m.trainable and any(m.param_keys)]
     if frozen:
@@ -169,6 +173,22 @@ def summary(plan: Plan, planning_s: float | None = None) -> str:
     if planning_s is not None:
         lines.append(f"planning time {planning_s:10.3f} s")
     return "\n".join(lines)
+
+
+def _makespan_lines(plan: Plan) -> list[str]:
+    """The per-pass compute makespan and its bounds, for a level-by-level plan; else one line saying why not."""
+    if not plan.level_by_level:
+        return ["makespan      -            (not level by level: the waves run side by side or across levels, "
+                "so sum C* bounds none of this plan's figures; the step and the step bound measure it)"]
+    bound = certified_bound_ms(plan)
+    ratio = plan.makespan_ms / plan.lower_bound_ms if plan.lower_bound_ms else float("nan")
+    gap = plan.makespan_ms / bound - 1 if bound else float("nan")
+    return [f"makespan      {plan.makespan_ms:10.2f} ms   (compute of one pass, the waves one after another; "
+            f"transfers and sync not included)",
+            f"sum C*        {plan.lower_bound_ms:10.2f} ms   (relaxed lower bound of level-by-level schedules: sum "
+            f"over levels of C*); makespan / sum C* {ratio:.3f}",
+            f"bound         {bound:10.2f} ms   (certified for level-by-level wave schedules, per level: "
+            f"{bound_kinds(plan)}); gap to the certified bound {gap:.1%}"]
 
 
 def idle_devices(plan: Plan) -> list[int]:
@@ -199,14 +219,37 @@ def idle_warning(plan: Plan) -> str | None:
     return f"warning: {len(idle)} of {plan.world_size} devices stay idle in every wave: {why}"
 
 
-def _pyplot():
+PLOT_HINT = "pip install -e '.[plot]' (matplotlib)"
+
+
+def check_plotting(what: str) -> None:
+    """A ``ValueError`` in one line when matplotlib is missing: ``what`` (``--gantt``) needs it."""
     try:
-        import matplotlib  # optional: matplotlib (--gantt only)
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # optional: matplotlib (--gantt only)
+        import matplotlib  # noqa: F401  # optional: matplotlib (--gantt only)
     except ImportError:
-        raise ValueError("--gantt needs matplotlib (pip install matplotlib)") from None
+        raise ValueError(f"{what} needs matplotlib: {PLOT_HINT}") from None
+
+
+def _pyplot():
+    check_plotting("--gantt")
+    import matplotlib  # optional: matplotlib (--gantt only)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # optional: matplotlib (--gantt only)
     return plt
+
+
+def grid_key(plan: Plan, width: int = 116) -> str:
+    """The grid's key: every MetaOp's code and name, wrapped to ``width`` columns."""
+    c = codes(plan)
+    entries = [f"{c[m.name]} {m.name}" for m in plan.metaops]
+    lines, line = [], []
+    for e in entries:
+        if line and 5 + sum(len(x) + 2 for x in line) + len(e) > width:
+            lines.append(line)
+            line = []
+        line.append(e)
+    lines.append(line)
+    return "\n".join(("key: " if i == 0 else "     ") + "  ".join(x) for i, x in enumerate(lines))
 
 
 def device_ticks(world_size: int, most: int = 32) -> list[int]:
@@ -218,50 +261,106 @@ def device_ticks(world_size: int, most: int = 32) -> list[int]:
     return list(range(0, world_size, step))
 
 
-def gantt_figure(plan: Plan, *, title: str | None = None):
-    """The matplotlib figure of :func:`gantt` (the caller closes it: ``matplotlib.pyplot.close(fig)``)."""
+#: Gantt geometry, inches: chart width, height per device (within limits), legend row height.
+_WIDTH_IN, _ROW_IN, _KEY_ROW_IN = 12.0, 0.26, 0.125
+_LABEL_PT = 6.0
+
+
+def _runs(ranks) -> list[tuple[int, int]]:
+    """Contiguous runs ``(first, last)`` of sorted ``ranks``."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(ranks):
+        if out and r == out[-1][1] + 1:
+            out[-1] = (out[-1][0], r)
+        else:
+            out.append((r, r))
+    return out
+
+
+def _bars(plan: Plan, timeline) -> list[tuple[object, float, float, bool]]:
+    """``(slice, start, end, backward)`` of every bar: the pass's forward and backward spans from ``timeline``
+    (:func:`megatron_spindle.plan_output.pass_timeline`), else each slice at its wave's start (the compute
+    schedule of the waves one after another)."""
+    out = []
+    for w in plan.waves:
+        for s in w.slices:
+            if timeline is None:
+                out.append((s, w.start_ms, w.start_ms + s.time_ms, False))
+            else:
+                for kind in ("fwd", "bwd"):
+                    a, b = timeline[(s.name, kind)]
+                    out.append((s, a, b, kind == "bwd"))
+    return out
+
+
+def gantt_figure(plan: Plan, *, title: str | None = None, timeline=None, step: str | None = None):
+    """The matplotlib figure of :func:`gantt` (the caller closes it: ``matplotlib.pyplot.close(fig)``).
+
+    One bar per slice and device, a colour per MetaOp, a code on a bar wide enough for it (``C8-15``: layers
+    8-15 of MetaOp C), every MetaOp in the key under the chart; the title gives the step (``step``) when the
+    caller has simulated it, else the makespan (with Σ C* only for a level-by-level plan)."""
     plt = _pyplot()
     c = codes(plan)
     palette = [plt.get_cmap(name)(k) for name in ("tab20", "tab20b", "tab20c") for k in range(20)]
     color = {m.name: palette[i % len(palette)] for i, m in enumerate(plan.metaops)}
-    shown = plan.metaops[:60]
-    legend_cols = 3
-    legend_rows = -(-len(shown) // legend_cols)
-    chart_h = max(2.5, min(14, 0.28 * plan.world_size + 1.5))
-    legend_h = 0.16 * legend_rows + 0.3  # inches: the legend goes under the chart, in columns, all of it shown
-    fig, ax = plt.subplots(figsize=(12, chart_h + legend_h))
-    for w in plan.waves:
-        for s in w.slices:
-            for r in s.ranks:
-                ax.broken_barh([(w.start_ms, s.time_ms)], (r - 0.4, 0.8), facecolors=color[s.metaop],
-                               edgecolor="black", linewidth=0.3)
-            if s.time_ms > 0.04 * plan.makespan_ms and plan.world_size <= 64:
-                mid = sum(s.ranks) / len(s.ranks)
-                ax.text(w.start_ms + s.time_ms / 2, mid, f"{c[s.metaop]}{s.layer_start}-{s.layer_stop - 1}",
-                        ha="center", va="center", fontsize=6)
-        ax.axvline(w.start_ms, color="grey", linewidth=0.4, linestyle=":")
+    bars = _bars(plan, timeline)
+    end = max([b for _, _, b, _ in bars] + [plan.makespan_ms if timeline is None else 0.0, 1e-9])
+    key_cols = 4 if len(plan.metaops) > 24 else 3
+    key_rows = -(-len(plan.metaops) // key_cols)
+    chart_h = max(2.5, min(16.0, _ROW_IN * plan.world_size + 1.0))
+    key_h = _KEY_ROW_IN * key_rows + 0.05
+    gap_h = 0.6  # inches between the chart and the key: the time axis's ticks and label
+    total_h = chart_h + gap_h + key_h + 0.55
+    fig, (ax, kx) = plt.subplots(2, 1, figsize=(_WIDTH_IN, total_h), gridspec_kw={
+        "height_ratios": [chart_h, key_h], "hspace": gap_h / ((chart_h + key_h) / 2)})
+    fig.subplots_adjust(left=0.06, right=0.99, top=1 - 0.45 / total_h, bottom=0.01)
+    for s, a, b, backward in bars:
+        for r in s.ranks:
+            ax.broken_barh([(a, b - a)], (r - 0.4, 0.8), facecolors=color[s.metaop], edgecolor="black",
+                           linewidth=0.3, hatch="////" if backward else None, alpha=0.75 if backward else 1.0)
+    axis_pt = _WIDTH_IN * 0.93 * 72
+    for s, a, b, backward in bars:
+        if backward or plan.world_size > 64:
+            continue
+        label = f"{c[s.metaop]}{s.layer_start}" + (f"-{s.layer_stop - 1}" if s.num_layers > 1 else "")
+        if (b - a) / end * axis_pt < (len(label) * 0.62 + 0.8) * _LABEL_PT:
+            continue  # a label wider than its bar would overlap its neighbours
+        lo, hi = max(_runs(s.ranks), key=lambda run: run[1] - run[0])
+        ax.text((a + b) / 2, (lo + hi) // 2, label, ha="center", va="center", fontsize=_LABEL_PT)  # on a bar
+    if timeline is None:
+        for w in plan.waves:
+            ax.axvline(w.start_ms, color="grey", linewidth=0.4, linestyle=":")
+    for d in range(plan.gpus_per_node, plan.world_size, plan.gpus_per_node):
+        ax.axhline(d - 0.5, color="black", linewidth=0.6)  # island boundaries
     ax.set_ylim(plan.world_size - 0.5, -0.5)
     ticks = device_ticks(plan.world_size)
     ax.set_yticks(ticks, [f"d{d}" for d in ticks])
-    ax.set_xlim(0, plan.makespan_ms)
-    ax.set_xlabel("time (ms)")
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time (ms)" + (": one pass, forward then backward (hatched), as the simulator runs it"
+                                 if timeline is not None else ": the waves one after another (compute only)"))
     ax.set_ylabel("device")
-    ax.set_title(title or f"{plan.model} on {plan.world_size} devices: {len(plan.waves)} waves, "
-                          f"makespan {plan.makespan_ms:.1f} ms (lower bound {plan.lower_bound_ms:.1f} ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=color[m.name]) for m in shown]
-    labels = [f"{c[m.name]} {m.name}" for m in shown]
-    if len(plan.metaops) > len(shown):
-        labels[-1] += f" (+{len(plan.metaops) - len(shown)} more)"
-    fig.tight_layout(rect=(0, legend_h / (chart_h + legend_h), 1, 1))
-    fig.legend(handles, labels, fontsize=6, loc="lower left", ncol=legend_cols, frameon=False,
-               bbox_to_anchor=(0.01, 0.0), handlelength=1.2, columnspacing=1.5)
+    ax.set_title(title or _gantt_title(plan, step), fontsize=10)
+    kx.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[m.name]) for m in plan.metaops]
+    kx.legend(handles, [f"{c[m.name]} {m.name}" for m in plan.metaops], fontsize=_LABEL_PT, loc="upper left",
+              ncol=key_cols, frameon=False, handlelength=1.2, columnspacing=1.5, borderaxespad=0.0,
+              mode="expand", bbox_to_anchor=(0.0, 1.0, 1.0, 0.0))
     return fig
 
 
-def gantt(plan: Plan, path: str, *, title: str | None = None) -> str:
-    """Draw the waves per device as a PNG at exactly ``path`` (one bar per slice and device, colour per
-    MetaOp, devices named d0, d1, ...); returns the path written."""
-    fig = gantt_figure(plan, title=title)
+def _gantt_title(plan: Plan, step: str | None) -> str:
+    head = f"{plan.model}, {len(plan.tasks)} tasks on {plan.world_size} devices, {len(plan.waves)} waves"
+    if step:
+        return f"{head}: {step}"
+    if plan.level_by_level:
+        return (f"{head}: makespan {plan.makespan_ms:.1f} ms per pass, compute only (sum C* "
+                f"{plan.lower_bound_ms:.1f} ms)")
+    return f"{head}: compute {plan.makespan_ms:.1f} ms per pass with the waves one after another"
+
+
+def gantt(plan: Plan, path: str, *, title: str | None = None, timeline=None, step: str | None = None) -> str:
+    """Draw the plan per device as a PNG at exactly ``path`` (:func:`gantt_figure`); returns the path written."""
+    fig = gantt_figure(plan, title=title, timeline=timeline, step=step)
     plt = _pyplot()
     try:
         write_file(path, lambda fh: fig.savefig(fh, format="png", dpi=130, bbox_inches="tight"), "Gantt chart")

@@ -41,10 +41,12 @@ from ..assembly.plan import Plan
 
 
 def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
-                  transfers: bool = True, runtime: RuntimeCosts | None = None) -> tuple[float, dict[str, float]]:
+                  transfers: bool = True, runtime: RuntimeCosts | None = None,
+                  spans: dict | None = None) -> tuple[float, dict[str, float]]:
     """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
     with free communication (the difference is the pass's exposed transfer); ``runtime``: the measured costs
-    of posting each boundary's batch (module docstring)."""
+    of posting each boundary's batch (module docstring); ``spans``, when given, receives every slice's
+    ``(start, end)`` under ``(name, "fwd")`` and ``(name, "bwd")`` (the Gantt draws them)."""
     N = plan.world_size
     free = [0.0] * N
     fwd_end: dict[str, float] = {}
@@ -107,6 +109,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                     ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
             start = max(ready, max(free[r] for r in s.ranks))
             e = done[s.name] = start + share * stretch * slice_ms[s.name] + (extra_b if backward else extra_f)
+            if spans is not None:
+                spans[(s.name, "bwd" if backward else "fwd")] = (start, e)
             for r in s.ranks:
                 free[r] = e
         if backward:  # backward: posted after the wave's backward

@@ -33,7 +33,8 @@ from ..assembly.placement import PlacementError, place
 from ..assembly.execution import Execution, configure, task_groups
 from ..assembly.plan import Plan
 from ..simulation.simulate import simulate, step_time_ms
-from .tune import Trial, Tuned, Workload, _first_fit, _fits, _peak, note_over_memory
+from ..systems.baselines import BASELINES
+from .tune import Trial, Tuned, Workload, _first_fit, _fits, _peak, note_over_memory, tune_baseline
 
 #: Spindle configurations given the full search (the rest are ranked by the paper's pipeline alone).
 FULL_SEARCHES = 2
@@ -182,8 +183,10 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
     ranked.sort(key=lambda r: r[0])
     finals = list(dict.fromkeys([ex for _, ex in ranked[:FULL_SEARCHES]] + list(hints)))
     for ex in finals:
+        report: dict = {}
         try:
-            p = make_plan(wl.graph(ex.passes), cluster, execution=ex, placement_budget=FULL_NODES, **kw)
+            p = make_plan(wl.graph(ex.passes), cluster, execution=ex, placement_budget=FULL_NODES, report=report,
+                          **kw)
         except (ValueError, KeyError) as e:
             out.tried.append(Trial(ex, None, None, False, str(e).splitlines()[0]))
             continue
@@ -192,9 +195,23 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
         out.tried.append(Trial(ex, sim.step_ms, _peak(p) / 2**30, ok, "full search"))
         if ok and (out.sim is None or sim.step_ms < out.sim.step_ms * (1 - 1e-9)):
             out.execution, out.plan, out.sim = ex, p, sim
+            out.extra["schedule"] = report.get("winner", "spindle")  # the whole-step candidate that won
         elif not ok and fixed is not None:
             note_over_memory(out, ex, sim, _peak(p), cluster)
     if out.sim is None:
         notes = [t.note for t in out.tried if not t.fits and t.note not in ("", "paper's pipeline")]
         out.error = notes[0] if notes else "no configuration fits the devices' memory"
+    return out
+
+
+def tune_with_baselines(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | None = None,
+                        device: DeviceModel | None = None, fixed: Execution | None = None,
+                        baselines: Sequence[str] = BASELINES) -> dict[str, Tuned]:
+    """Every system of ``baselines`` at its best configuration, then Spindle with theirs as ``hints``: the one
+    way both ``spindle compare`` and ``spindle plan`` choose Spindle's configuration, so that the two print
+    the same step for the same workload. ``{system: Tuned}``, Spindle's under ``"spindle"``."""
+    kw = dict(curves_file=curves_file, device=device, fixed=fixed)
+    out = {system: tune_baseline(system, wl, cluster, **kw) for system in baselines}
+    hints = [t.execution for t in out.values() if t.execution is not None]
+    out["spindle"] = tune_spindle(wl, cluster, hints=hints, **kw)
     return out

@@ -20,7 +20,7 @@ planner's time grid and fitted with :func:`fit_piecewise`, exactly as measured p
 Where the constants come from (docs/results/analytic_curves.md has the numbers, the fits and the errors;
 tests/test_analytic_curves.py re-checks every anchor point):
 
-* **The floor: eager by default (issue 31).** A Megatron-LM user runs eagerly unless they ask for CUDA graphs:
+* **The floor: eager by default.** A Megatron-LM user runs eagerly unless they ask for CUDA graphs:
   megatron-core 0.16.1 ``TransformerConfig.cuda_graph_impl = "none"`` (``megatron/core/transformer/
   transformer_config.py``), and docs.nvidia.com/megatron/user-guide/features/cuda-graph: ``--cuda-graph-impl``
   ``none`` / ``local`` / ``transformer_engine`` / ``full_iteration``, ``none`` the default. No published
@@ -67,13 +67,13 @@ tests/test_analytic_curves.py re-checks every anchor point):
   A100): about 67 TFLOP/s at micro-batch 1 and 92 at 16 as read off the figure, a 26 % loss at 2048 tokens;
   the default (eager floor) gives about 9 %. Whole-iteration overheads of that 4-layer model are the likely
   cause, but if not, the model is optimistic for wide layers at small batches.
-* **A training bound (issue 31).** The only training measurement at several small per-device batches found:
+* **A training bound.** The only training measurement at several small per-device batches found:
   DeepLearningExamples ``TensorFlow/LanguageModeling/BERT/README.md`` at commit 4b09b347 (2019-03-19), SQuAD
   fine-tuning of BERT-large (sequence 384) on one V100, TF 19.03 FP16 + XLA, batch 2 / 3 / 4 / 10: 11.86 /
   14.86 / 18.14 / 27.69 sentences/s: step = 129 ms + 22.9 ms per sample. The 129 ms holds the 24 layers'
   floors and the per-step work together (not separable): at most 5.4 ms per layer, above every edge.
 
-* **The band (issue 31).** :func:`fast_edge` is the fused / CUDA-graph floor with the default level (the other
+* **The band.** :func:`fast_edge` is the fused / CUDA-graph floor with the default level (the other
   execution mode); :func:`slow_edge` is the eager column's batch-1 latency as floor with Megatron-LM 2021's end-to-end
   level (SC21 Table 1; :data:`LOW_MAX_EFFICIENCY`). ``spindle compare`` re-plans every system under both
   (:mod:`megatron_spindle.compare.band`). At large batch a training anchor checks the default: NVIDIA

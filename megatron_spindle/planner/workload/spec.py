@@ -4,8 +4,9 @@ Read with the standard library's ``tomllib``; the schema is documented in ``docs
 
 * ``[model]``: ``name``, the default global ``batch`` per task (samples per task per optimizer step, Megatron's
   ``--global-batch-size``), optional ``passes`` (default 1: passes of the plan per optimizer step, gradient
-  accumulation; the planner plans one pass of ``batch / passes`` samples per task), ``task_counts`` (the allowed
-  ``--tasks K``: the first K tasks) and ``layer_plugins`` (Python files or modules registering custom layer
+  accumulation; the planner plans one pass of ``batch / passes`` samples per task), ``task_counts`` (the task
+  counts of its reference workloads, the largest the default and the most ``--tasks K`` takes: any K from 1 to
+  it trains the first K tasks) and ``layer_plugins`` (Python files or modules registering custom layer
   types, see :mod:`.layer_types`);
 * ``[modules.<component>.<part>]``: one stack of layers of one ``type`` with megatron.core-style
   hyper-parameters (``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``, ``num_layers``,
@@ -104,8 +105,9 @@ class ModelSpec:
         components: ``vision`` is every ``vision.*`` module) whose weights do not train, as if their spec
         said ``trainable = false`` (:meth:`frozen_modules`)."""
         k = self.task_counts[-1] if tasks is None else tasks
-        if k not in self.task_counts:
-            raise ValueError(f"model {self.name!r} is defined for {self.task_counts} tasks, not {k}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.task_counts[-1]:
+            raise ValueError(f"model {self.name!r} trains 1 to {self.task_counts[-1]} tasks (the first K; its "
+                             f"reference workloads: {', '.join(map(str, self.task_counts))}), not {k}")
         if size != SIZE_FULL and size not in self.sizes:
             raise ValueError(f"unknown size {size!r} for model {self.name!r}; choose one of "
                              f"{(SIZE_FULL, *self.sizes)}")
