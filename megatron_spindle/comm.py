@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 __all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
            "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
-           "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "device_id", "ReduceOp", "PeerError", "is_peer_failure",
-           "first_line", "during"]
+           "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "local_rank", "device_id", "ReduceOp",
+           "PeerError", "is_peer_failure", "first_line", "during"]
 
 ReduceOp = dist.ReduceOp
 
@@ -126,14 +126,40 @@ def _named(op: str):
     return deco
 
 
+#: What launchers other than torchrun call a rank's index on its node (Slurm's srun, Open MPI, MPICH/Intel MPI).
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def local_rank(environ=None) -> int:
+    """This rank's index on its node, from the launcher's environment: ``LOCAL_RANK`` (torchrun) or what Slurm
+    and MPI launchers set; ``RANK`` modulo ``LOCAL_WORLD_SIZE`` when only those are set; 0 for a one-rank job.
+    Anything else is refused in one line (``ValueError``): a default of 0 would put every rank of a node on
+    GPU 0."""
+    env = os.environ if environ is None else environ
+    for name in _LOCAL_RANK_VARS:
+        if env.get(name, "").strip():
+            value = env[name].strip()
+            if not value.isdigit():
+                raise ValueError(f"{name}={value!r} is not a rank index on this node (a non-negative integer)")
+            return int(value)
+    world, rank = env.get("WORLD_SIZE", "1").strip() or "1", env.get("RANK", "0").strip() or "0"
+    if env.get("LOCAL_WORLD_SIZE", "").strip().isdigit() and rank.isdigit() and int(env["LOCAL_WORLD_SIZE"]) > 0:
+        return int(rank) % int(env["LOCAL_WORLD_SIZE"])
+    if world == "1":
+        return 0
+    raise ValueError(f"LOCAL_RANK is not set (RANK={rank} of WORLD_SIZE={world}): which GPU of the node is this "
+                     f"rank's is unknown; launch with torchrun (it sets LOCAL_RANK) or set LOCAL_RANK, or "
+                     f"LOCAL_WORLD_SIZE for RANK modulo it")
+
+
 def device_id(backend: str) -> torch.device | None:
-    """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (``LOCAL_RANK``),
+    """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (:func:`local_rank`),
     made the current device first, so the default communicator is created at once, bound to it, and later
     groups are split from it (``ncclCommSplit``) instead of each being created lazily by its first
     collective; None under gloo."""
     if "nccl" not in str(backend).lower():
         return None
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = local_rank()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 

@@ -100,7 +100,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
         graph: the task graph the plan was made for.
         seed: model seed (same value on every rank, same as the reference model's).
         timeout_s: bound on every wait for a peer.
-        dtype, device: parameter dtype and device (CPU float32 here).
+        dtype, device: parameter dtype and device (default: :func:`megatron_spindle.comm.comm_device`, where
+            receive buffers are allocated; another device is refused).
     """
 
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
@@ -137,7 +138,11 @@ class SpindleModel(TransferPlumbing, nn.Module):
         """Wave indices of each phase, in execution order (``plan.phases``)."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        here = comm.comm_device()  # where receive buffers and collectives live: the layers go there too
+        self.device = torch.device(device) if device is not None else here
+        if self.device.type != here.type or (self.device.index is not None and self.device != here):
+            raise ValueError(f"device {self.device}, but this rank communicates on {here} (receive buffers and "
+                             f"collectives live there): build the model on {here}, or leave device unset")
         self.dtype = dtype
         self.metaops = {m.name: m for m in plan.metaops}
         self._grad = {n: needs_output_grad(m) for n, m in self.metaops.items()}  # False: forward only (frozen)
@@ -174,7 +179,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                     mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
                                       graph=layer_graph or graph,
                                       dtype=dtype, device=self.device, share_with=share, backend=backend,
-                                      recompute_mode=m.recompute)
+                                      recompute_mode=m.recompute, one_group=self.registry.one)
                     self.layers[_module_key(m.name, layer)] = mod
                     if share is None and op.param_key:
                         fresh.append(mod)

@@ -86,7 +86,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from .. import comm
-from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
+from ..models.blocks import _NO_CUDA_GRAPH_SCOPE
 from ..models.layer_state import shard_spec
 from .rank_sets import param_group_name
 
@@ -198,7 +198,7 @@ class GradSync:
         self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
         self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
-        one = self_group()
+        one = model.registry.one
         config = _sum_config()
         self._positions = backward_positions(plan)
         keyed = []  # (complete at, ranks, bucket index, instance, bucket group): the global posting order
