@@ -80,33 +80,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from .. import comm
-from ..models.blocks import _NO_CUDA_GRAPH_SCOPE
+from . import ddp
 from ..models.layer_state import shard_spec
 from .rank_sets import param_group_name
 
 
 class GradSyncTimeout(comm.PeerError):
     """A gradient reduction did not complete (a peer died or hung): names the rank set."""
-
-
-def _driven_by_the_plan(force_all_reduce: bool = False) -> None:
-    """Replaces a bucket group's ``start_grad_sync``: megatron calls it when the bucket is ready on this rank
-    (and from ``finish_grad_sync``); the reduce is posted by :meth:`GradSync.reached` / :meth:`GradSync.finish`
-    at its place in the global order instead."""
-
-
-class _Params(nn.Module):
-    """The parameters of one rank set, in a fixed order (the module megatron's DDP wraps)."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(params)
 
 
 @dataclass
@@ -118,6 +103,7 @@ class _Instance:
     labels: dict = field(default_factory=dict)        # bucket group -> "reduce [ranks] bucket i"
     start: dict = field(default_factory=dict)         # bucket group -> original start_grad_sync
     times: dict = field(default_factory=dict)         # label -> [post time, completion time or None]
+    hooks: list = field(default_factory=list)         # its hooks on the parameters' gradient accumulators
 
     @property
     def reduces(self) -> bool:
@@ -145,21 +131,6 @@ def grad_done_positions(plan, rank: int) -> dict[str, int]:
                     if key:
                         out[key] = max(out.get(key, -1), pos[w])
     return out
-
-
-def ddp_config_for(*, overlap: bool, bucket_size: int | None, grad_reduce_in_fp32: bool = False,
-                   distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
-    """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``;
-    reduce-scatter and parameter all-gather with ``distributed_optimizer``."""
-    return DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
-                                         grad_reduce_in_fp32=grad_reduce_in_fp32, average_in_collective=False,
-                                         use_distributed_optimizer=distributed_optimizer)
-
-
-def _sum_config() -> TransformerConfig:
-    """The model config DDP reads: only ``calculate_per_token_loss`` matters (sum, no 1/dp scaling)."""
-    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True,
-                             use_cpu_initialization=True, **_NO_CUDA_GRAPH_SCOPE)
 
 
 class GradSync:
@@ -199,7 +170,7 @@ class GradSync:
         self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
         one = model.registry.one
-        config = _sum_config()
+        config = ddp.sum_config()
         self._positions = backward_positions(plan)
         keyed = []  # (complete at, ranks, bucket index, instance, bucket group): the global posting order
         for ranks in sorted(by_ranks, key=lambda k: (len(k), k)):
@@ -208,17 +179,17 @@ class GradSync:
             pgc = ProcessGroupCollection(dp=group, dp_cp=group, intra_dp_cp=group, expt_dp=group,
                                          intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
             params = [r[4] for r in rows]
-            ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size,
-                                                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                                                  distributed_optimizer=distributed_optimizer),
-                                          _Params(params), pg_collection=pgc)
+            dp = DistributedDataParallel(config, ddp.ddp_config_for(overlap=overlap, bucket_size=bucket_size,
+                                                                   grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                                                   distributed_optimizer=distributed_optimizer),
+                                         ddp.Params(params), pg_collection=pgc)
             done_at = {id(r[4]): -r[0] for r in rows}
-            inst = _Instance(ranks=ranks, ddp=ddp)
-            for i, bg in enumerate(ddp.bucket_groups):
+            inst = _Instance(ranks=ranks, ddp=dp, hooks=ddp.backward_hooks(dp))
+            for i, bg in enumerate(dp.bucket_groups):
                 keyed.append((max(done_at[id(p)] for p in bg.params), (len(ranks), ranks), i, inst, bg))
                 inst.labels[bg] = f"reduce {list(ranks)} bucket {i}"
                 inst.start[bg] = bg.start_grad_sync
-                bg.start_grad_sync = _driven_by_the_plan
+                bg.start_grad_sync = ddp.driven_by_the_plan
             self.instances.append(inst)
             for r in rows:
                 # the norm counts a replicated parameter of a tensor-parallel layer on shard 0 only
@@ -264,11 +235,14 @@ class GradSync:
         missing = [p for p in model.unique_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
             raise RuntimeError(f"rank {self.rank}: {len(missing)} parameters belong to no parameter device group")
+        olds = {}
         for p in self._main_params + [c for c, _ in self._copy_of]:  # a replanned model takes them over
             old = getattr(p, "_spindle_grad_sync", None)
             if old is not None and old is not self:
-                old.release()
+                olds[id(old)] = old
             p._spindle_grad_sync = self
+        for old in olds.values():
+            old.release()
         self._no_sync = 0
         self._grad_copies: list[torch.Tensor] = []
         self.synced = False
@@ -306,7 +280,7 @@ class GradSync:
             fut.add_done_callback(lambda _f, t=times: t.__setitem__(1, time.perf_counter()))
 
     @staticmethod
-    def _copy_hook(main: nn.Parameter, ddp: DistributedDataParallel):
+    def _copy_hook(main: nn.Parameter, dp: DistributedDataParallel):
         """Add an extra copy's gradient into the DDP parameter's buffer; count it as one use of it."""
 
         def hook(c: nn.Parameter) -> None:
@@ -314,9 +288,9 @@ class GradSync:
                 return
             main.main_grad.add_(c.grad)
             c.grad = None
-            bg = ddp.param_to_bucket_group.get(main)
-            if bg is not None and ddp.ddp_config.overlap_grad_reduce:
-                bg.register_grad_ready(main, ddp.force_all_reduce)
+            bg = dp.param_to_bucket_group.get(main)
+            if bg is not None and dp.ddp_config.overlap_grad_reduce:
+                bg.register_grad_ready(main, dp.force_all_reduce)
 
         return hook
 
@@ -436,11 +410,20 @@ class GradSync:
             g.mul_(factor)
 
     def release(self) -> None:
-        """Stop acting on these parameters (a replanned model takes them over): the DDP hooks megatron
-        registered stay on the parameters' gradient accumulators, so they are emptied, and the copy hooks
-        removed."""
+        """Stop acting on these parameters (a replanned model takes them over): megatron's hooks are removed
+        from the parameters' gradient accumulators (:mod:`.ddp_hooks`) and the copy hooks too, so nothing
+        keeps this object's DDP instances and buffers alive; parameters no new model took over (parked) drop
+        their views of the buffers."""
         for inst in self.instances:
             inst.ddp.param_to_bucket_group.clear()
+            ddp.remove(inst.hooks)
+            inst.ddp.grad_accs.clear()
         for h in self._copy_hooks:
             h.remove()
         self._copy_hooks.clear()
+        for p in self._main_params + [c for c, _ in self._copy_of]:
+            if getattr(p, "_spindle_grad_sync", None) is self:
+                del p._spindle_grad_sync
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    del p.main_grad

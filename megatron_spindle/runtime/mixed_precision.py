@@ -27,6 +27,7 @@ class MasterWeightsOptimizer:
         self.masters = [p if p.dtype == torch.float32 else
                         nn.Parameter(p.detach().float().clone()) for p in self.params]
         self.inner = make_inner(self.masters)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
 
     @property
     def param_groups(self):
@@ -35,6 +36,27 @@ class MasterWeightsOptimizer:
     @property
     def state(self):
         return self.inner.state
+
+    def param_state(self, p: nn.Parameter) -> dict:
+        """What this optimizer keeps for model parameter ``p``: the inner optimizer's state of its master, and
+        the master itself (``"master"``, fp32) when ``p`` is not fp32 (what a task-mix change carries over,
+        :mod:`.replan`)."""
+        m = self.masters[self._index[id(p)]]
+        st = dict(self.inner.state.get(m, {}))
+        if m is not p:
+            st["master"] = m
+        return st
+
+    def load_param_state(self, p: nn.Parameter, st: dict) -> None:
+        """Take over ``st`` (from :meth:`param_state` of another instance) for ``p``."""
+        m = self.masters[self._index[id(p)]]
+        st = dict(st)
+        master = st.pop("master", None)
+        if master is not None and m is not p:
+            with torch.no_grad():
+                m.copy_(master)
+        if st:
+            self.inner.state[m] = st
 
     def step(self) -> None:
         for p, m in zip(self.params, self.masters):
