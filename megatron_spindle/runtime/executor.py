@@ -109,13 +109,15 @@ class SpindleModel(TransferPlumbing, nn.Module):
                  backend: str = "local", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool | None = None,
+                 grad_reduce_in_fp32: bool = False, param_dtype_grads: bool = False,
+                 distributed_optimizer: bool | None = None,
                  init: Mapping[str, str] | None = None, registry: ProcessGroupRegistry | None = None) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
         model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
-        ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, see :mod:`.grad_sync`. The distributed
+        ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, and ``param_dtype_grads``, see
+        :mod:`.grad_sync`. The distributed
         optimizer (ZeRO-1) is the plan's ``distributed_optimizer``; a ``distributed_optimizer`` given here
         must say the same. ``init``: module name -> Hugging Face directory whose weights the layers built
         here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`). ``registry``:
@@ -132,7 +134,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                              f"estimate assumes it); re-plan to change it")
         self.plan, self.graph = plan, graph
         self.options = dict(backend=backend, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=grad_reduce_in_fp32)
+                            grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads)
         """How the layers and the gradient sync were built (a replanned model is built the same way)."""
         self.phases = plan.phases
         """Wave indices of each phase, in execution order (``plan.phases``)."""
@@ -196,7 +198,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
         self._ranges: dict[str, tuple[int, int]] = {}
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
-                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                  grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads,
                                   distributed_optimizer=plan.distributed_optimizer)
         # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
         self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
@@ -379,7 +381,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
     # -- gradient sync, norm, losses ----------------------------------------------------------------------
     def finalize_grads(self) -> None:
         """Wait for every parameter device group's reduce (posted bucket by bucket during backward by
-        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.grad`` is the summed gradient."""
+        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.main_grad`` is the summed gradient (``p.grad`` a
+        view of it where the dtypes agree)."""
         self.grad_sync.finish()
 
     def zero_grad_buffer(self) -> None:
@@ -419,9 +422,3 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.grad_sync.release()
         self.registry.destroy()
 
-
-def fp32_grad(p: nn.Parameter) -> Tensor:
-    """The reduced gradient of ``p`` in fp32 (for fp32 master weights): its ``main_grad`` (megatron DDP's
-    buffer, bf16 or fp32, see :mod:`.grad_sync`) when one is kept, else ``.grad``."""
-    main = getattr(p, "main_grad", None)
-    return main.float() if main is not None else p.grad.float()

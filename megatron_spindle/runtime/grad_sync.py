@@ -19,8 +19,10 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
 * **reduction dtype**: by default (``grad_reduce_in_fp32=False``, megatron.core's default) gradients are kept
   and reduced in the parameters' dtype: bf16 for a bf16 model, half the bytes of fp32. With
   ``grad_reduce_in_fp32=True`` (what Megatron-LM's ``--bf16`` turns on through
-  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32 and ``p.grad`` gets a copy in the
-  parameter's dtype; fp32 master weights (:mod:`.mixed_precision`) step from ``main_grad`` either way;
+  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32; fp32 master weights (:mod:`.mixed_precision`)
+  and Megatron's optimizers step from ``main_grad``, so ``p.grad`` is then left None unless
+  ``param_dtype_grads`` asks for a copy in the parameter's dtype (a torch optimizer stepping bf16
+  parameters itself);
 * **accumulation**: ``main_grad`` accumulates over passes; :meth:`no_sync` (Megatron's) keeps buckets from
   firing during the first K-1 passes, so K passes cost one sync.
 
@@ -51,8 +53,10 @@ gradient into the first copy's ``main_grad`` and counts as one more use of that 
 bucket fires only after every copy has contributed, and overlap stays on. After the sync every copy's
 ``.grad`` is the first copy's ``main_grad``, so the optimizer moves the copies identically.
 
-**What the optimizer sees.** After :meth:`finish`, ``p.grad`` is ``p.main_grad`` (a view of the reduced
-buffer, no copy; a copy when the buffer is fp32 and the parameter bf16) for every local parameter, so the trainer's torch AdamW reads it as before. The buffers are
+**What the optimizer sees.** After :meth:`finish`, ``p.main_grad`` is the reduced gradient and ``p.grad`` a
+view of it (no copy) where the dtypes agree, for every local parameter (with the distributed optimizer, for
+every block of :meth:`optimizer_parameters`: its ``main_grad`` is the block of the reduce-scattered buffer, so
+fp32 masters step from the fp32 block, never from a bf16 round trip of it). The buffers are
 zeroed by :meth:`zero_grad_buffer` (Megatron's ``train_step`` calls it on the model chunk; the executor also
 calls it before the first forward after a sync, so a caller that only runs forward, backward, sync and an
 optimizer step gets fresh gradients every step, as with plain ``.grad``).
@@ -142,15 +146,19 @@ class GradSync:
         overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
         grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
+        param_dtype_grads: with fp32 buffers and low-precision parameters, also a ``.grad`` copy in the
+            parameter's dtype each step (None otherwise; ``main_grad`` is the gradient).
         distributed_optimizer: ZeRO-1 over each rank set (see the module docstring).
     """
 
     def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False,
+                 param_dtype_grads: bool = False) -> None:
         self.model = model
         self.rank = model.rank
         self.overlap = overlap
         self.distributed_optimizer = distributed_optimizer
+        self.param_dtype_grads = param_dtype_grads
         plan = model.plan
         done_of = {r: grad_done_positions(plan, r) for r in range(plan.world_size)}
         by_ranks: dict[tuple[int, ...], list] = {}
@@ -345,17 +353,19 @@ class GradSync:
         self._grad_copies = []  # .grad tensors that are copies in another dtype, not buffer views
         if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
             for sp, grad, *_ in self._shards:
-                sp.grad = self._expose(grad, sp.dtype)
+                sp.main_grad, sp.grad = grad, self._expose(grad, sp.dtype)
         else:
             for p in self._main_params:
                 p.grad = self._expose(p.main_grad, p.dtype)
             for c, m in self._copy_of:
-                c.grad = m.grad
+                c.main_grad, c.grad = m.main_grad, m.grad
         self.synced = True
 
-    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         if grad.dtype == dtype:
             return grad
+        if not self.param_dtype_grads:
+            return None
         copy = grad.to(dtype)
         self._grad_copies.append(copy)
         return copy
