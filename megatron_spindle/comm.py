@@ -13,7 +13,8 @@ API (``group=None`` is the world; ``timeout`` bounds the wait of an ``*_async`` 
   without ``torch.distributed``: the current CUDA device if there is one, else the CPU). Models build their
   parameters there, receive buffers are allocated there, references are built there.
 * :func:`on_comm_device` - a tensor on that device (no copy when it is already there).
-* :func:`empty` - a receive buffer on that device.
+* :func:`empty` - a receive buffer on that device; :func:`host_to_device` - a host tensor copied there
+  without the host waiting (pinned, non-blocking).
 * :func:`all_reduce` (in place, returns the tensor that was reduced: the argument itself when it already
   lived on the device, else a copy that has been copied back into the argument), :func:`all_reduce_async`
   (returns ``(tensor on the device, work)``; the caller waits, then reads the returned tensor),
@@ -47,7 +48,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
+__all__ = ["comm_device", "on_comm_device", "host_to_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
            "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
            "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "local_rank", "device_id", "ReduceOp",
            "PeerError", "is_peer_failure", "first_line", "during"]
@@ -185,6 +186,18 @@ def on_comm_device(t: torch.Tensor) -> torch.Tensor:
     """``t`` on :func:`comm_device` (itself when already there)."""
     dev = comm_device()
     return t if t.device == dev else t.to(dev)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``t`` on ``device`` (default :func:`comm_device`) without making the host wait: a CPU tensor goes to a
+    GPU from pinned memory with ``non_blocking`` (a copy from pageable memory waits for the GPU to catch up);
+    itself when already there."""
+    dev = comm_device() if device is None else torch.device(device)
+    if t.device == dev or (dev.index is None and t.device.type == dev.type):
+        return t
+    if dev.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(dev, non_blocking=True)
+    return t.to(dev)
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -54,3 +54,36 @@ def test_the_model_lives_where_its_rank_communicates(tmp_path):
             SpindleModel(plan, g, seed=0, device="cuda")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pass_copies_each_input_block_to_the_device_once(tmp_path, monkeypatch):
+    """The executor moves each data block its slices read once per pass, through ``comm.host_to_device``
+    (pinned and non-blocking on a GPU: a pageable copy per input per slice would make the host wait for the GPU
+    each time), not per slice and layer."""
+    import torch.distributed as dist
+
+    from megatron_spindle.compat.cpu import apply_cpu_patches
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    from megatron_spindle.runtime.executor import SpindleModel
+
+    apply_cpu_patches()
+    g = build_graph("multitask-clip", tasks=4, size="tiny", batch=2)
+    plan = make_plan(g, load_cluster(None, num_devices=1))
+    copies = []
+    real = comm.host_to_device
+    monkeypatch.setattr(comm, "host_to_device", lambda t, device=None: copies.append(t.shape) or real(t, device))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = SpindleModel(plan, g, seed=0)
+        data = SyntheticData(g, seed=0)
+        for step in range(2):
+            model.backward(model(data.batch(step)))
+        blocks = model._data_blocks
+        model.destroy()
+    finally:
+        dist.destroy_process_group()
+    streams = {(t, s) for t, streams in data.batch(0).items() for s in streams}
+    assert {(t, s) for t, s, *_ in blocks} == streams and len(copies) == 2 * len(blocks)

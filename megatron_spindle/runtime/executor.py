@@ -83,7 +83,7 @@ class StepState:
     once the pass has run every phase (after :meth:`SpindleModel.backward`, or after a forward without
     gradients)."""
 
-    batch: Mapping | None = None                                   # the pass's batch, until its last phase ran
+    batch: Mapping | None = None        # (task, stream, first, stop) -> this rank's inputs, until the last phase
     phase: int = 0                                                 # the phase whose backward is next
     outputs: dict[str, Tensor] = field(default_factory=dict)       # slice name -> local output
     inputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # (slice, input index) -> leaf
@@ -188,6 +188,12 @@ class SpindleModel(TransferPlumbing, nn.Module):
                     if op.param_key and (op.param_key, tp_ranks) not in shared:
                         shared[(op.param_key, tp_ranks)] = mod
                         self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        self._ranges: dict[str, tuple[int, int]] = {}
+        self._data_blocks = sorted({(*name.split(":", 2)[1:], *self._local_range(s))
+                                    for wave in self.my_slices for s in wave
+                                    for op in self.metaops[s.metaop].operators[s.layer_start:s.layer_stop]
+                                    for name in graph[op].inputs if name.startswith(DATA_PREFIX)})
+        """(task, stream, first sample, stop) of every data input this rank's slices read."""
         self.init = dict(init or {})
         self.kept_init = load_pretrained(fresh, layer_graph or graph, self.init) if self.init else []
         """Parameters under ``init`` that the checkpoint has no tensor for (they keep their seeded values)."""
@@ -196,7 +202,6 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.trace = StepTrace(self.rank)
         self.stash: StashMeter | None = None
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
-        self._ranges: dict[str, tuple[int, int]] = {}
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
                                   grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads,
                                   distributed_optimizer=plan.distributed_optimizer)
@@ -243,7 +248,9 @@ class SpindleModel(TransferPlumbing, nn.Module):
     def forward(self, batch: Mapping[str, Mapping[str, Tensor]]) -> StepState:
         """Start a pass on ``batch``: the first phase's forward, or every phase's forward when no gradient is
         recorded (evaluation; each phase's activations dropped after it). Returns what :meth:`backward` needs."""
-        st = StepState(batch=batch)
+        # each input block this rank's slices read, copied to the device once per pass, the host not waiting
+        st = StepState(batch={k: comm.host_to_device(batch[k[0]][k[1]][k[2]:k[3]], self.device)
+                              for k in self._data_blocks})
         if torch.is_grad_enabled():
             self._forward_phase(st, 0)
             return st
@@ -290,7 +297,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
             for i, name in enumerate(op.inputs):
                 if name.startswith(DATA_PREFIX):
                     _, task, stream = name.split(":", 2)
-                    inputs.append(batch[task][stream][a:b].to(self.device))
+                    inputs.append(batch[(task, stream, a, b)])
                     continue
                 if layer > s.layer_start:
                     inputs.append(x)
@@ -413,10 +420,11 @@ class SpindleModel(TransferPlumbing, nn.Module):
 
     def reduce_losses(self, st: StepState) -> dict[str, float]:
         """Each task's loss summed over its data-parallel replicas (same on every rank)."""
-        vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
-        vec, work = comm.all_reduce_async(vec)
+        none = torch.zeros((), dtype=torch.float64, device=self.device)
+        vec = torch.stack([st.losses[t].double() if t in st.losses else none for t in self.plan.tasks])
+        vec, work = comm.all_reduce_async(vec)  # one collective, and one read of its result
         self._wait([work], ["loss all-reduce over all ranks"])
-        return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
+        return dict(zip(self.plan.tasks, vec.tolist()))
 
     def destroy(self) -> None:
         self.grad_sync.release()

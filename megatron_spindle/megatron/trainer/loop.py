@@ -12,7 +12,8 @@ changes, progress lines, predictions, checkpoints, the trace). Without ``--spind
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
 samples/s, model TFLOP/s per GPU and MFU against the planning cluster's peak, as Megatron-LM users read them;
 recompute not counted), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
-ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
+ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ``host_syncs_per_step`` (the most times
+the host waited for the device in one iteration, :mod:`...runtime.host_sync`), ...).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ... import comm
 from ...log import get_logger, setup_logging
 from ...planner.assembly.render import grid
 from ...planner.workload.flops import mfu, step_model_flops, tflops_per_device
+from ...runtime.host_sync import HostSyncCounter
 from ...runtime.mixed_precision import MasterWeightsOptimizer
 from ...runtime.replan import replan
 from ...runtime.trace import gather_chrome_trace
@@ -171,6 +173,7 @@ class Trainer:
         self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
                                                        "world_size": self.world, "system": self.plan.system})
         self.step_times: list[float] = []
+        self.syncs = HostSyncCounter(self.device)  # the host's waits for the device, per iteration
         self.last: dict[str, float] = {}
         self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
 
@@ -305,8 +308,8 @@ class Trainer:
 
     def agreed_stop(self) -> int:
         """Collective: the stop signal any rank received (0: none), so every rank stops after the same step."""
-        flag = torch.tensor([float(LIFE.pending())], dtype=torch.float64)
-        return int(comm.all_reduce(flag, op=comm.ReduceOp.MAX).item())
+        flag = torch.full((1,), float(LIFE.pending()), dtype=torch.float64, device=comm.comm_device())
+        return int(comm.all_reduce(flag, op=comm.ReduceOp.MAX).item())  # made on the device: one read
 
     def stop(self, sig: int, it: int, saved: bool) -> None:
         """After iteration ``it`` every rank agreed to stop on ``sig``: with ``--exit-signal-handler`` and
@@ -335,7 +338,7 @@ class Trainer:
         for it in range(self.start, args.train_iters):
             if self._phase_of(it) != self.phase:
                 self.change_tasks(it)
-            with comm.during(f"iteration {it + 1}"):
+            with comm.during(f"iteration {it + 1}"), self.syncs.counting():
                 losses, norm, dt = self.train_step(it)
             here[0] = it + 1
             self.step_times.append(dt)
@@ -358,8 +361,9 @@ class Trainer:
                 with comm.during(f"iteration {it + 1}: saving checkpoint {args.save}"):
                     save_checkpoint(args.save, it + 1, self.model, self.optimizer)
                 log.info(f"saved checkpoint {args.save} at iteration {it + 1}")
-            with comm.during(f"after iteration {it + 1}"):
+            with comm.during(f"after iteration {it + 1}"), self.syncs.counting():
                 sig = self.agreed_stop()
+            self.syncs.end_step()
             if sig:
                 self.stop(sig, it, saved)
                 break
@@ -384,7 +388,7 @@ class Trainer:
                   "task_losses": self.last, "step_time_s": statistics.median(steady) if steady else None,
                   "samples_per_s": (per_step / statistics.median(steady)) if steady else None,
                   "world_size": self.world, "system": self.plan.system, "waves": len(self.plan.waves),
-                  **self.extra_json}
+                  "host_syncs_per_step": self.syncs.most(), **self.extra_json}
         log.info(json.dumps(result))
         return result
 
