@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -70,7 +69,7 @@ from .p2p import PassTransfers, TransferPlumbing
 from .groups import ProcessGroupRegistry
 from .rank_sets import plan_rank_sets, tp_group_name
 from .stash import StashMeter
-from .trace import StepTrace
+from .trace import StepTrace, clock_for
 
 
 def _module_key(metaop: str, layer: int) -> str:
@@ -199,7 +198,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         """Parameters under ``init`` that the checkpoint has no tensor for (they keep their seeded values)."""
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
-        self.trace = StepTrace(self.rank)
+        self.trace = StepTrace(self.rank, clock=clock_for(self.device))  # CUDA events on a GPU
         self.stash: StashMeter | None = None
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
@@ -277,7 +276,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
             self._post(w, False, self.messages[w][0], send_of, recv_into)  # the boundary's batch, local copies
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
-                t1 = time.perf_counter()
+                t1 = self.trace.now()
                 with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
                         (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
                     self._run_slice(s, st.batch, st.pieces, st)
@@ -359,7 +358,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                 if not self._grad[s.metaop]:  # frozen, nothing trainable before it: no backward, no messages
                     continue
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
-                t1 = time.perf_counter()
+                t1 = self.trace.now()
                 out = st.outputs[s.name]
                 if out.dim() == 0:
                     grad = torch.full_like(out, loss_scale)

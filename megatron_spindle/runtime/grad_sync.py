@@ -73,13 +73,13 @@ says so (``plan.distributed_optimizer``); the built-in trainer then refuses chec
 (they keep optimizer state per parameter, not per bucket block), Megatron-LM's loop refuses the plan.
 
 Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
-(a callback on the work; the wait in :meth:`finish` when the backend offers no future), and
-``gradient sync wait`` is the time :meth:`finish` blocks.
+(on the CPU a callback on the work, or the wait in :meth:`finish` when the backend offers no future; on a GPU,
+CUDA events, :mod:`.trace`: the point where the stream, in :meth:`finish`, has waited for it), and
+``gradient sync wait`` is the time :meth:`finish` takes.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -272,20 +272,22 @@ class GradSync:
     def _post(self, inst: _Instance, bg) -> None:
         if not inst.reduces:
             return
-        label = inst.labels[bg]
-        times = inst.times[label] = [time.perf_counter(), None]
+        label, trace = inst.labels[bg], self.model.trace
+        times = inst.times[label] = [trace.now(), None]
         inst.start[bg]()
         handle = bg.grad_reduce_handle
         works = getattr(handle, "works", []) if handle is not None else []
         if handle is None:  # posted synchronously (overlap off): already complete
-            times[1] = time.perf_counter()
+            times[1] = trace.now()
             return
+        if not trace.clock.host:  # a GPU: NCCL completes a work's future when it is enqueued; the stream's
+            return                # view of its completion is marked where finish() waits for it
         for work in works:
             try:
                 fut = work.get_future()
             except RuntimeError:  # a backend without futures: completion is taken at the wait
                 continue
-            fut.add_done_callback(lambda _f, t=times: t.__setitem__(1, time.perf_counter()))
+            fut.add_done_callback(lambda _f, t=times, now=trace.now: t.__setitem__(1, now()))
 
     @staticmethod
     def _copy_hook(main: nn.Parameter, dp: DistributedDataParallel):
@@ -333,7 +335,7 @@ class GradSync:
     def finish(self) -> None:
         """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
         trace = self.model.trace
-        t0 = time.perf_counter()
+        t0 = trace.now()
         for _, inst, bg in self._order[self._posted:]:  # what is still unposted, in the global order
             self._post(inst, bg)
         self._posted = len(self._order)
@@ -345,10 +347,14 @@ class GradSync:
             except RuntimeError as e:
                 raise GradSyncTimeout(f"rank {self.rank}: gradient reduce over ranks {list(inst.ranks)} failed: "
                                       f"{comm.first_line(e)}") from e
-        t1 = time.perf_counter()
+            times = inst.times.get(inst.labels[bg])
+            if times is not None and times[1] is None and not trace.clock.host:
+                times[1] = trace.now()  # the stream has waited for it here
+        t1 = trace.now()
         for inst in self.instances:
             for label, (start, end) in inst.times.items():
-                trace.span("sync", label, start, end if end is not None and end <= t1 else t1)
+                ended = end is not None and (not trace.clock.host or end <= t1)
+                trace.span("sync", label, start, end if ended else t1)
         trace.span("sync", "gradient sync wait", t0, t1)
         self._grad_copies = []  # .grad tensors that are copies in another dtype, not buffer views
         if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
@@ -380,7 +386,7 @@ class GradSync:
         this rank's (megatron DDP's ``start_param_sync``); nothing to do otherwise."""
         if not self.distributed_optimizer:
             return
-        t0 = time.perf_counter()
+        t0 = self.model.trace.now()
         for inst in self.instances:
             if inst.reduces:  # one rank: its blocks are the whole buckets, already in place
                 inst.ddp.start_param_sync(force_sync=True)
@@ -409,7 +415,7 @@ class GradSync:
         return sq
 
     def bucket_times(self) -> dict[str, tuple[float, float | None]]:
-        """``{bucket label: (post time, completion time)}`` of the last step (``perf_counter`` seconds)."""
+        """``{bucket label: (post, completion)}`` of the last step (marks of the trace's clock, :mod:`.trace`)."""
         return {label: tuple(t) for inst in self.instances for label, t in inst.times.items()}
 
     def scale(self, factor: float) -> None:

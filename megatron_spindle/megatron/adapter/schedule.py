@@ -23,7 +23,6 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
 from __future__ import annotations
 
 import contextlib
-import time
 from functools import partial
 
 import torch
@@ -34,9 +33,9 @@ from ... import comm
 
 def forward_step(data_iterator, model):
     """Megatron-style forward step of a Spindle model: one multi-task batch through every wave."""
-    t0 = time.perf_counter()
-    batch = next(data_iterator)
     trace = getattr(model, "trace", None)
+    t0 = trace.now() if trace is not None else None
+    batch = next(data_iterator)
     if trace is not None:
         trace.span("data", "next batch", t0)
     state = model(batch)

@@ -205,21 +205,22 @@ class Trainer:
         """One optimizer step (``accum`` passes of the plan): ``(task losses, grad norm, seconds)``."""
         model = self.model
         model.trace.step = it
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), model.trace.now()  # marks: CUDA events on a GPU (runtime/trace.py)
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=self.data, model=[model],
                                            num_microbatches=self.accum, seq_length=None, micro_batch_size=self.micro)
-        t_end = time.perf_counter()
+        m_end = model.trace.now()
         norm = model.clip_grads(self.args.clip_grad)
-        losses = reduce_reports(reports)
-        model.trace.span("step end", "gradient norm + loss all-reduce", t_end)
-        t_opt = time.perf_counter()
+        losses = reduce_reports(reports)  # the step's one wait for the losses: the marks so far are complete
+        model.trace.span("step end", "gradient norm + loss all-reduce", m_end)
+        m_opt = model.trace.now()
         if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step(1)
-        model.trace.span("optimizer", "optimizer step", t_opt)
+        model.trace.span("optimizer", "optimizer step", m_opt)
         dt = time.perf_counter() - t0
-        model.trace.span("step", "step", t0)
+        model.trace.span("step", "step", m0)
+        model.trace.resolve()  # what the device has passed, without waiting (the rest with the next step)
         return losses, norm, dt
 
     def _log_progress(self, it: int, losses: dict[str, float], norm: float, dt: float) -> None:
@@ -347,7 +348,7 @@ class Trainer:
                            batch_size=self.accum * self.micro * len(self.plan.tasks), step_s=dt)
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 self._log_progress(it, losses, norm, dt)
-            if not self.trace_full and len(self.model.trace.spans) >= self.model.trace.max_spans:
+            if not self.trace_full and len(self.model.trace) >= self.model.trace.max_spans:
                 self.trace_full = it + 1
                 log.warning(f"warning: the step trace reached its cap of {self.model.trace.max_spans} spans at "
                             f"iteration {it + 1}: later iterations are not traced (the trace file ends there, no "
