@@ -48,10 +48,10 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "on_comm_device", "host_to_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
-           "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
-           "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "local_rank", "device_id", "ReduceOp",
-           "PeerError", "is_peer_failure", "first_line", "during"]
+__all__ = ["comm_device", "on_comm_device", "host_to_device", "empty", "all_reduce", "all_reduce_async",
+           "all_gather", "broadcast", "barrier", "broadcast_object_list", "all_gather_object", "gather_object",
+           "send_op", "recv_op", "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "local_rank",
+           "device_id", "nccl_error_handling", "ReduceOp", "PeerError", "is_peer_failure", "first_line", "during"]
 
 ReduceOp = dist.ReduceOp
 
@@ -153,13 +153,30 @@ def local_rank(environ=None) -> int:
                      f"LOCAL_WORLD_SIZE for RANK modulo it")
 
 
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for this package's runs. What NCCL's watchdog does once a collective or
+#: point-to-point call outlasts its process group's timeout (``--spindle-timeout``), per torch's
+#: ``ProcessGroupNCCL.hpp``: 0 nothing, 1 abort the communicators and tear the process down, 2 abort the
+#: communicators only, 3 tear down without aborting (torch's default; torchrun sets 1). A torn-down process
+#: dies on an abort signal with the watchdog's log; with 2 the aborted communicators make the rank's next call
+#: raise in Python, which the entry points turn into one line and exit status 3, as on gloo.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def nccl_error_handling(environ=None) -> None:
+    """Set :data:`NCCL_ASYNC_ERROR_HANDLING` (before the NCCL process group is made: torch reads it then)."""
+    env = os.environ if environ is None else environ
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
+
+
 def device_id(backend: str) -> torch.device | None:
     """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (:func:`local_rank`),
     made the current device first, so the default communicator is created at once, bound to it, and later
     groups are split from it (``ncclCommSplit``) instead of each being created lazily by its first
-    collective; None under gloo."""
+    collective; None under gloo. Under NCCL it also sets the watchdog to abort, not kill
+    (:func:`nccl_error_handling`)."""
     if "nccl" not in str(backend).lower():
         return None
+    nccl_error_handling()
     local = local_rank()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
@@ -310,7 +327,8 @@ def wait_all(works: Iterable, what: Iterable[str], timeout: datetime.timedelta) 
 
     gloo: each wait blocks the host up to ``timeout``. NCCL: ``work.wait()`` without a timeout, which makes
     the current CUDA stream wait and returns at once; a peer that never answers is caught by the process
-    group's timeout (NCCL's watchdog aborts the communicator, and the next call raises)."""
+    group's timeout (NCCL's watchdog aborts the communicator, :data:`NCCL_ASYNC_ERROR_HANDLING`, and the next
+    call raises)."""
     host = not is_nccl()
     for work, desc in zip(works, what):
         try:

@@ -195,3 +195,14 @@ def test_the_executor_and_grad_sync_take_every_mark_from_the_trace_clock():
         assert any(c == "sync" and n.startswith("reduce ") for c, n in names), names       # a bucket
         assert ("sync", "gradient sync wait") in names, names
         assert all(d * 1e3 == pytest.approx(round(d * 1e3)) and d >= 0 for _, _, d in spans), spans[:5]
+
+
+def test_nccls_watchdog_aborts_the_communicators_and_leaves_the_exit_to_the_run():
+    """Under NCCL, ``--spindle-timeout`` is the process group's timeout, enforced by NCCL's watchdog: set to
+    abort the communicators without tearing the process down (torchrun's default, 1, would kill it on an
+    abort signal), so the next call raises and the rank ends with the one line and exit 3 of a gloo run. gloo
+    needs nothing (its waits raise themselves)."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # what torchrun puts in a worker's environment
+    comm.nccl_error_handling(env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert comm.device_id("gloo") is None

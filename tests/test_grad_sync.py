@@ -120,7 +120,8 @@ def _masters(plan, g, zero):
     out = {"n": len(params), "copies": len(model.grad_sync._grad_copies),
            "bf16_grads": sum(p.grad is not None for p in params),
            "fp32": all(m.grad.dtype == torch.float32 for m in opt.masters),
-           "same": all(m.grad.data_ptr() == b.data_ptr() and torch.equal(m.grad, b) for m, b in zip(opt.masters, blocks)),
+           "same": all(m.grad.data_ptr() == b.data_ptr() and torch.equal(m.grad, b)
+                       for m, b in zip(opt.masters, blocks)),
            "representable": all(torch.equal(b, b.bfloat16().float()) for b in blocks)}
     model.destroy()
     return out
