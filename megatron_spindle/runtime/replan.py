@@ -65,7 +65,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.split(".")[-1])
 
 
-def _describe(layer, states) -> dict[str, tuple]:
+def describe(layer, states) -> dict[str, tuple]:
     """What a copy of a layer sends, known to every rank: ``{parameter name: (shape, dtype, [(state key, shape,
     dtype, whether it lives on the parameter's device)])}``. Each state tensor keeps its dtype and device
     class: AdamW keeps ``step`` as a float32 tensor on the CPU (unless fused or capturable), fp32 moments of a
@@ -97,9 +97,52 @@ def _by_dtype(spec) -> list[tuple[str, list[int]]]:
 
 
 def _tensors(layer, states) -> list[torch.Tensor]:
-    """A local copy's tensors in wire order (:func:`_pieces` of its :func:`_describe`)."""
+    """A local copy's tensors in wire order (:func:`_pieces` of its :func:`describe`)."""
     params = dict(layer.core.named_parameters())
-    return [params[n] if sk is None else states[n][sk] for n, sk, *_ in _pieces(_describe(layer, states))]
+    return [params[n] if sk is None else states[n][sk] for n, sk, *_ in _pieces(describe(layer, states))]
+
+
+def messages(layer, states) -> list[torch.Tensor]:
+    """A copy's messages: per dtype (:func:`_by_dtype` order) its tensors flat, on the communication device."""
+    tensors = _tensors(layer, states)
+    return [torch.cat([comm.on_comm_device(tensors[i].detach().reshape(-1)) for i in index])
+            for _, index in _by_dtype(describe(layer, states))]
+
+
+def buffers(spec) -> list[torch.Tensor]:
+    """Receive buffers for the messages of a copy described by ``spec``."""
+    pieces = _pieces(spec)
+    return [comm.empty((sum(_numel(pieces[i][2]) for i in index),), _dtype(dtype)) for dtype, index in _by_dtype(spec)]
+
+
+def unflatten(spec, flats) -> list[torch.Tensor]:
+    """The copy's tensors in wire order, views of its received messages."""
+    pieces = _pieces(spec)
+    out: list = [None] * len(pieces)
+    for (_, index), flat in zip(_by_dtype(spec), flats):
+        off = 0
+        for i in index:
+            n = _numel(pieces[i][2])
+            out[i] = flat[off:off + n]
+            off += n
+    return out
+
+
+def load_copy(target, tensors, spec, optimizer) -> None:
+    """Fill ``target``'s parameters from a copy's tensors (wire order) and give ``optimizer`` their state, each
+    state tensor in its own dtype, on the parameter's device or the CPU as on the copy's holder."""
+    params = dict(target.core.named_parameters())
+    states: dict[str, dict] = {}
+    with torch.no_grad():
+        for (name, sk, shape, _, on_param), t in zip(_pieces(spec), tensors):
+            p = params[name]
+            if sk is None:
+                p.copy_(t.reshape(p.shape))
+            else:  # its own dtype, and its own device: the parameter's, or the CPU (AdamW's step)
+                where = p.device if on_param else torch.device("cpu")
+                states.setdefault(name, {})[sk] = t.reshape(shape).to(device=where, copy=True)
+    for name, st in states.items():
+        _load_state(optimizer, params[name], st)
 
 
 def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskGraph | None = None,
@@ -129,7 +172,7 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     need = [k for k in sorted(new.cores_by_group) if k not in reused]
 
     # who can serve (key, shard, tp): every rank's available copies, and what each copy consists of
-    mine = {(key, tp_ranks.index(rank), len(tp_ranks)): _describe(layer, states)
+    mine = {(key, tp_ranks.index(rank), len(tp_ranks)): describe(layer, states)
             for (key, tp_ranks), (layer, states) in available.items()}
     everyone = comm.all_gather_object((mine, [(k[0], k[1].index(rank), len(k[1])) for k in need]))
     transfers = []  # (src, dst, (key, shard, tp), what it consists of)
@@ -151,39 +194,27 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     received: dict = {}  # want -> (target layer, its tensors in wire order, spec)
     ops, bufs, tag = [], [], 0
     for src, dst, want, spec in transfers:
-        groups = _by_dtype(spec)  # one message per dtype: every tensor keeps its own
+        n_msgs = len(_by_dtype(spec))  # one message per dtype: every tensor keeps its own
         if rank not in (src, dst):
-            tag += len(groups)
+            tag += n_msgs
             continue
         target = next(layer for k, layer in new.cores_by_group.items()
                       if (k[0], k[1].index(rank) if rank in k[1] else -1, len(k[1])) == want) if dst == rank else None
         if src == dst:  # this rank parks a copy under another tensor-parallel group: no message
             received[want] = (target, _tensors(*local_copy(want)), spec)
         elif src == rank:
-            tensors = _tensors(*local_copy(want))
-            for dtype, index in groups:
-                flat = torch.cat([comm.on_comm_device(tensors[i].detach().reshape(-1)) for i in index])
-                ops.append(comm.send_op(flat, dst, tag=tag))
-                tag += 1
+            ops += [comm.send_op(flat, dst, tag=tag + i) for i, flat in enumerate(messages(*local_copy(want)))]
         else:
-            pieces = _pieces(spec)
-            for dtype, index in groups:
-                buf = comm.empty((sum(_numel(pieces[i][2]) for i in index),), _dtype(dtype))
-                ops.append(comm.recv_op(buf, src, tag=tag))
-                bufs.append((want, target, spec, index, buf))
-                tag += 1
+            got = buffers(spec)
+            ops += [comm.recv_op(buf, src, tag=tag + i) for i, buf in enumerate(got)]
+            bufs.append((want, target, spec, got))
+        tag += n_msgs
     if ops:
         works = comm.works_per_op(comm.batch_isend_irecv(ops), len(ops))  # one per message, or one for all
         comm.wait_all(list({id(w): w for w in works}.values()), ["replan's weight transfers"] * len(works),
                       new.timeout)
-    for want, target, spec, index, buf in bufs:  # each dtype's message back into its tensors
-        pieces = _pieces(spec)
-        tensors = received.setdefault(want, (target, [None] * len(pieces), spec))[1]
-        off = 0
-        for i in index:
-            n = _numel(pieces[i][2])
-            tensors[i] = buf[off:off + n]
-            off += n
+    for want, target, spec, got in bufs:  # each dtype's message back into its tensors
+        received[want] = (target, unflatten(spec, got), spec)
 
     new_opt = make_optimizer(new.trainable_parameters())
     old_params = {id(p) for layer, _ in available.values() for p in layer.core.parameters()}
@@ -193,19 +224,8 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
                 for n, q in layer.core.named_parameters():
                     if q is p and states.get(n):
                         _load_state(new_opt, p, dict(states[n]))
-    with torch.no_grad():
-        for want, (target, tensors, spec) in received.items():
-            params = dict(target.core.named_parameters())
-            states: dict[str, dict] = {}
-            for (name, sk, shape, _, on_param), t in zip(_pieces(spec), tensors):
-                p = params[name]
-                if sk is None:
-                    p.copy_(t.reshape(p.shape))
-                else:  # its own dtype, and its own device: the parameter's, or the CPU (AdamW's step)
-                    where = p.device if on_param else torch.device("cpu")
-                    states.setdefault(name, {})[sk] = t.reshape(shape).to(device=where, copy=True)
-            for name, st in states.items():
-                _load_state(new_opt, params[name], st)
+    for want, (target, tensors, spec) in received.items():
+        load_copy(target, tensors, spec, new_opt)
     # park what the new model does not use (with its optimizer state). A parked copy is only kept while
     # its weight is trained nowhere: once a plan uses the weight again, other copies would go stale.
     used = {id(layer.core) for layer in new.cores_by_group.values()}
