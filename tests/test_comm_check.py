@@ -161,6 +161,19 @@ def test_the_executor_at_64_ranks_keeps_nccls_rules(runs, case):
         assert s["peers"]["max"] > 1 and any(e[0] == "p2p" for ev in events for e in ev)
 
 
+@pytest.mark.parametrize("case", ["planner", "tp"])
+def test_the_communicators_the_planner_charges_are_the_ones_the_runtime_makes(runs, case):
+    """Per rank: the world's communicator and one per group with peers that the runtime creates is what the
+    plan's memory check counts (``planner/assembly/communicators.py``)."""
+    from megatron_spindle.planner.assembly.communicators import communicators_per_device
+
+    plan, events = runs[case]
+    made = [1 + len({e[1] for e in ev if e[0] == "new_group" and len(e[1]) > 1 and r in e[1]})
+            for r, ev in enumerate(events)]
+    assert made == communicators_per_device(plan)
+    assert max(made) > 2
+
+
 def test_perturbed_streams_fail_the_check(runs):
     events = [list(ev) for ev in runs["tp"][1]]
     # one rank issues two collectives of different communicators that share another rank q in the other order:

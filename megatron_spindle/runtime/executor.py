@@ -63,11 +63,11 @@ from ..models.pretrained import load_pretrained
 from ..planner.assembly.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.assembly.plan import Message, Plan, Slice, Transfer
+from ..planner.assembly.communicators import plan_rank_sets, tp_group_name
 from ..planner.assembly.validate import check_plan
 from .grad_sync import GradSync
 from .p2p import PassTransfers, TransferPlumbing
 from .groups import ProcessGroupRegistry
-from .rank_sets import plan_rank_sets, tp_group_name
 from .stash import StashMeter
 from .trace import StepTrace, clock_for
 

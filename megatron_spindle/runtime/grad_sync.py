@@ -83,7 +83,6 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch import nn
@@ -91,7 +90,7 @@ from torch import nn
 from .. import comm
 from . import ddp
 from ..models.layer_state import shard_spec
-from .rank_sets import param_group_name
+from ..planner.assembly.communicators import param_group_name
 
 
 class GradSyncTimeout(comm.PeerError):

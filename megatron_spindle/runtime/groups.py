@@ -1,8 +1,8 @@
 """Creating the process groups of a plan, in one place, as Megatron does: once, in one order, warmed up.
 
 A pure function elsewhere maps a plan to ``{group name: ranks}`` (tensor-parallel groups of slices,
-parameter device groups; :mod:`.rank_sets`). :class:`ProcessGroupRegistry` turns that mapping into
-``torch.distributed`` groups:
+parameter device groups; :mod:`...planner.assembly.communicators`, which also counts their communicators for
+the plan's memory check). :class:`ProcessGroupRegistry` turns that mapping into ``torch.distributed`` groups:
 
 * ``new_group`` is collective over the whole world: every rank must call it for every group, in the same
   order, even for groups it is not in. The registry creates the distinct rank sets in sorted order
