@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -62,6 +63,8 @@ def cmd_plan(args) -> int:
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
                            (curves.device.memory_gib if curves else None))
+    if curves is not None and curves.measured.get("backend") == "gloo":  # curves of gloo ranks: a plan for them
+        cluster = dataclasses.replace(cluster, communicator_mib=0.0)     # (no NCCL buffers on a device)
     for path, what in ((args.out, "--out"), (args.gantt, "--gantt")):
         if path:
             check_output(path, what)  # before the planning, not after it

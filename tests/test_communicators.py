@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from megatron_spindle.planner.assembly.communicators import (COMMUNICATOR_BYTES, communicators_per_device,
-                                                             peak_memory_bytes, plan_rank_sets)
+from megatron_spindle.planner.assembly.communicators import communicators_per_device, peak_memory_bytes, plan_rank_sets
 from megatron_spindle.planner.assembly.assemble import fits_memory
 from megatron_spindle.planner.assembly.manual import plan_from_waves
 from megatron_spindle.planner.assembly.validate import PlanError, check_plan
-from megatron_spindle.planner.workload.cluster import load_cluster
+from megatron_spindle.planner.assembly.plan import Plan
+from megatron_spindle.planner.workload.cluster import NCCL_COMMUNICATOR_MIB, load_cluster
 from megatron_spindle.planner.workload.metaops import contract
 from megatron_spindle.planner.workload.workloads import build_graph
 
@@ -38,7 +38,8 @@ def test_communicators_are_the_world_and_each_distinct_rank_set():
     tp = _sequential(g, 4, tp={t: 2, at: 2})
     assert set(plan_rank_sets(tp).values()) == {(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3)}
     assert communicators_per_device(tp) == [4, 4, 4, 4]
-    assert peak_memory_bytes(tp) == [b + 4 * COMMUNICATOR_BYTES for b in tp.device_memory_bytes]
+    assert tp.communicator_bytes == NCCL_COMMUNICATOR_MIB * 2**20  # the default cluster: NCCL's buffers
+    assert peak_memory_bytes(tp) == [b + 4 * tp.communicator_bytes for b in tp.device_memory_bytes]
     # one device alone holds no communicator with peers
     one = _sequential(g, 1)
     assert communicators_per_device(one) == [0] and peak_memory_bytes(one) == list(one.device_memory_bytes)
@@ -53,9 +54,24 @@ def test_the_charge_counts_where_memory_binds():
     tight = dataclasses.replace(plan, memory_limit_bytes=(need + peak) / 2)
     with pytest.raises(PlanError) as e:
         check_plan(tight)
-    assert "rule 7" in str(e.value) and "2 NCCL communicators at 128 MiB included" in str(e.value)
+    assert "rule 7" in str(e.value) and "2 communicators at 128 MiB included" in str(e.value)
     check_plan(dataclasses.replace(plan, memory_limit_bytes=peak))
     cl = load_cluster(None, num_devices=4, gpus_per_node=4)
     roomy = dataclasses.replace(cl, memory_gib=peak / 2**30 / cl.usable_memory_fraction)
     short = dataclasses.replace(cl, memory_gib=(need + peak) / 2 / 2**30 / cl.usable_memory_fraction)
     assert fits_memory(plan, roomy) and not fits_memory(plan, short)
+
+
+def test_gloo_ranks_hold_no_communicator_buffers_and_the_plan_says_so_only_then():
+    """A cluster of gloo ranks charges nothing (its buffers are host memory); the plan carries the charge, in
+    its JSON only when it is not NCCL's default, so a default plan's bytes are what they were."""
+    g = build_graph("multitask-clip", tasks=4, size="tiny", batch=8)
+    nccl = _sequential(g, 4)
+    assert "communicator_bytes" not in nccl.to_json()
+    cl = dataclasses.replace(load_cluster(None, num_devices=4, gpus_per_node=4), communicator_mib=0.0)
+    gloo = plan_from_waves(g, 4, [[(m.name, 0, m.num_layers, tuple(range(4 if m.batch_splittable else 1)))]
+                                  for m in sorted(contract(g), key=lambda m: m.level)], cluster=cl)
+    assert gloo.communicator_bytes == 0 and peak_memory_bytes(gloo) == list(gloo.device_memory_bytes)
+    assert gloo.to_json()["communicator_bytes"] == 0 and Plan.from_json(gloo.to_json()) == gloo
+    with pytest.raises(ValueError, match="communicator_mib"):
+        dataclasses.replace(cl, communicator_mib=-1.0)

@@ -164,7 +164,7 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                                                 distributed_optimizer=distributed_optimizer)),
         makespan_ms=sum(w.duration_ms for w in wave_plans),
         lower_bound_ms=sum(lv.c_star_ms for lv in level_info), passes=passes,
-        distributed_optimizer=distributed_optimizer)
+        distributed_optimizer=distributed_optimizer, communicator_bytes=cluster.communicator_bytes)
 
 
 def fits_memory(plan: Plan, cluster: Cluster) -> bool:

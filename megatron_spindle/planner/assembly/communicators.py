@@ -13,8 +13,10 @@ and a weight held by one rank is reduced over nobody, so no group is created unu
 
 **Memory.** Under NCCL every distinct rank set a device belongs to is one communicator on that device (names
 with the same ranks share one group), and so is the world's default group; a one-rank group connects to no
-peer and holds no channel buffers. :func:`communicators_per_device` counts them; each is charged
-:data:`COMMUNICATOR_BYTES`, and :func:`peak_memory_bytes` is a device's memory estimate
+peer and holds no channel buffers. :func:`communicators_per_device` counts them; each is charged the plan's
+``communicator_bytes`` (the cluster's ``communicator_mib``: NCCL's buffers,
+:data:`..workload.cluster.NCCL_COMMUNICATOR_MIB`; none for gloo ranks), and :func:`peak_memory_bytes` is a
+device's memory estimate
 (``plan.device_memory_bytes``: weights, gradients, optimizer state, activations) plus that charge, which is
 what the memory checks compare with the limit (validation's rule 7, the searches, the simulator, the start-up
 check on GPUs). The stored estimate is unchanged, so a plan changes only where the charge makes memory bind.
@@ -23,15 +25,6 @@ from __future__ import annotations
 
 from .dataflow import frozen_param_keys
 from .plan import Plan
-
-#: Device memory one NCCL communicator holds on each member, bytes: NCCL's default buffer for the Simple
-#: protocol (``NCCL_BUFFSIZE``, 4 MiB, the documented default; ``DEFAULT_BUFFSIZE`` in NCCL's ``src/init.cc``)
-#: on each channel's ring connection, on 32 channels (NCCL's ``MAXCHANNELS``; an 8 x H100 node opened all 32
-#: per peer in NCCL issue 1685's allocation log): 128 MiB. The LL and LL128 protocols' buffers, tree
-#: connections and NVLink SHARP add to it where NCCL sets them up; fewer channels take less. The GPU check
-#: (``scripts/gpu_check.sh``, step ``runtime``) measures what one ``new_group`` takes on the device.
-COMMUNICATOR_BYTES = 4 * 2**20 * 32
-
 
 def tp_group_name(slice_name: str, replica: int) -> str:
     return f"tp/{slice_name}/{replica}"
@@ -67,5 +60,6 @@ def communicators_per_device(plan: Plan) -> list[int]:
 
 
 def peak_memory_bytes(plan: Plan) -> list[float]:
-    """Each device's memory estimate plus its communicators' (:data:`COMMUNICATOR_BYTES` each)."""
-    return [b + n * COMMUNICATOR_BYTES for b, n in zip(plan.device_memory_bytes, communicators_per_device(plan))]
+    """Each device's memory estimate plus its communicators' (``plan.communicator_bytes`` each)."""
+    per = plan.communicator_bytes
+    return [b + n * per for b, n in zip(plan.device_memory_bytes, communicators_per_device(plan))]

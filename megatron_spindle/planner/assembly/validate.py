@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..workload.recompute import options as recompute_options
-from .communicators import COMMUNICATOR_BYTES, communicators_per_device
+from .communicators import communicators_per_device
 from .dataflow import param_groups, plan_transfers
 from .plan import Plan, SliceRef
 from .render import grid
@@ -150,11 +150,12 @@ def violations(plan: Plan) -> list[Violation]:
             out.append(Violation(6, f"level {w.level} after level {level}", i))
         clock, level = w.start_ms + w.duration_ms, max(level, w.level)
     # 7
+    per = plan.communicator_bytes
     for d, (b, n) in enumerate(zip(plan.device_memory_bytes, communicators_per_device(plan))):
-        if b + n * COMMUNICATOR_BYTES > plan.memory_limit_bytes * (1 + 1e-9):
-            out.append(Violation(7, f"needs {(b + n * COMMUNICATOR_BYTES) / 2**30:.2f} GiB ({n} NCCL communicators "
-                                    f"at {COMMUNICATOR_BYTES / 2**20:.0f} MiB included), limit "
-                                    f"{plan.memory_limit_bytes / 2**30:.2f} GiB", device=d))
+        if b + n * per > plan.memory_limit_bytes * (1 + 1e-9):
+            out.append(Violation(7, f"needs {(b + n * per) / 2**30:.2f} GiB ({n} communicators at "
+                                    f"{per / 2**20:g} MiB included), limit {plan.memory_limit_bytes / 2**30:.2f} GiB",
+                                 device=d))
     if len(plan.device_memory_bytes) != N:
         out.append(Violation(7, f"{len(plan.device_memory_bytes)} memory entries for {N} devices"))
     # 8
