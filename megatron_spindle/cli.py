@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -72,6 +73,8 @@ def cmd_plan(args) -> int:
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
                            (curves.device.memory_gib if curves else None))
+    if curves is not None and curves.measured.get("backend") == "gloo":  # curves of gloo ranks: a plan for them
+        cluster = dataclasses.replace(cluster, communicator_mib=0.0)     # (no NCCL buffers on a device)
     device = None if curves else DeviceModel(peak_tflops=cluster.peak_tflops, memory_gib=cluster.memory_gib)
     for path, what in ((args.out, "--out"), (args.gantt, "--gantt")):
         if path:

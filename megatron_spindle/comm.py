@@ -13,7 +13,8 @@ API (``group=None`` is the world; ``timeout`` bounds the wait of an ``*_async`` 
   without ``torch.distributed``: the current CUDA device if there is one, else the CPU). Models build their
   parameters there, receive buffers are allocated there, references are built there.
 * :func:`on_comm_device` - a tensor on that device (no copy when it is already there).
-* :func:`empty` - a receive buffer on that device.
+* :func:`empty` - a receive buffer on that device; :func:`host_to_device` - a host tensor copied there
+  without the host waiting (pinned, non-blocking).
 * :func:`all_reduce` (in place, returns the tensor that was reduced: the argument itself when it already
   lived on the device, else a copy that has been copied back into the argument), :func:`all_reduce_async`
   (returns ``(tensor on the device, work)``; the caller waits, then reads the returned tensor),
@@ -47,10 +48,10 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "on_comm_device", "empty", "all_reduce", "all_reduce_async", "all_gather", "broadcast",
-           "barrier", "broadcast_object_list", "all_gather_object", "gather_object", "send_op", "recv_op",
-           "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "device_id", "ReduceOp", "PeerError", "is_peer_failure",
-           "first_line", "during"]
+__all__ = ["comm_device", "on_comm_device", "host_to_device", "empty", "all_reduce", "all_reduce_async",
+           "all_gather", "broadcast", "barrier", "broadcast_object_list", "all_gather_object", "gather_object",
+           "send_op", "recv_op", "batch_isend_irecv", "works_per_op", "wait_all", "is_nccl", "local_rank",
+           "device_id", "nccl_error_handling", "ReduceOp", "PeerError", "is_peer_failure", "first_line", "during"]
 
 ReduceOp = dist.ReduceOp
 
@@ -126,14 +127,57 @@ def _named(op: str):
     return deco
 
 
+#: What launchers other than torchrun call a rank's index on its node (Slurm's srun, Open MPI, MPICH/Intel MPI).
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def local_rank(environ=None) -> int:
+    """This rank's index on its node, from the launcher's environment: ``LOCAL_RANK`` (torchrun) or what Slurm
+    and MPI launchers set; ``RANK`` modulo ``LOCAL_WORLD_SIZE`` when only those are set; 0 for a one-rank job.
+    Anything else is refused in one line (``ValueError``): a default of 0 would put every rank of a node on
+    GPU 0."""
+    env = os.environ if environ is None else environ
+    for name in _LOCAL_RANK_VARS:
+        if env.get(name, "").strip():
+            value = env[name].strip()
+            if not value.isdigit():
+                raise ValueError(f"{name}={value!r} is not a rank index on this node (a non-negative integer)")
+            return int(value)
+    world, rank = env.get("WORLD_SIZE", "1").strip() or "1", env.get("RANK", "0").strip() or "0"
+    if env.get("LOCAL_WORLD_SIZE", "").strip().isdigit() and rank.isdigit() and int(env["LOCAL_WORLD_SIZE"]) > 0:
+        return int(rank) % int(env["LOCAL_WORLD_SIZE"])
+    if world == "1":
+        return 0
+    raise ValueError(f"LOCAL_RANK is not set (RANK={rank} of WORLD_SIZE={world}): which GPU of the node is this "
+                     f"rank's is unknown; launch with torchrun (it sets LOCAL_RANK) or set LOCAL_RANK, or "
+                     f"LOCAL_WORLD_SIZE for RANK modulo it")
+
+
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for this package's runs. What NCCL's watchdog does once a collective or
+#: point-to-point call outlasts its process group's timeout (``--spindle-timeout``), per torch's
+#: ``ProcessGroupNCCL.hpp``: 0 nothing, 1 abort the communicators and tear the process down, 2 abort the
+#: communicators only, 3 tear down without aborting (torch's default; torchrun sets 1). A torn-down process
+#: dies on an abort signal with the watchdog's log; with 2 the aborted communicators make the rank's next call
+#: raise in Python, which the entry points turn into one line and exit status 3, as on gloo.
+NCCL_ASYNC_ERROR_HANDLING = "2"
+
+
+def nccl_error_handling(environ=None) -> None:
+    """Set :data:`NCCL_ASYNC_ERROR_HANDLING` (before the NCCL process group is made: torch reads it then)."""
+    env = os.environ if environ is None else environ
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
+
+
 def device_id(backend: str) -> torch.device | None:
-    """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (``LOCAL_RANK``),
+    """``init_process_group``'s ``device_id`` for ``backend``: under NCCL this rank's GPU (:func:`local_rank`),
     made the current device first, so the default communicator is created at once, bound to it, and later
     groups are split from it (``ncclCommSplit``) instead of each being created lazily by its first
-    collective; None under gloo."""
+    collective; None under gloo. Under NCCL it also sets the watchdog to abort, not kill
+    (:func:`nccl_error_handling`)."""
     if "nccl" not in str(backend).lower():
         return None
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    nccl_error_handling()
+    local = local_rank()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 
@@ -159,6 +203,18 @@ def on_comm_device(t: torch.Tensor) -> torch.Tensor:
     """``t`` on :func:`comm_device` (itself when already there)."""
     dev = comm_device()
     return t if t.device == dev else t.to(dev)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``t`` on ``device`` (default :func:`comm_device`) without making the host wait: a CPU tensor goes to a
+    GPU from pinned memory with ``non_blocking`` (a copy from pageable memory waits for the GPU to catch up);
+    itself when already there."""
+    dev = comm_device() if device is None else torch.device(device)
+    if t.device == dev or (dev.index is None and t.device.type == dev.type):
+        return t
+    if dev.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(dev, non_blocking=True)
+    return t.to(dev)
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -271,7 +327,8 @@ def wait_all(works: Iterable, what: Iterable[str], timeout: datetime.timedelta) 
 
     gloo: each wait blocks the host up to ``timeout``. NCCL: ``work.wait()`` without a timeout, which makes
     the current CUDA stream wait and returns at once; a peer that never answers is caught by the process
-    group's timeout (NCCL's watchdog aborts the communicator, and the next call raises)."""
+    group's timeout (NCCL's watchdog aborts the communicator, :data:`NCCL_ASYNC_ERROR_HANDLING`, and the next
+    call raises)."""
     host = not is_nccl()
     for work, desc in zip(works, what):
         try:

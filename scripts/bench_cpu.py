@@ -140,9 +140,9 @@ class MegatronSequential:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from megatron_spindle import comm
-        from megatron_spindle.models.blocks import self_group
         from megatron_spindle.models.data import parse_data_input
         from megatron_spindle.models.reference import ReferenceModel
+        from megatron_spindle.runtime.groups import ProcessGroupRegistry
         from megatron_spindle.compat.cpu import apply_cpu_patches
 
         bad = sorted({op.op_type for op in graph.operators if op.op_type in ("lm_head",)})
@@ -153,7 +153,7 @@ class MegatronSequential:
         self.graph = graph
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp = dist.new_group(list(range(self.world)))
-        one = self_group()
+        one = ProcessGroupRegistry({}).one  # every rank, at the same point
         self.pgc = ProcessGroupCollection(tp=one, pp=one, cp=one, tp_cp=one, mp=one, dp=self.dp, dp_cp=self.dp,
                                           intra_dp_cp=self.dp, ep=one, expt_tp=one, expt_dp=one, tp_ep_pp=one,
                                           embd=None, pos_embd=None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: a first smoke test on one GPU of a node (yours, or a lent single-GPU machine: Python 3.12, torch
 # with CUDA, no megatron-core, no network). One command, under 8 minutes in all: every step has a time budget and
-# the budgets add to 455 s. Prepare first where the package registry is reachable: scripts/gpu_check_prepare.sh
+# the budgets add to 475 s. Prepare first where the package registry is reachable: scripts/gpu_check_prepare.sh
 # puts the wheels the machine lacks in .whl/ (ignored by git; carry it, under 64 MiB); this repository goes on
 # PYTHONPATH.
 #
@@ -12,11 +12,15 @@
 #   wheels    20  install .whl/*.whl into a private folder (none: use what is installed)
 #   nccl      25  NCCL's batch semantics on the real NCCL, one rank: works returned per batch of sends and
 #                 receives to itself (scripts/gpu_check_nccl.py)
+#   runtime   45  the runtime's one-device checks (scripts/gpu_check_runtime.py): device memory per new_group; a
+#                 replan with AdamW state on the device (a weight's copy sent to itself, state dtypes and devices
+#                 kept); 3 trainer iterations under torch.cuda.set_sync_debug_mode("warn"), the host's waits
+#                 per iteration and where; a rank waiting for a message nobody sends ends with one line, exit 3
 #   fp32      45  tiny Multitask-CLIP trained on 1 GPU by the built-in loop (SPINDLE_BACKEND=loop: never
 #                 Megatron's, even where megatron.training imports) with --spindle-check-equivalence
 #   bf16      45  the same with --bf16 (equivalence against an fp32 reference on the same device)
 #   megatron  90  Megatron-LM's own pretrain through our hooks on 1 GPU, 5 steps with evaluation, --bf16
-#   curves   190  measured curves of every distinct MetaOp shape of full-size Multitask-CLIP-10, OFASys-7 and
+#   curves   165  measured curves of every distinct MetaOp shape of full-size Multitask-CLIP-10, OFASys-7 and
 #                 Qwen-VAL in bf16, per-device batches from the whole batch down to 1 sample, tensor parallelism
 #                 1; what one GPU cannot measure is named in each file's not_measured (scripts/gpu_check_curves.py)
 #   compare   40  spindle compare (every system at one configuration) on those curves, the GPU's cluster preset
@@ -37,7 +41,7 @@ SITE=$WORK/site
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1} PYTHONUNBUFFERED=1
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PORT=${MASTER_PORT:-29631}
-STEPS=(wheels:20 nccl:25 fp32:45 bf16:45 megatron:90 curves:190 compare:40)
+STEPS=(wheels:20 nccl:25 runtime:45 fp32:45 bf16:45 megatron:90 curves:165 compare:40)
 if [ "$DRY" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""
   SIZE=tiny; MICRO=4; QUICK=(--quick); GPUS=4; MLM_DTYPE=()
@@ -97,6 +101,7 @@ install_wheels() {
 export -f install_wheels; export DRY SITE PY
 run1 wheels bash -c install_wheels
 run1 nccl env MASTER_PORT=$((PORT + 5)) "$PY" scripts/gpu_check_nccl.py
+run1 runtime env MASTER_PORT=$((PORT + 7)) "$PY" scripts/gpu_check_runtime.py
 TRAIN=(examples/pretrain_multitask_clip.py --spindle --spindle-size tiny --spindle-tasks 4 --micro-batch-size "$MICRO"
        --lr 1e-3 --log-interval 1 --spindle-predict-interval 0)
 # one-rank jobs started as plain processes (the trainer's own init_distributed; torchrun adds nothing for one rank)

@@ -49,7 +49,8 @@ def training(log: str, entry: dict) -> None:
     entry["equivalence"] = _last(r"equivalence: max relative difference (\S+)", log)
     summary = [json.loads(line) for line in log.splitlines() if line.startswith('{"steps"')]
     if summary:
-        entry.update(final_loss=summary[-1].get("final_loss"), step_time_s=summary[-1].get("step_time_s"))
+        entry.update(final_loss=summary[-1].get("final_loss"), step_time_s=summary[-1].get("step_time_s"),
+                     host_syncs_per_step=summary[-1].get("host_syncs_per_step"))
     entry["loop"] = "built-in" if "training with the built-in megatron.core trainer" in log else None
     entry["ok"] = entry["ok"] and entry["equivalence"] is not None and entry["loop"] == "built-in"
 
@@ -66,6 +67,20 @@ def nccl(log: str, entry: dict) -> None:
     if found:
         entry.update(found[-1])
     entry["ok"] = entry["ok"] and bool(found)
+
+
+def runtime(log: str, entry: dict) -> None:
+    """The runtime's one-device checks, by name; ok when none raised, the replan kept every state tensor's
+    dtype and device and the copy's values, the host's waits were counted, and a hung receive (NCCL) ended
+    with exit status 3."""
+    checks = {c["check"]: c for c in _json_lines(log, "runtime_check")}
+    entry["checks"] = checks
+    replan, syncs, hang = checks.get("replan", {}), checks.get("sync_debug", {}), checks.get("timeout", {})
+    entry["ok"] = (entry["ok"] and set(checks) == {"new_group", "replan", "sync_debug", "timeout"}
+                   and not any("error" in c for c in checks.values())
+                   and replan.get("state_kept") is True and replan.get("copy", {}).get("kept") is True
+                   and syncs.get("host_syncs_per_step") is not None
+                   and ("skipped" in hang or hang.get("exit") == 3))
 
 
 def curves(log: str, entry: dict) -> None:
@@ -98,8 +113,8 @@ def wheels(log: str, entry: dict) -> None:
     entry["installed"] = re.findall(r"^installed (\S+)$", log, flags=re.M)
 
 
-PARSE = {"fp32": training, "bf16": training, "megatron": megatron, "nccl": nccl, "curves": curves,
-         "wheels": wheels}
+PARSE = {"fp32": training, "bf16": training, "megatron": megatron, "nccl": nccl, "runtime": runtime,
+         "curves": curves, "wheels": wheels}
 
 
 def step_result(work: str, name: str, budget: int) -> dict:

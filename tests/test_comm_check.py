@@ -67,15 +67,27 @@ def test_groups_created_in_another_order_and_foreign_collectives():
     assert any("rank 2 stuck" in e for e in check([[coll(A)], [coll(A)], [coll(A)]]))
 
 
-def test_local_groups_need_only_their_members():
+def test_a_local_group_is_a_split_every_rank_joins():
+    """Under eager NCCL initialisation a ``use_local_synchronization`` group is still split from the world
+    communicator: every rank must make one at the same position (each rank its own one-rank group, say)."""
     ok = [[("new_group", (0,), "local"), ("new_group", A), ("new_group", (0, 1), "local")],
           [("new_group", (1,), "local"), ("new_group", A), ("new_group", (0, 1), "local")]]
     assert check(ok) == []
     assert summary(ok)["new_groups"]["per_rank"] == [1, 1]
-    missing = [[("new_group", (0, 1), "local")], [("new_group", A)]]
-    errors = check(missing)
-    assert any(e.startswith("local groups of ranks 0 and 1") for e in errors), errors
-    assert any("rank 0 stuck" in e for e in errors), errors
+    # rank 1 makes its one-rank group later than rank 0 (as a lazily created group would be): rank 0's split
+    # waits for rank 1, which waits in the other split for rank 0
+    late = [[("new_group", (0,), "local"), ("new_group", A)], [("new_group", A), ("new_group", (1,), "local")]]
+    errors = check(late)
+    assert any(e.startswith("new_group #0: rank 1 creates ranks [0, 1], rank 0 creates local group ranks [0]")
+               for e in errors), errors
+    assert any("deadlock" in e for e in errors) and any("rank 0 stuck at event #0" in e for e in errors), errors
+    # a one-rank group made by one rank only (gloo would not mind): the others never join its split
+    alone = [[("new_group", (0,), "local"), coll(W2)], [coll(W2)]]
+    errors = check(alone)
+    assert any("rank 1 creates nothing, rank 0 creates local group ranks [0]" in e for e in errors), errors
+    assert any("rank 0 stuck at event #0 of 2: new_group" in e for e in errors), errors
+    mixed = [[("new_group", (0, 1), "local")], [("new_group", (1,), "local")]]
+    assert any("must name the same group" in e for e in check(mixed)), check(mixed)
 
 
 # -- the executor's own calls at 64 ranks ------------------------------------------------------------------------
@@ -149,6 +161,19 @@ def test_the_executor_at_64_ranks_keeps_nccls_rules(runs, case):
         assert s["peers"]["max"] > 1 and any(e[0] == "p2p" for ev in events for e in ev)
 
 
+@pytest.mark.parametrize("case", ["planner", "tp"])
+def test_the_communicators_the_planner_charges_are_the_ones_the_runtime_makes(runs, case):
+    """Per rank: the world's communicator and one per group with peers that the runtime creates is what the
+    plan's memory check counts (``planner/assembly/communicators.py``)."""
+    from megatron_spindle.planner.assembly.communicators import communicators_per_device
+
+    plan, events = runs[case]
+    made = [1 + len({e[1] for e in ev if e[0] == "new_group" and len(e[1]) > 1 and r in e[1]})
+            for r, ev in enumerate(events)]
+    assert made == communicators_per_device(plan)
+    assert max(made) > 2
+
+
 def test_perturbed_streams_fail_the_check(runs):
     events = [list(ev) for ev in runs["tp"][1]]
     # one rank issues two collectives of different communicators that share another rank q in the other order:
@@ -192,21 +217,21 @@ def test_the_scale_script_checks_full_size_plans():
 
 
 def test_the_one_rank_group_is_made_again_for_a_new_default_group(tmp_path):
-    """``blocks.self_group`` caches its one-rank group while torch.distributed has it registered: after
-    ``destroy_process_group`` and a new world (whose default group may reuse the old one's ``id``) it makes a
-    new group that works, not the destroyed one."""
+    """The registry's one-rank group is made once per world (its first registry makes it, a second reuses it):
+    after ``destroy_process_group`` and a new world (whose default group may reuse the old one's ``id``) a new
+    one is made that works, not the destroyed one."""
     import torch
     import torch.distributed as dist
 
     from megatron_spindle import comm
-    from megatron_spindle.models import blocks
+    from megatron_spindle.runtime.groups import ProcessGroupRegistry
 
     groups = []
     for i in range(2):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{i}", rank=0, world_size=1)
         try:
-            g = blocks.self_group()
-            assert blocks.self_group() is g  # cached inside one world
+            g = ProcessGroupRegistry({}).one
+            assert ProcessGroupRegistry({}).one is g  # one per world
             t = torch.ones(2)
             comm.all_reduce(t, group=g)
             assert t.tolist() == [1.0, 1.0]
@@ -214,3 +239,28 @@ def test_the_one_rank_group_is_made_again_for_a_new_default_group(tmp_path):
         finally:
             dist.destroy_process_group()
     assert groups[0] is not groups[1]
+
+
+def test_layers_never_create_a_group():
+    """Models take the one-rank group from the caller (the runtime's registry) or stand in for it; a layer
+    built inside a world makes no ``new_group`` (a lazily created one would be a split only its rank joins)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.models.reference import ReferenceModel
+    from megatron_spindle.planner.workload.workloads import build_graph
+    from megatron_spindle.runtime import comm_record
+
+    d = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+    rec = comm_record.install(nccl_rules=True)
+    try:
+        g = build_graph("multitask-clip", tasks=4, size="tiny", batch=2)
+        out = ReferenceModel(g, seed=0)(SyntheticData(g, seed=0).batch(0))
+        sum(out.values()).backward()
+        assert [e for e in rec.events if e[0] == "new_group"] == []
+    finally:
+        comm_record.uninstall()
+        dist.destroy_process_group()

@@ -149,7 +149,7 @@ def _ranks(rank, world, cases, ckpt):
     from megatron.core import dist_checkpointing as dc
 
     from megatron_spindle.runtime import p2p
-    from megatron_spindle.runtime.rank_sets import plan_rank_sets
+    from megatron_spindle.planner.assembly.communicators import plan_rank_sets
     posted, real = [], p2p.post_p2p
 
     def recording(ops):  # what the executor posts, then post it

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("megatron.training.training", reason="the Megatron step needs megatron-core >= 0.17")
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["wheels", "nccl", "fp32", "bf16", "megatron", "curves", "compare"]
+STEPS = ["wheels", "nccl", "runtime", "fp32", "bf16", "megatron", "curves", "compare"]
 MAX_FILES = 8  # what the device tool brings back from $OUT
 LIMIT_S = 480  # one command under 8 minutes
 
@@ -65,6 +65,11 @@ def test_gpu_check_dry_run_reports_after_every_step(tmp_path):
     assert doc["gpu_check"]["ok"] is True and doc["pending"] == [], doc
     steps = doc["steps"]
     assert steps["nccl"]["backend"] == "gloo" and [b["ops"] for b in steps["nccl"]["batches"]] == [2, 6]
+    checks = steps["runtime"]["checks"]
+    assert checks["replan"]["state_kept"] and checks["replan"]["copy"]["kept"], checks["replan"]
+    assert checks["replan"]["step"] == [["torch.float32", "cpu"]]  # AdamW's step: a float32 CPU tensor
+    assert checks["sync_debug"]["host_syncs_per_step"] == 3 and "skipped" in checks["timeout"], checks
+    assert steps["fp32"]["host_syncs_per_step"] == 3, steps["fp32"]
     assert steps["fp32"]["loop"] == steps["bf16"]["loop"] == "built-in"  # never Megatron's loop for these two
     assert float(steps["fp32"]["equivalence"]) < 1e-5 and steps["bf16"]["equivalence"] is not None
     assert steps["megatron"]["last_iteration"] == "5" and steps["megatron"]["validation"]

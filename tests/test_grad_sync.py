@@ -80,19 +80,49 @@ def _run(plan, g, k, zero):
             "norms": norms, "optimizer_numel": sum(p.numel() for p in model.optimizer_parameters())}
 
 
-def _dtypes_and_norm(plan, g, dtype, fp32_reduce=False):
-    """One pass and sync in ``dtype``: the gradient buffers' dtypes and the global norm."""
+def _dtypes_and_norm(plan, g, dtype, fp32_reduce=False, copies=False):
+    """One pass and sync in ``dtype``: the gradient buffers' dtypes, the ``.grad`` dtypes and the global norm."""
     from megatron_spindle.models.data import SyntheticData
     from megatron_spindle.runtime.executor import SpindleModel
 
     model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, dtype=dtype,
-                         grad_reduce_in_fp32=fp32_reduce)
+                         grad_reduce_in_fp32=fp32_reduce, param_dtype_grads=copies)
     batch = {t: {k: v.to(dtype) if v.is_floating_point() else v for k, v in streams.items()}
              for t, streams in SyntheticData(g, seed=0).batch(0).items()}  # the data in the model's dtype
     model.backward(model(batch))
     model.finalize_grads()
     out = {"buffers": sorted({str(p.main_grad.dtype) for p in model.grad_sync._main_params}),
-           "grads": sorted({str(p.grad.dtype) for p in model.unique_parameters()}), "norm": model.grad_norm()}
+           "grads": sorted({str(p.grad.dtype) if p.grad is not None else "none" for p in model.unique_parameters()}),
+           "copies": len(model.grad_sync._grad_copies), "norm": model.grad_norm()}
+    model.destroy()
+    return out
+
+
+def _masters(plan, g, zero):
+    """bf16 weights, fp32 buffers, fp32 masters under SGD: after one step, is every master's gradient its
+    fp32 reduced gradient (the distributed optimizer's block, or the whole buffer) itself, no bf16 round trip?"""
+    import dataclasses
+
+    import torch
+    from megatron_spindle.models.data import SyntheticData
+    from megatron_spindle.runtime.executor import SpindleModel
+    from megatron_spindle.runtime.mixed_precision import MasterWeightsOptimizer
+
+    plan = dataclasses.replace(plan, distributed_optimizer=zero)
+    model = SpindleModel(plan, g, seed=0, timeout_s=60, bucket_size=BUCKET, dtype=torch.bfloat16,
+                         grad_reduce_in_fp32=True)
+    params = model.optimizer_parameters()
+    opt = MasterWeightsOptimizer(params, lambda ms: torch.optim.SGD(ms, lr=LR))
+    model.backward(model(SyntheticData(g, seed=0).batch(0)))
+    model.finalize_grads()
+    opt.step()
+    blocks = [grad for _, grad, *_ in model.grad_sync._shards] if zero else [p.main_grad for p in params]
+    out = {"n": len(params), "copies": len(model.grad_sync._grad_copies),
+           "bf16_grads": sum(p.grad is not None for p in params),
+           "fp32": all(m.grad.dtype == torch.float32 for m in opt.masters),
+           "same": all(m.grad.data_ptr() == b.data_ptr() and torch.equal(m.grad, b)
+                       for m, b in zip(opt.masters, blocks)),
+           "representable": all(torch.equal(b, b.bfloat16().float()) for b in blocks)}
     model.destroy()
     return out
 
@@ -103,6 +133,9 @@ def _all(rank, world, cases, g):
     plan = cases[("f-planner", 2, False)]
     out["dtype"] = {str(d): _dtypes_and_norm(plan, g, d) for d in (torch.float32, torch.bfloat16)}
     out["dtype"]["bf16, fp32 reduce"] = _dtypes_and_norm(plan, g, torch.bfloat16, fp32_reduce=True)
+    out["dtype"]["bf16, fp32 reduce, copies"] = _dtypes_and_norm(plan, g, torch.bfloat16, fp32_reduce=True,
+                                                                 copies=True)
+    out["masters"] = {zero: _masters(plan, g, zero) for zero in (False, True)}
     return out
 
 
@@ -190,10 +223,24 @@ def test_gradients_are_reduced_in_the_parameters_dtype(results):
         assert got["torch.float32"]["buffers"] == got["torch.float32"]["grads"] == ["torch.float32"]
         assert got["torch.bfloat16"]["buffers"] == got["torch.bfloat16"]["grads"] == ["torch.bfloat16"]
         assert got["torch.bfloat16"]["norm"] == pytest.approx(got["torch.float32"]["norm"], rel=0.05)
-        # Megatron-LM's --bf16 default (--accumulate-allreduce-grads-in-fp32): fp32 buffers, bf16 .grad
+        # Megatron-LM's --bf16 default (--accumulate-allreduce-grads-in-fp32): fp32 buffers, no bf16 copy of
+        # every gradient (fp32 masters and Megatron's optimizers read main_grad), one when asked for
         assert got["bf16, fp32 reduce"]["buffers"] == ["torch.float32"]
-        assert got["bf16, fp32 reduce"]["grads"] == ["torch.bfloat16"]
+        assert got["bf16, fp32 reduce"]["grads"] == ["none"] and got["bf16, fp32 reduce"]["copies"] == 0
         assert got["bf16, fp32 reduce"]["norm"] == pytest.approx(got["torch.float32"]["norm"], rel=0.05)
+        assert got["bf16, fp32 reduce, copies"]["grads"] == ["torch.bfloat16"]
+        assert got["bf16, fp32 reduce, copies"]["copies"] > 0
+
+
+def test_fp32_masters_step_from_the_fp32_reduced_gradient(results):
+    """bf16 + fp32 buffers, with and without ZeRO-1: every master's gradient is its fp32 reduced block (the
+    same memory, so bitwise), not a bf16 copy of it read back; no bf16 copy is made."""
+    _, out, _ = results
+    for r in range(WORLD):
+        for zero, got in out[r]["masters"].items():
+            assert got["n"] > 0 and got["fp32"] and got["same"], (r, zero, got)
+            assert got["copies"] == 0 and got["bf16_grads"] == 0, (r, zero, got)
+        assert not all(out[r]["masters"][z]["representable"] for z in (False, True)), r  # bf16 would round
 
 
 def test_local_copies_are_exercised(results):

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 import torch.nn.functional as F
@@ -42,9 +41,13 @@ _BACKENDS = ("auto", "local", "te")
 # Process groups
 # --------------------------------------------------------------------------------------------------
 class LocalGroup:
-    """Stand-in for a one-rank process group when torch.distributed is not initialised.
+    """Stand-in for a one-rank process group: megatron only asks a size-1 group for ``size()`` and ``rank()``
+    (every collective is bypassed), so layers built without a real one (the single-process reference, or no
+    torch.distributed at all) get this.
 
-    megatron only asks a size-1 group for ``size()`` and ``rank()``: every collective is bypassed.
+    The runtime passes a real one-rank group instead, created collectively with its other groups
+    (:class:`megatron_spindle.runtime.groups.ProcessGroupRegistry`): under eager NCCL initialisation every
+    ``new_group`` is a split of the world communicator that every rank must join, so no layer creates one.
     """
 
     def size(self) -> int:
@@ -54,30 +57,10 @@ class LocalGroup:
         return 0
 
 
-#: rank -> its one-rank group, used while torch.distributed still has it registered: after
-#: ``destroy_process_group`` and a new ``init_process_group`` a new one is made (a cache keyed by the default
-#: group's ``id`` could hand back a destroyed group, since a freed group's ``id`` can be reused; holding the default
-#: group itself would keep it alive past ``destroy_process_group``, to be torn down at interpreter exit).
-_SELF_GROUPS: dict = {}
-
-
-def self_group():
-    """A process group holding only this rank (a real one when torch.distributed is initialised).
-
-    Created with ``use_local_synchronization=True``: no other rank has to take part, and the name is a hash
-    of the ranks, so it does not disturb the order of groups created collectively elsewhere.
-    """
-    if not dist.is_initialized():
-        return LocalGroup()
-    rank = dist.get_rank()
-    group = _SELF_GROUPS.get(rank)
-    if group is None or group not in dist.distributed_c10d._world.pg_map:
-        group = _SELF_GROUPS[rank] = dist.new_group([rank], use_local_synchronization=True)
-    return group
-
-
-def pg_collection(tp_group) -> ProcessGroupCollection:
-    one = self_group()
+def pg_collection(tp_group, one=None) -> ProcessGroupCollection:
+    """megatron's groups of one layer: ``tp_group``, and ``one`` (a one-rank group; a :class:`LocalGroup`
+    when None) for pipeline and context parallelism."""
+    one = LocalGroup() if one is None else one
     return ProcessGroupCollection(tp=tp_group, pp=one, cp=one, tp_cp=tp_group, mp=tp_group)
 
 
@@ -240,7 +223,7 @@ class CrossAttentionAdapter(nn.Module):
     (replicated), megatron ``CrossAttention`` (heads split over tp). No residual, as in Qwen-VL.
     """
 
-    def __init__(self, op: Operator, queries: int, *, config: TransformerConfig, tp_group) -> None:
+    def __init__(self, op: Operator, queries: int, *, config: TransformerConfig, tp_group, one=None) -> None:
         super().__init__()
         c = op.layer
         self.queries = nn.Parameter(_normal_(torch.empty(queries, c.hidden)))
@@ -254,7 +237,7 @@ class CrossAttentionAdapter(nn.Module):
             linear_kv=functools.partial(ColumnParallelLinear, tp_group=tp_group),
             core_attention=DotProductAttention, linear_proj=RowParallelLinear)
         self.attention = CrossAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
-                                        pg_collection=pg_collection(tp_group))
+                                        pg_collection=pg_collection(tp_group, one))
 
 
 class LinearAdapter(nn.Module):

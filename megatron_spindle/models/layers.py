@@ -37,8 +37,10 @@ Initialisation does not depend on placement: each core is built under a CPU gene
 weight and keeps this rank's slice: a tp shard is bitwise equal to the slice of the tp = 1 weight.
 
 Process groups: megatron blocks get theirs explicitly (``pg_collection`` with tp, and one-rank pp / cp
-groups), never from megatron's global parallel state. The wiring (configs, specs, the parameter modules
-megatron has no block for) is in :mod:`.blocks`; the shard <-> full conversions in :mod:`.layer_state`.
+groups), never from megatron's global parallel state; no layer creates a group (the caller passes them, the
+one-rank group included, or a :class:`.blocks.LocalGroup` stands in). The wiring (configs, specs, the
+parameter modules megatron has no block for) is in :mod:`.blocks`; the shard <-> full conversions in
+:mod:`.layer_state`.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from .megatron_state import ensure_megatron_globals
 from .custom import build_custom_core, custom_forward, custom_supports_tp
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead, PatchEmbedding,
                      PoolHead, TokenEmbedding, layer_spec, make_norm, parallel_config, pg_collection,
-                     rotary_embedding, self_group, transformer_config, use_te_backend)
+                     rotary_embedding, LocalGroup, transformer_config, use_te_backend)
 
 #: Operator types whose layers accept tp > 1.
 TP_OP_TYPES = frozenset({"transformer_layer", "decoder_layer", "cross_attn_adapter", "linear_adapter",
@@ -309,7 +311,7 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
 
 
 def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, rows: int,
-                use_te: bool, recompute_mode: str = "none") -> nn.Module:
+                use_te: bool, recompute_mode: str = "none", one=None) -> nn.Module:
     c, t = op.layer, op.op_type
     if t not in OP_TYPES:
         return build_custom_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype)
@@ -317,10 +319,10 @@ def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, row
         config = transformer_config(op, tp_size, dtype, recompute=recompute_mode)
         spec = layer_spec(op, tp_group, use_te)
         return recompute.prepare_core(TransformerLayer(config, spec.submodules, layer_number=1,
-                                                       pg_collection=pg_collection(tp_group)))
+                                                       pg_collection=pg_collection(tp_group, one)))
     if t == "cross_attn_adapter":
         return CrossAttentionAdapter(op, rows, config=transformer_config(op, tp_size, dtype),
-                                     tp_group=tp_group)
+                                     tp_group=tp_group, one=one)
     pconfig = parallel_config(tp_size, dtype)
     if t == "patch_embed":
         return PatchEmbedding(c.input_dim, c.hidden, rows, make_norm(c) if c.embed_norm else None)
@@ -340,13 +342,13 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
                 graph: TaskGraph | None = None, task_weight: float | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                 share_with: OperatorLayer | None = None, backend: str = "local",
-                recompute_mode: str = "none") -> OperatorLayer:
+                recompute_mode: str = "none", one_group=None) -> OperatorLayer:
     """The layer of one operator, on this rank's tensor-parallel shard.
 
     Args:
         op: the operator (``op.trainable`` False: a frozen weight, its parameters ``requires_grad=False``).
         tp_group, tp_rank, tp_size: the operator's tensor-parallel group (None when ``tp_size == 1``:
-            a one-rank group is used), this rank's index in it and its size.
+            ``one_group`` is used), this rank's index in it and its size.
         seed: global seed; the core is initialised from :func:`layer_seed` ``(seed, op.param_key)``.
         graph: the task graph; gives the task weight and sizes shared tables (see :func:`table_rows`).
             Pass it whenever the layer must match other processes' copies of the same ``param_key``.
@@ -356,14 +358,17 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         backend: ``local`` (megatron.core's modules) or ``te`` (TransformerEngine specs: TE and CUDA needed);
             ``auto`` is ``local`` (see :func:`.blocks.use_te_backend`).
         recompute_mode: the operator's activation recompute (the plan's ``MetaOp.recompute``, :mod:`.recompute`).
+        one_group: a one-rank process group for the layer's size-1 dimensions (the runtime's, created with its
+            other groups); None: a :class:`.blocks.LocalGroup` stand-in (layers never create groups).
     """
     layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)
     _check_tp(op, tp_group, tp_rank, tp_size)
     recompute.check_mode(op.name, op.op_type, recompute_mode)
     use_te = use_te_backend(backend)
     ensure_megatron_globals(seed=seed, tp_rank=tp_rank)
+    one = LocalGroup() if one_group is None else one_group
     if tp_size == 1 and tp_group is None:
-        tp_group = self_group()
+        tp_group = one
     if task_weight is None:
         task_weight = graph.task_weights[graph.tasks.index(op.task)] if graph is not None else 1.0
     if share_with is not None:
@@ -377,7 +382,7 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, op.param_key or op.name))
             core = _build_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype,
-                               rows=table_rows(op, graph), use_te=use_te, recompute_mode=recompute_mode)
+                               rows=table_rows(op, graph), use_te=use_te, recompute_mode=recompute_mode, one=one)
         core = core.to(dtype=dtype, device=device).requires_grad_(op.trainable)  # frozen: no gradient
         if share_with is not None:  # megatron's config decides selective recompute: one layer per mode, one weight
             core = recompute.tie_parameters(core, share_with.core)
@@ -386,6 +391,6 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
 
 
 __all__ = ["OperatorLayer", "build_layer", "full_state_dict", "load_full_state_dict", "layer_seed",
-           "shard_spec", "shard_tensor", "unshard_tensors", "table_rows", "self_group", "LocalGroup",
+           "shard_spec", "shard_tensor", "unshard_tensors", "table_rows", "LocalGroup",
            "num_parameters", "output_shape", "input_shapes", "example_inputs", "TP_OP_TYPES",
            "LOSS_OP_TYPES"]

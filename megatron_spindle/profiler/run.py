@@ -264,6 +264,8 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
     if link is not None:
         cl = cluster_fields(link, name=f"{backend}-{where.device_type}-{world}proc",
                             gpus_per_node=cfg.gpus_per_node, memory_gib=memory_gib)
+        if backend == "gloo":  # gloo ranks hold no NCCL communicator buffers on a device
+            cl["communicator_mib"] = 0.0
     measured = {"model": graph.model, "tasks": len(graph.tasks), "size": cfg.size, "batch": cfg.batch,
                 **where.to_json(), "nproc": world, "max_devices": cfg.max_devices,
                 "gpus_per_node": cfg.gpus_per_node, "warmup": cfg.warmup, "repeats": cfg.repeats,

@@ -3,18 +3,24 @@
 :func:`check` takes one event list per rank (index = global rank) and returns one line per problem (empty: the
 streams are consistent and cannot deadlock under the model below):
 
-a. ``new_group`` is collective over the world: every rank creates the same groups in the same order (a group
-   made with ``use_local_synchronization``, event ``("new_group", ranks, "local")``, only by its members, in
-   one order among the local groups each member makes);
+a. ``new_group`` is collective over the world: every rank creates the same groups in the same order. Under
+   eager NCCL initialisation (``init_process_group(device_id=...)``, what the runtime does on GPUs) that holds
+   for a group made with ``use_local_synchronization`` too (event ``("new_group", ranks, "local")``): torch
+   splits every new group from the world communicator (``ncclCommSplit``, a collective of the whole world)
+   and a rank outside a local group makes no call, so its members wait. A local group is therefore one
+   world split as well: at the same position of every rank's sequence of ``new_group`` calls, every rank makes
+   a local group holding itself, and ranks in one such group name the same group (one rank's one-rank group
+   each, say);
 b. a communicator (a group's rank set) is a stream of kernels: every member issues that communicator's
    collectives in the same order, with the same operation, shape and dtype; only members issue them;
 c. NCCL has no tags: per ordered pair (src, dst) the k-th send src->dst meets the k-th receive at dst from src,
    and they must agree in shape and dtype; where the tags' order differs from the posting order, gloo (which
    matches by tag) would pair the messages differently from NCCL, and that is reported too;
 d. no deadlock under NCCL's conservative model: each rank's operations complete in issue order (kernels of
-   one rank may serialize); a collective completes once every member has reached it; ``new_group`` once every
-   rank has; a P2P batch once every operation's matching operation sits in a batch at the head of its rank,
-   closed transitively (the batches complete together, as one group call). The simulation runs until nothing
+   one rank may serialize); a collective completes once every member has reached it; ``new_group`` (local or
+   not) once every rank has reached the same split; a P2P batch once every operation's matching operation sits
+   in a batch at the head of its rank, closed transitively (the batches complete together, as one group
+   call). The simulation runs until nothing
    moves; ranks left with operations are reported with the operation they are stuck at (a cycle of waits
    across communicators, or a message nobody receives).
 
@@ -60,30 +66,43 @@ def _local(e: Event) -> bool:
     return e[0] == "new_group" and len(e) > 2 and e[2] == "local"
 
 
+def _split(e: Event) -> str:
+    return f"local group {_span(e[1])}" if _local(e) else _span(e[1])
+
+
 def _check_groups(events_by_rank) -> list[str]:
-    seqs = [[e[1] for e in evs if e[0] == "new_group" and not _local(e)] for evs in events_by_rank]
+    seqs = [[e for e in evs if e[0] == "new_group"] for evs in events_by_rank]
     out = []
-    local: dict[int, list] = {}
-    for r, evs in enumerate(events_by_rank):
-        mine = [tuple(e[1]) for e in evs if _local(e)]
-        for ranks in mine:
-            if r not in ranks:
-                out.append(f"rank {r} creates local group {_span(ranks)} without being in it")
-        local[r] = mine
-    for r, mine in local.items():  # the local groups two ranks share: the same on both, in the same order
-        for q in sorted({q for k in mine for q in k if q > r}):
-            ours, theirs = [k for k in mine if q in k], [k for k in local.get(q, []) if r in k]
-            if ours != theirs:
-                out.append(f"local groups of ranks {r} and {q}: rank {r} creates {[_span(k) for k in ours]}, "
-                           f"rank {q} {[_span(k) for k in theirs]}")
-    for r, seq in enumerate(seqs[1:], 1):
-        if seq != seqs[0]:
-            k = next((i for i, (a, b) in enumerate(zip(seq, seqs[0])) if a != b), min(len(seq), len(seqs[0])))
-            mine = _span(seq[k]) if k < len(seq) else "nothing"
-            theirs = _span(seqs[0][k]) if k < len(seqs[0]) else "nothing"
-            out.append(f"new_group #{k}: rank {r} creates {mine}, rank 0 creates {theirs} "
-                       f"(new_group is collective over the world: same groups, same order on every rank)")
-    return _capped(out, "ranks with another group order")
+    for k in range(max((len(s) for s in seqs), default=0)):
+        heads = {r: seq[k] for r, seq in enumerate(seqs) if k < len(seq)}
+        ref = heads.get(0)
+        if ref is not None and _local(ref):
+            for r, e in sorted(heads.items()):
+                if not _local(e):
+                    out.append(f"new_group #{k}: rank {r} creates {_split(e)}, rank 0 creates {_split(ref)} "
+                               f"(under eager NCCL initialisation every new_group is one split of the world "
+                               f"communicator: at each position every rank makes a local group, or every rank "
+                               f"the same group)")
+                elif r not in e[1]:
+                    out.append(f"new_group #{k}: rank {r} creates {_split(e)} without being in it")
+                else:
+                    for q in e[1]:
+                        if q in heads and _local(heads[q]) and tuple(heads[q][1]) != tuple(e[1]):
+                            out.append(f"new_group #{k}: rank {r} creates {_split(e)}, rank {q} "
+                                       f"{_split(heads[q])}: ranks of one local group must name the same group")
+                            break
+        else:
+            for r, e in sorted(heads.items()):
+                if ref is None or _local(e) or tuple(e[1]) != tuple(ref[1]):
+                    out.append(f"new_group #{k}: rank {r} creates {_split(e)}, rank 0 creates "
+                               f"{_split(ref) if ref is not None else 'nothing'} (new_group is collective over "
+                               f"the world: same groups, same order on every rank)")
+        for r in range(len(seqs)):
+            if r not in heads and ref is not None:
+                out.append(f"new_group #{k}: rank {r} creates nothing, rank 0 creates "
+                           f"{_split(ref) if ref is not None else 'nothing'} (new_group is collective over the "
+                           f"world: same groups, same order on every rank)")
+    return _capped(out, "group mismatches")
 
 
 def _check_collectives(events_by_rank) -> list[str]:
@@ -177,12 +196,12 @@ def _simulate(events_by_rank, sends, recvs) -> list[str]:
         e = events_by_rank[r][pos[r]]
         if e[0] == "destroy_group":
             return [(r, pos[r])]
-        if _local(e):
-            ok = all(pos[q] < len(events_by_rank[q]) and tuple(events_by_rank[q][pos[q]]) == tuple(e) for q in e[1])
-            return [(q, pos[q]) for q in e[1]] if ok else None
-        if e[0] == "new_group":
-            ok = all(pos[q] < len(events_by_rank[q]) and events_by_rank[q][pos[q]][0] == "new_group"
-                     and not _local(events_by_rank[q][pos[q]]) and groups_done[q] == groups_done[r] for q in range(world))
+        if e[0] == "new_group":  # a split of the world communicator: every rank at the same split
+            def same(h: Event) -> bool:
+                return (h[0] == "new_group" and _local(h) == _local(e)
+                        and (_local(h) or tuple(h[1]) == tuple(e[1])))
+            ok = all(pos[q] < len(events_by_rank[q]) and same(events_by_rank[q][pos[q]])
+                     and groups_done[q] == groups_done[r] for q in range(world))
             return [(q, pos[q]) for q in range(world)] if ok else None
         if e[0] == "coll":
             key = e[2]
@@ -218,7 +237,7 @@ def _simulate(events_by_rank, sends, recvs) -> list[str]:
         if done is None:
             continue
         for q, i in done:
-            if events_by_rank[q][i][0] == "new_group" and not _local(events_by_rank[q][i]):
+            if events_by_rank[q][i][0] == "new_group":
                 groups_done[q] += 1
             pos[q] = i + 1
             if not queued[q]:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -64,13 +63,13 @@ from ..models.pretrained import load_pretrained
 from ..planner.assembly.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.assembly.plan import Message, Plan, Slice, Transfer
+from ..planner.assembly.communicators import plan_rank_sets, tp_group_name
 from ..planner.assembly.validate import check_plan
 from .grad_sync import GradSync
 from .p2p import PassTransfers, TransferPlumbing
 from .groups import ProcessGroupRegistry
-from .rank_sets import plan_rank_sets, tp_group_name
 from .stash import StashMeter
-from .trace import StepTrace
+from .trace import StepTrace, clock_for
 
 
 def _module_key(metaop: str, layer: int) -> str:
@@ -83,7 +82,7 @@ class StepState:
     once the pass has run every phase (after :meth:`SpindleModel.backward`, or after a forward without
     gradients)."""
 
-    batch: Mapping | None = None                                   # the pass's batch, until its last phase ran
+    batch: Mapping | None = None        # (task, stream, first, stop) -> this rank's inputs, until the last phase
     phase: int = 0                                                 # the phase whose backward is next
     outputs: dict[str, Tensor] = field(default_factory=dict)       # slice name -> local output
     inputs: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # (slice, input index) -> leaf
@@ -100,7 +99,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
         graph: the task graph the plan was made for.
         seed: model seed (same value on every rank, same as the reference model's).
         timeout_s: bound on every wait for a peer.
-        dtype, device: parameter dtype and device (CPU float32 here).
+        dtype, device: parameter dtype and device (default: :func:`megatron_spindle.comm.comm_device`, where
+            receive buffers are allocated; another device is refused).
     """
 
     def __init__(self, plan: Plan, graph: TaskGraph, *, seed: int = 0, timeout_s: float = 300.0,
@@ -108,13 +108,15 @@ class SpindleModel(TransferPlumbing, nn.Module):
                  backend: str = "local", layer_graph: TaskGraph | None = None,
                  reuse: Mapping[tuple[str, tuple[int, ...]], object] | None = None,
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool | None = None,
+                 grad_reduce_in_fp32: bool = False, param_dtype_grads: bool = False,
+                 distributed_optimizer: bool | None = None,
                  init: Mapping[str, str] | None = None, registry: ProcessGroupRegistry | None = None) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
         model takes over instead of building new ones (see :mod:`.replan`). ``overlap_grad_reduce``,
-        ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, see :mod:`.grad_sync`. The distributed
+        ``bucket_size``, ``grad_reduce_in_fp32``: megatron.core DDP's, and ``param_dtype_grads``, see
+        :mod:`.grad_sync`. The distributed
         optimizer (ZeRO-1) is the plan's ``distributed_optimizer``; a ``distributed_optimizer`` given here
         must say the same. ``init``: module name -> Hugging Face directory whose weights the layers built
         here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`). ``registry``:
@@ -131,13 +133,17 @@ class SpindleModel(TransferPlumbing, nn.Module):
                              f"estimate assumes it); re-plan to change it")
         self.plan, self.graph = plan, graph
         self.options = dict(backend=backend, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=grad_reduce_in_fp32)
+                            grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads)
         """How the layers and the gradient sync were built (a replanned model is built the same way)."""
         self.phases = plan.phases
         """Wave indices of each phase, in execution order (``plan.phases``)."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        here = comm.comm_device()  # where receive buffers and collectives live: the layers go there too
+        self.device = torch.device(device) if device is not None else here
+        if self.device.type != here.type or (self.device.index is not None and self.device != here):
+            raise ValueError(f"device {self.device}, but this rank communicates on {here} (receive buffers and "
+                             f"collectives live there): build the model on {here}, or leave device unset")
         self.dtype = dtype
         self.metaops = {m.name: m for m in plan.metaops}
         self._grad = {n: needs_output_grad(m) for n, m in self.metaops.items()}  # False: forward only (frozen)
@@ -174,24 +180,29 @@ class SpindleModel(TransferPlumbing, nn.Module):
                     mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
                                       graph=layer_graph or graph,
                                       dtype=dtype, device=self.device, share_with=share, backend=backend,
-                                      recompute_mode=m.recompute)
+                                      recompute_mode=m.recompute, one_group=self.registry.one)
                     self.layers[_module_key(m.name, layer)] = mod
                     if share is None and op.param_key:
                         fresh.append(mod)
                     if op.param_key and (op.param_key, tp_ranks) not in shared:
                         shared[(op.param_key, tp_ranks)] = mod
                         self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        self._ranges: dict[str, tuple[int, int]] = {}
+        self._data_blocks = sorted({(*name.split(":", 2)[1:], *self._local_range(s))
+                                    for wave in self.my_slices for s in wave
+                                    for op in self.metaops[s.metaop].operators[s.layer_start:s.layer_stop]
+                                    for name in graph[op].inputs if name.startswith(DATA_PREFIX)})
+        """(task, stream, first sample, stop) of every data input this rank's slices read."""
         self.init = dict(init or {})
         self.kept_init = load_pretrained(fresh, layer_graph or graph, self.init) if self.init else []
         """Parameters under ``init`` that the checkpoint has no tensor for (they keep their seeded values)."""
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
-        self.trace = StepTrace(self.rank)
+        self.trace = StepTrace(self.rank, clock=clock_for(self.device))  # CUDA events on a GPU
         self.stash: StashMeter | None = None
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
-        self._ranges: dict[str, tuple[int, int]] = {}
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
-                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                  grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads,
                                   distributed_optimizer=plan.distributed_optimizer)
         # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
         self.register_forward_pre_hook(lambda mod, _: mod.grad_sync.next_step() if mod.grad_sync.synced else None)
@@ -236,7 +247,9 @@ class SpindleModel(TransferPlumbing, nn.Module):
     def forward(self, batch: Mapping[str, Mapping[str, Tensor]]) -> StepState:
         """Start a pass on ``batch``: the first phase's forward, or every phase's forward when no gradient is
         recorded (evaluation; each phase's activations dropped after it). Returns what :meth:`backward` needs."""
-        st = StepState(batch=batch)
+        # each input block this rank's slices read, copied to the device once per pass, the host not waiting
+        st = StepState(batch={k: comm.host_to_device(batch[k[0]][k[1]][k[2]:k[3]], self.device)
+                              for k in self._data_blocks})
         if torch.is_grad_enabled():
             self._forward_phase(st, 0)
             return st
@@ -263,7 +276,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
             self._post(w, False, self.messages[w][0], send_of, recv_into)  # the boundary's batch, local copies
             for s in self.my_slices[w]:
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
-                t1 = time.perf_counter()
+                t1 = self.trace.now()
                 with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
                         (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
                     self._run_slice(s, st.batch, st.pieces, st)
@@ -283,7 +296,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
             for i, name in enumerate(op.inputs):
                 if name.startswith(DATA_PREFIX):
                     _, task, stream = name.split(":", 2)
-                    inputs.append(batch[task][stream][a:b].to(self.device))
+                    inputs.append(batch[(task, stream, a, b)])
                     continue
                 if layer > s.layer_start:
                     inputs.append(x)
@@ -345,7 +358,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                 if not self._grad[s.metaop]:  # frozen, nothing trainable before it: no backward, no messages
                     continue
                 self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
-                t1 = time.perf_counter()
+                t1 = self.trace.now()
                 out = st.outputs[s.name]
                 if out.dim() == 0:
                     grad = torch.full_like(out, loss_scale)
@@ -374,7 +387,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
     # -- gradient sync, norm, losses ----------------------------------------------------------------------
     def finalize_grads(self) -> None:
         """Wait for every parameter device group's reduce (posted bucket by bucket during backward by
-        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.grad`` is the summed gradient."""
+        megatron.core DDP, :mod:`.grad_sync`); afterwards ``p.main_grad`` is the summed gradient (``p.grad`` a
+        view of it where the dtypes agree)."""
         self.grad_sync.finish()
 
     def zero_grad_buffer(self) -> None:
@@ -405,18 +419,13 @@ class SpindleModel(TransferPlumbing, nn.Module):
 
     def reduce_losses(self, st: StepState) -> dict[str, float]:
         """Each task's loss summed over its data-parallel replicas (same on every rank)."""
-        vec = torch.tensor([float(st.losses.get(t, 0.0)) for t in self.plan.tasks], dtype=torch.float64)
-        vec, work = comm.all_reduce_async(vec)
+        none = torch.zeros((), dtype=torch.float64, device=self.device)
+        vec = torch.stack([st.losses[t].double() if t in st.losses else none for t in self.plan.tasks])
+        vec, work = comm.all_reduce_async(vec)  # one collective, and one read of its result
         self._wait([work], ["loss all-reduce over all ranks"])
-        return {t: float(v) for t, v in zip(self.plan.tasks, vec)}
+        return dict(zip(self.plan.tasks, vec.tolist()))
 
     def destroy(self) -> None:
         self.grad_sync.release()
         self.registry.destroy()
 
-
-def fp32_grad(p: nn.Parameter) -> Tensor:
-    """The reduced gradient of ``p`` in fp32 (for fp32 master weights): its ``main_grad`` (megatron DDP's
-    buffer, bf16 or fp32, see :mod:`.grad_sync`) when one is kept, else ``.grad``."""
-    main = getattr(p, "main_grad", None)
-    return main.float() if main is not None else p.grad.float()

@@ -19,8 +19,10 @@ tensor parallelism; DDP only reduces). What DDP then does for us:
 * **reduction dtype**: by default (``grad_reduce_in_fp32=False``, megatron.core's default) gradients are kept
   and reduced in the parameters' dtype: bf16 for a bf16 model, half the bytes of fp32. With
   ``grad_reduce_in_fp32=True`` (what Megatron-LM's ``--bf16`` turns on through
-  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32 and ``p.grad`` gets a copy in the
-  parameter's dtype; fp32 master weights (:mod:`.mixed_precision`) step from ``main_grad`` either way;
+  ``--accumulate-allreduce-grads-in-fp32``) the buffers are fp32; fp32 master weights (:mod:`.mixed_precision`)
+  and Megatron's optimizers step from ``main_grad``, so ``p.grad`` is then left None unless
+  ``param_dtype_grads`` asks for a copy in the parameter's dtype (a torch optimizer stepping bf16
+  parameters itself);
 * **accumulation**: ``main_grad`` accumulates over passes; :meth:`no_sync` (Megatron's) keeps buckets from
   firing during the first K-1 passes, so K passes cost one sync.
 
@@ -51,8 +53,10 @@ gradient into the first copy's ``main_grad`` and counts as one more use of that 
 bucket fires only after every copy has contributed, and overlap stays on. After the sync every copy's
 ``.grad`` is the first copy's ``main_grad``, so the optimizer moves the copies identically.
 
-**What the optimizer sees.** After :meth:`finish`, ``p.grad`` is ``p.main_grad`` (a view of the reduced
-buffer, no copy; a copy when the buffer is fp32 and the parameter bf16) for every local parameter, so the trainer's torch AdamW reads it as before. The buffers are
+**What the optimizer sees.** After :meth:`finish`, ``p.main_grad`` is the reduced gradient and ``p.grad`` a
+view of it (no copy) where the dtypes agree, for every local parameter (with the distributed optimizer, for
+every block of :meth:`optimizer_parameters`: its ``main_grad`` is the block of the reduce-scattered buffer, so
+fp32 masters step from the fp32 block, never from a bf16 round trip of it). The buffers are
 zeroed by :meth:`zero_grad_buffer` (Megatron's ``train_step`` calls it on the model chunk; the executor also
 calls it before the first forward after a sync, so a caller that only runs forward, backward, sync and an
 optimizer step gets fresh gradients every step, as with plain ``.grad``).
@@ -69,44 +73,28 @@ says so (``plan.distributed_optimizer``); the built-in trainer then refuses chec
 (they keep optimizer state per parameter, not per bucket block), Megatron-LM's loop refuses the plan.
 
 Trace: each bucket's reduce is a ``sync`` span ``reduce <ranks> bucket i`` from its post to its completion
-(a callback on the work; the wait in :meth:`finish` when the backend offers no future), and
-``gradient sync wait`` is the time :meth:`finish` blocks.
+(on the CPU a callback on the work, or the wait in :meth:`finish` when the backend offers no future; on a GPU,
+CUDA events, :mod:`.trace`: the point where the stream, in :meth:`finish`, has waited for it), and
+``gradient sync wait`` is the time :meth:`finish` takes.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from .. import comm
-from ..models.blocks import _NO_CUDA_GRAPH_SCOPE, self_group
+from . import ddp
 from ..models.layer_state import shard_spec
-from .rank_sets import param_group_name
+from ..planner.assembly.communicators import param_group_name
 
 
 class GradSyncTimeout(comm.PeerError):
     """A gradient reduction did not complete (a peer died or hung): names the rank set."""
-
-
-def _driven_by_the_plan(force_all_reduce: bool = False) -> None:
-    """Replaces a bucket group's ``start_grad_sync``: megatron calls it when the bucket is ready on this rank
-    (and from ``finish_grad_sync``); the reduce is posted by :meth:`GradSync.reached` / :meth:`GradSync.finish`
-    at its place in the global order instead."""
-
-
-class _Params(nn.Module):
-    """The parameters of one rank set, in a fixed order (the module megatron's DDP wraps)."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(params)
 
 
 @dataclass
@@ -118,6 +106,7 @@ class _Instance:
     labels: dict = field(default_factory=dict)        # bucket group -> "reduce [ranks] bucket i"
     start: dict = field(default_factory=dict)         # bucket group -> original start_grad_sync
     times: dict = field(default_factory=dict)         # label -> [post time, completion time or None]
+    hooks: list = field(default_factory=list)         # its hooks on the parameters' gradient accumulators
 
     @property
     def reduces(self) -> bool:
@@ -147,21 +136,6 @@ def grad_done_positions(plan, rank: int) -> dict[str, int]:
     return out
 
 
-def ddp_config_for(*, overlap: bool, bucket_size: int | None, grad_reduce_in_fp32: bool = False,
-                   distributed_optimizer: bool = False) -> DistributedDataParallelConfig:
-    """Sum (no averaging) in the parameters' dtype, buckets posted as they fill when ``overlap``;
-    reduce-scatter and parameter all-gather with ``distributed_optimizer``."""
-    return DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
-                                         grad_reduce_in_fp32=grad_reduce_in_fp32, average_in_collective=False,
-                                         use_distributed_optimizer=distributed_optimizer)
-
-
-def _sum_config() -> TransformerConfig:
-    """The model config DDP reads: only ``calculate_per_token_loss`` matters (sum, no 1/dp scaling)."""
-    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True,
-                             use_cpu_initialization=True, **_NO_CUDA_GRAPH_SCOPE)
-
-
 class GradSync:
     """megatron.core DDP over each rank set of this rank's parameter device groups.
 
@@ -171,15 +145,19 @@ class GradSync:
         overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
         grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
+        param_dtype_grads: with fp32 buffers and low-precision parameters, also a ``.grad`` copy in the
+            parameter's dtype each step (None otherwise; ``main_grad`` is the gradient).
         distributed_optimizer: ZeRO-1 over each rank set (see the module docstring).
     """
 
     def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
-                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False) -> None:
+                 grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False,
+                 param_dtype_grads: bool = False) -> None:
         self.model = model
         self.rank = model.rank
         self.overlap = overlap
         self.distributed_optimizer = distributed_optimizer
+        self.param_dtype_grads = param_dtype_grads
         plan = model.plan
         done_of = {r: grad_done_positions(plan, r) for r in range(plan.world_size)}
         by_ranks: dict[tuple[int, ...], list] = {}
@@ -198,8 +176,8 @@ class GradSync:
         self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
         self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
-        one = self_group()
-        config = _sum_config()
+        one = model.registry.one
+        config = ddp.sum_config()
         self._positions = backward_positions(plan)
         keyed = []  # (complete at, ranks, bucket index, instance, bucket group): the global posting order
         for ranks in sorted(by_ranks, key=lambda k: (len(k), k)):
@@ -208,17 +186,17 @@ class GradSync:
             pgc = ProcessGroupCollection(dp=group, dp_cp=group, intra_dp_cp=group, expt_dp=group,
                                          intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
             params = [r[4] for r in rows]
-            ddp = DistributedDataParallel(config, ddp_config_for(overlap=overlap, bucket_size=bucket_size,
-                                                                  grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                                                  distributed_optimizer=distributed_optimizer),
-                                          _Params(params), pg_collection=pgc)
+            dp = DistributedDataParallel(config, ddp.ddp_config_for(overlap=overlap, bucket_size=bucket_size,
+                                                                   grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                                                   distributed_optimizer=distributed_optimizer),
+                                         ddp.Params(params), pg_collection=pgc)
             done_at = {id(r[4]): -r[0] for r in rows}
-            inst = _Instance(ranks=ranks, ddp=ddp)
-            for i, bg in enumerate(ddp.bucket_groups):
+            inst = _Instance(ranks=ranks, ddp=dp, hooks=ddp.backward_hooks(dp))
+            for i, bg in enumerate(dp.bucket_groups):
                 keyed.append((max(done_at[id(p)] for p in bg.params), (len(ranks), ranks), i, inst, bg))
                 inst.labels[bg] = f"reduce {list(ranks)} bucket {i}"
                 inst.start[bg] = bg.start_grad_sync
-                bg.start_grad_sync = _driven_by_the_plan
+                bg.start_grad_sync = ddp.driven_by_the_plan
             self.instances.append(inst)
             for r in rows:
                 # the norm counts a replicated parameter of a tensor-parallel layer on shard 0 only
@@ -264,11 +242,14 @@ class GradSync:
         missing = [p for p in model.unique_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
             raise RuntimeError(f"rank {self.rank}: {len(missing)} parameters belong to no parameter device group")
+        olds = {}
         for p in self._main_params + [c for c, _ in self._copy_of]:  # a replanned model takes them over
             old = getattr(p, "_spindle_grad_sync", None)
             if old is not None and old is not self:
-                old.release()
+                olds[id(old)] = old
             p._spindle_grad_sync = self
+        for old in olds.values():
+            old.release()
         self._no_sync = 0
         self._grad_copies: list[torch.Tensor] = []
         self.synced = False
@@ -290,23 +271,25 @@ class GradSync:
     def _post(self, inst: _Instance, bg) -> None:
         if not inst.reduces:
             return
-        label = inst.labels[bg]
-        times = inst.times[label] = [time.perf_counter(), None]
+        label, trace = inst.labels[bg], self.model.trace
+        times = inst.times[label] = [trace.now(), None]
         inst.start[bg]()
         handle = bg.grad_reduce_handle
         works = getattr(handle, "works", []) if handle is not None else []
         if handle is None:  # posted synchronously (overlap off): already complete
-            times[1] = time.perf_counter()
+            times[1] = trace.now()
             return
+        if not trace.clock.host:  # a GPU: NCCL completes a work's future when it is enqueued; the stream's
+            return                # view of its completion is marked where finish() waits for it
         for work in works:
             try:
                 fut = work.get_future()
             except RuntimeError:  # a backend without futures: completion is taken at the wait
                 continue
-            fut.add_done_callback(lambda _f, t=times: t.__setitem__(1, time.perf_counter()))
+            fut.add_done_callback(lambda _f, t=times, now=trace.now: t.__setitem__(1, now()))
 
     @staticmethod
-    def _copy_hook(main: nn.Parameter, ddp: DistributedDataParallel):
+    def _copy_hook(main: nn.Parameter, dp: DistributedDataParallel):
         """Add an extra copy's gradient into the DDP parameter's buffer; count it as one use of it."""
 
         def hook(c: nn.Parameter) -> None:
@@ -314,9 +297,9 @@ class GradSync:
                 return
             main.main_grad.add_(c.grad)
             c.grad = None
-            bg = ddp.param_to_bucket_group.get(main)
-            if bg is not None and ddp.ddp_config.overlap_grad_reduce:
-                bg.register_grad_ready(main, ddp.force_all_reduce)
+            bg = dp.param_to_bucket_group.get(main)
+            if bg is not None and dp.ddp_config.overlap_grad_reduce:
+                bg.register_grad_ready(main, dp.force_all_reduce)
 
         return hook
 
@@ -351,7 +334,7 @@ class GradSync:
     def finish(self) -> None:
         """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
         trace = self.model.trace
-        t0 = time.perf_counter()
+        t0 = trace.now()
         for _, inst, bg in self._order[self._posted:]:  # what is still unposted, in the global order
             self._post(inst, bg)
         self._posted = len(self._order)
@@ -363,25 +346,31 @@ class GradSync:
             except RuntimeError as e:
                 raise GradSyncTimeout(f"rank {self.rank}: gradient reduce over ranks {list(inst.ranks)} failed: "
                                       f"{comm.first_line(e)}") from e
-        t1 = time.perf_counter()
+            times = inst.times.get(inst.labels[bg])
+            if times is not None and times[1] is None and not trace.clock.host:
+                times[1] = trace.now()  # the stream has waited for it here
+        t1 = trace.now()
         for inst in self.instances:
             for label, (start, end) in inst.times.items():
-                trace.span("sync", label, start, end if end is not None and end <= t1 else t1)
+                ended = end is not None and (not trace.clock.host or end <= t1)
+                trace.span("sync", label, start, end if ended else t1)
         trace.span("sync", "gradient sync wait", t0, t1)
         self._grad_copies = []  # .grad tensors that are copies in another dtype, not buffer views
         if self.distributed_optimizer:  # only this rank's block of each bucket is reduced
             for sp, grad, *_ in self._shards:
-                sp.grad = self._expose(grad, sp.dtype)
+                sp.main_grad, sp.grad = grad, self._expose(grad, sp.dtype)
         else:
             for p in self._main_params:
                 p.grad = self._expose(p.main_grad, p.dtype)
             for c, m in self._copy_of:
-                c.grad = m.grad
+                c.main_grad, c.grad = m.main_grad, m.grad
         self.synced = True
 
-    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _expose(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         if grad.dtype == dtype:
             return grad
+        if not self.param_dtype_grads:
+            return None
         copy = grad.to(dtype)
         self._grad_copies.append(copy)
         return copy
@@ -396,7 +385,7 @@ class GradSync:
         this rank's (megatron DDP's ``start_param_sync``); nothing to do otherwise."""
         if not self.distributed_optimizer:
             return
-        t0 = time.perf_counter()
+        t0 = self.model.trace.now()
         for inst in self.instances:
             if inst.reduces:  # one rank: its blocks are the whole buckets, already in place
                 inst.ddp.start_param_sync(force_sync=True)
@@ -425,7 +414,7 @@ class GradSync:
         return sq
 
     def bucket_times(self) -> dict[str, tuple[float, float | None]]:
-        """``{bucket label: (post time, completion time)}`` of the last step (``perf_counter`` seconds)."""
+        """``{bucket label: (post, completion)}`` of the last step (marks of the trace's clock, :mod:`.trace`)."""
         return {label: tuple(t) for inst in self.instances for label, t in inst.times.items()}
 
     def scale(self, factor: float) -> None:
@@ -436,11 +425,20 @@ class GradSync:
             g.mul_(factor)
 
     def release(self) -> None:
-        """Stop acting on these parameters (a replanned model takes them over): the DDP hooks megatron
-        registered stay on the parameters' gradient accumulators, so they are emptied, and the copy hooks
-        removed."""
+        """Stop acting on these parameters (a replanned model takes them over): megatron's hooks are removed
+        from the parameters' gradient accumulators (:mod:`.ddp_hooks`) and the copy hooks too, so nothing
+        keeps this object's DDP instances and buffers alive; parameters no new model took over (parked) drop
+        their views of the buffers."""
         for inst in self.instances:
             inst.ddp.param_to_bucket_group.clear()
+            ddp.remove(inst.hooks)
+            inst.ddp.grad_accs.clear()
         for h in self._copy_hooks:
             h.remove()
         self._copy_hooks.clear()
+        for p in self._main_params + [c for c, _ in self._copy_of]:
+            if getattr(p, "_spindle_grad_sync", None) is self:
+                del p._spindle_grad_sync
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    del p.main_grad

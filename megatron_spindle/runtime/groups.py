@@ -1,8 +1,8 @@
 """Creating the process groups of a plan, in one place, as Megatron does: once, in one order, warmed up.
 
 A pure function elsewhere maps a plan to ``{group name: ranks}`` (tensor-parallel groups of slices,
-parameter device groups; :mod:`.rank_sets`). :class:`ProcessGroupRegistry` turns that mapping into
-``torch.distributed`` groups:
+parameter device groups; :mod:`...planner.assembly.communicators`, which also counts their communicators for
+the plan's memory check). :class:`ProcessGroupRegistry` turns that mapping into ``torch.distributed`` groups:
 
 * ``new_group`` is collective over the whole world: every rank must call it for every group, in the same
   order, even for groups it is not in. The registry creates the distinct rank sets in sorted order
@@ -17,7 +17,15 @@ parameter device groups; :mod:`.rank_sets`). :class:`ProcessGroupRegistry` turns
 * :meth:`update` takes a new plan's mapping (a replan): the groups both plans use are kept (not created
   again), new ones created and warmed; :meth:`retain` destroys the groups nobody needs any more, so
   communicators do not pile up with each task-mix change;
-* ``get(name)`` is the group, or None on a rank outside it; :meth:`destroy` releases them all.
+* ``get(name)`` is the group, or None on a rank outside it; :meth:`destroy` releases them all;
+* :attr:`one` is this rank's one-rank group (megatron asks layers and DDP for pipeline, context and expert
+  groups of size 1): every process's is created once, by the first registry of a world, on every rank at
+  that same point. Under eager NCCL initialisation (``init_process_group(device_id=...)``) every
+  ``new_group`` is a split of the world communicator (``ncclCommSplit``), which every rank of the world must
+  join, even with ``use_local_synchronization=True`` (a rank outside the group then does nothing, and the
+  members wait for it): the ranks' one-rank groups are one such split, each rank with its own colour, made by
+  all ranks together. No other module creates a group (``runtime/comm_check.py`` models every
+  ``new_group`` as that world collective, so one made anywhere else fails the check).
 
 Works with gloo and nccl; ``backend`` (default: the world's) and ``timeout`` go to ``new_group``.
 """
@@ -30,6 +38,22 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+
+
+#: rank -> its one-rank group, used while torch.distributed still has it registered: after
+#: ``destroy_process_group`` and a new ``init_process_group`` a new one is made (a cache keyed by the default
+#: group's ``id`` could hand back a destroyed group, since a freed group's ``id`` can be reused).
+_ONE_RANK: dict = {}
+
+
+def _one_rank_group():
+    """This rank's one-rank group, created if this world has none yet (every rank calls it at the same point:
+    the first registry's construction)."""
+    rank = dist.get_rank()
+    group = _ONE_RANK.get(rank)
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
+        group = _ONE_RANK[rank] = dist.new_group([rank], use_local_synchronization=True)
+    return group
 
 
 class ProcessGroupRegistry:
@@ -55,6 +79,8 @@ class ProcessGroupRegistry:
         self._groups: dict[tuple[int, ...], object] = {}
         self.created = 0
         """Groups created over the registry's life (a replan's kept groups are not created again)."""
+        self.one = _one_rank_group()
+        """This rank's one-rank group (see the module docstring)."""
         self.update(groups)
 
     def update(self, groups: Mapping[str, Sequence[int]]) -> "ProcessGroupRegistry":

@@ -7,7 +7,6 @@ through :mod:`megatron_spindle.comm` (the one module that calls ``torch.distribu
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,7 +45,7 @@ class Posted:
     work: object
     desc: str
     span: str
-    t0: float
+    t0: object  # a mark of the trace's clock (:mod:`.trace`)
     wave: int
     e: Transfer
     msg: Message
@@ -57,12 +56,12 @@ class Posted:
 @dataclass
 class PassTransfers:
     """A pass's outstanding messages: sends (waited at the end of the pass), receives by the slice that
-    consumes them, per boundary the seconds the host spent posting and blocked waiting, and the works
+    consumes them, per boundary the spans spent posting and blocked waiting, and the works
     already waited for (under NCCL every message of a batch shares one work, waited once)."""
 
     sends: list[Posted] = field(default_factory=list)
     recvs: dict[str, list[Posted]] = field(default_factory=dict)
-    blocked: dict[int, float] = field(default_factory=dict)
+    blocked: dict[int, list] = field(default_factory=dict)  # wave -> [(mark, mark)] posting and waiting
     done: dict[int, object] = field(default_factory=dict)  # id() -> waited work (kept: ids stay unique)
 
 
@@ -86,9 +85,9 @@ class TransferPlumbing:
         """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
         sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later. The time it
         takes counts as that boundary's exposed transfer."""
-        t_start = time.perf_counter()
+        t_start = self.trace.now()
         self._post_batch(wave, backward, items, send_of, recv_into)
-        self._xfer.blocked[wave] = self._xfer.blocked.get(wave, 0.0) + time.perf_counter() - t_start
+        self._xfer.blocked.setdefault(wave, []).append((t_start, self.trace.now()))
 
     def _post_batch(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
         phase = "bwd" if backward else "fwd"
@@ -111,7 +110,7 @@ class TransferPlumbing:
                              e, msg, buf))
         if not ops:
             return
-        t0 = time.perf_counter()
+        t0 = self.trace.now()
         works = post_p2p(ops)
         if len(ops) > 1 and all(w is works[0] for w in works):  # one work for the batch (NCCL): a failed wait
             peers = sorted({op[2] for op in ops})              # may be any of its messages' peers
@@ -125,13 +124,13 @@ class TransferPlumbing:
         """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
         blocked time per boundary, and hand received buffers to ``recv_into``."""
         for it in items:
-            t0 = time.perf_counter()
+            t0 = self.trace.now()
             if id(it.work) not in self._xfer.done:
                 self._wait([it.work], [it.desc])
                 self._xfer.done[id(it.work)] = it.work
-            t1 = time.perf_counter()
+            t1 = self.trace.now()  # on a GPU: where the stream has waited for the message
             self.trace.span("transfer", it.span, it.t0, t1)
-            self._xfer.blocked[it.wave] = self._xfer.blocked.get(it.wave, 0.0) + (t1 - t0)
+            self._xfer.blocked.setdefault(it.wave, []).append((t0, t1))
             if recv_into is not None:
                 recv_into(it.e, it.msg, it.buf.to(self.device))
 
@@ -144,9 +143,9 @@ class TransferPlumbing:
         if left:
             raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {left[:3]}")
         phase = "bwd" if backward else "fwd"
-        now = time.perf_counter()
+        now = self.trace.now()
         for w in waves:
-            self.trace.span("transfer", f"w{w} {phase} transfer", now - self._xfer.blocked.get(w, 0.0), now)
+            self.trace.exposed("transfer", f"w{w} {phase} transfer", self._xfer.blocked.get(w, []), now)
         self._xfer = PassTransfers()
 
     def _sample_shape(self, e: Transfer) -> tuple[int, ...]:

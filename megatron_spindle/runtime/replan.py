@@ -6,9 +6,12 @@ When tasks join or leave, the planner makes a new plan for the new task set (``g
 1. a layer whose parameters this rank already holds with the same tensor-parallel group is *reused*: the
    new model takes over the very same ``Parameter`` objects, so their optimizer state carries over as is;
 2. every other layer the new plan puts on this rank is built fresh and filled from a copy that some rank
-   holds (point-to-point, parameters and optimizer state together; from this rank itself when it parks a
-   copy under another tensor-parallel group); a weight nobody holds yet (a task joining for the first
-   time) keeps its fresh initialisation, which depends only on (seed, param_key);
+   holds (point-to-point, parameters and optimizer state together, one message per dtype; from this rank
+   itself when it parks a copy under another tensor-parallel group); every state tensor keeps its dtype and
+   its device (AdamW's ``step`` is a float32 tensor on the CPU unless the optimizer is fused or capturable:
+   it goes through the communication device and back, and is never cast to a bf16 parameter's dtype, which
+   holds integers exactly only up to 256). A weight nobody holds yet (a task joining for the first time)
+   keeps its fresh initialisation, which depends only on (seed, param_key);
 3. layers of the old model that the new one does not use are *parked* on their rank, with their optimizer
    state: a task that leaves keeps its weights, and gets them back when it rejoins. A parked copy is
    dropped as soon as a plan trains that weight anywhere (it would go stale), so every copy that exists
@@ -41,8 +44,105 @@ def _numel(shape) -> int:
 
 
 def _state_tensors(optimizer, p) -> dict[str, torch.Tensor]:
-    st = optimizer.state.get(p, {}) if optimizer is not None else {}
+    """The optimizer's tensors for ``p``: ``optimizer.param_state(p)`` where it has one (fp32 master weights,
+    :mod:`.mixed_precision`), else ``optimizer.state[p]``."""
+    if optimizer is None:
+        return {}
+    get = getattr(optimizer, "param_state", None)
+    st = get(p) if get is not None else optimizer.state.get(p, {})
     return {k: v for k, v in sorted(st.items()) if torch.is_tensor(v)}
+
+
+def _load_state(optimizer, p, st: dict) -> None:
+    load = getattr(optimizer, "load_param_state", None)
+    if load is not None:
+        load(p, st)
+    else:
+        optimizer.state[p] = st
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.split(".")[-1])
+
+
+def describe(layer, states) -> dict[str, tuple]:
+    """What a copy of a layer sends, known to every rank: ``{parameter name: (shape, dtype, [(state key, shape,
+    dtype, whether it lives on the parameter's device)])}``. Each state tensor keeps its dtype and device
+    class: AdamW keeps ``step`` as a float32 tensor on the CPU (unless fused or capturable), fp32 moments of a
+    bf16 parameter stay fp32."""
+    out = {}
+    for n, p in sorted(layer.core.named_parameters()):
+        st = states.get(n, {})
+        out[n] = (tuple(p.shape), str(p.dtype), [(sk, tuple(t.shape), str(t.dtype), t.device == p.device)
+                                                 for sk, t in sorted(st.items())])
+    return out
+
+
+def _pieces(spec) -> list[tuple]:
+    """The tensors of one copy in wire order: ``(parameter, state key or None, shape, dtype, on its device)``,
+    each parameter (by name) followed by its state."""
+    out = []
+    for n, (shape, dtype, states) in sorted(spec.items()):
+        out.append((n, None, shape, dtype, True))
+        out += [(n, sk, sshape, sdtype, on) for sk, sshape, sdtype, on in states]
+    return out
+
+
+def _by_dtype(spec) -> list[tuple[str, list[int]]]:
+    """``[(dtype, indices into the wire order)]``, dtypes sorted: one message each (a dtype is never cast)."""
+    groups: dict[str, list[int]] = {}
+    for i, piece in enumerate(_pieces(spec)):
+        groups.setdefault(piece[3], []).append(i)
+    return sorted(groups.items())
+
+
+def _tensors(layer, states) -> list[torch.Tensor]:
+    """A local copy's tensors in wire order (:func:`_pieces` of its :func:`describe`)."""
+    params = dict(layer.core.named_parameters())
+    return [params[n] if sk is None else states[n][sk] for n, sk, *_ in _pieces(describe(layer, states))]
+
+
+def messages(layer, states) -> list[torch.Tensor]:
+    """A copy's messages: per dtype (:func:`_by_dtype` order) its tensors flat, on the communication device."""
+    tensors = _tensors(layer, states)
+    return [torch.cat([comm.on_comm_device(tensors[i].detach().reshape(-1)) for i in index])
+            for _, index in _by_dtype(describe(layer, states))]
+
+
+def buffers(spec) -> list[torch.Tensor]:
+    """Receive buffers for the messages of a copy described by ``spec``."""
+    pieces = _pieces(spec)
+    return [comm.empty((sum(_numel(pieces[i][2]) for i in index),), _dtype(dtype)) for dtype, index in _by_dtype(spec)]
+
+
+def unflatten(spec, flats) -> list[torch.Tensor]:
+    """The copy's tensors in wire order, views of its received messages."""
+    pieces = _pieces(spec)
+    out: list = [None] * len(pieces)
+    for (_, index), flat in zip(_by_dtype(spec), flats):
+        off = 0
+        for i in index:
+            n = _numel(pieces[i][2])
+            out[i] = flat[off:off + n]
+            off += n
+    return out
+
+
+def load_copy(target, tensors, spec, optimizer) -> None:
+    """Fill ``target``'s parameters from a copy's tensors (wire order) and give ``optimizer`` their state, each
+    state tensor in its own dtype, on the parameter's device or the CPU as on the copy's holder."""
+    params = dict(target.core.named_parameters())
+    states: dict[str, dict] = {}
+    with torch.no_grad():
+        for (name, sk, shape, _, on_param), t in zip(_pieces(spec), tensors):
+            p = params[name]
+            if sk is None:
+                p.copy_(t.reshape(p.shape))
+            else:  # its own dtype, and its own device: the parameter's, or the CPU (AdamW's step)
+                where = p.device if on_param else torch.device("cpu")
+                states.setdefault(name, {})[sk] = t.reshape(shape).to(device=where, copy=True)
+    for name, st in states.items():
+        _load_state(optimizer, params[name], st)
 
 
 def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskGraph | None = None,
@@ -71,13 +171,11 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
     reused = {k for k, layer in new.cores_by_group.items() if k in available and layer.core is available[k][0].core}
     need = [k for k in sorted(new.cores_by_group) if k not in reused]
 
-    # who can serve (key, shard, tp): every rank's available copies
-    mine = {}
-    for (key, tp_ranks), (layer, states) in available.items():
-        mine[(key, tp_ranks.index(rank), len(tp_ranks))] = {
-            n: [(sk, tuple(t.shape), str(t.dtype)) for sk, t in sorted(st.items())] for n, st in states.items()}
+    # who can serve (key, shard, tp): every rank's available copies, and what each copy consists of
+    mine = {(key, tp_ranks.index(rank), len(tp_ranks)): describe(layer, states)
+            for (key, tp_ranks), (layer, states) in available.items()}
     everyone = comm.all_gather_object((mine, [(k[0], k[1].index(rank), len(k[1])) for k in need]))
-    transfers = []  # (src, dst, (key, shard, tp))
+    transfers = []  # (src, dst, (key, shard, tp), what it consists of)
     for dst, (_, wants) in enumerate(everyone):
         for want in wants:
             holders = [r for r, (have, _) in enumerate(everyone) if want in have]
@@ -93,38 +191,30 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
                 return v
         raise KeyError(want)
 
-    def flat(layer, states, spec) -> torch.Tensor:
-        parts = []
-        for n, p in sorted(layer.core.named_parameters()):
-            parts.append(p.detach().reshape(-1))
-            parts += [states[n][sk].detach().reshape(-1).to(p.dtype) for sk, _, _ in spec[n]]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    received: dict = {}
-    ops, bufs = [], []
-    for tag, (src, dst, want, spec) in enumerate(transfers):
+    received: dict = {}  # want -> (target layer, its tensors in wire order, spec)
+    ops, bufs, tag = [], [], 0
+    for src, dst, want, spec in transfers:
+        n_msgs = len(_by_dtype(spec))  # one message per dtype: every tensor keeps its own
         if rank not in (src, dst):
+            tag += n_msgs
             continue
         target = next(layer for k, layer in new.cores_by_group.items()
                       if (k[0], k[1].index(rank) if rank in k[1] else -1, len(k[1])) == want) if dst == rank else None
-        if src == dst:
-            layer, states = local_copy(want)
-            received[want] = (target, flat(layer, states, spec), spec)
+        if src == dst:  # this rank parks a copy under another tensor-parallel group: no message
+            received[want] = (target, _tensors(*local_copy(want)), spec)
         elif src == rank:
-            layer, states = local_copy(want)
-            ops.append(comm.send_op(flat(layer, states, spec), dst, tag=tag))
+            ops += [comm.send_op(flat, dst, tag=tag + i) for i, flat in enumerate(messages(*local_copy(want)))]
         else:
-            n = sum(p.numel() + sum(_numel(shape) for _, shape, _ in spec[name])
-                    for name, p in target.core.named_parameters())
-            buf = comm.empty((n,), next(target.core.parameters()).dtype)
-            ops.append(comm.recv_op(buf, src, tag=tag))
-            bufs.append((want, target, buf, spec))
+            got = buffers(spec)
+            ops += [comm.recv_op(buf, src, tag=tag + i) for i, buf in enumerate(got)]
+            bufs.append((want, target, spec, got))
+        tag += n_msgs
     if ops:
         works = comm.works_per_op(comm.batch_isend_irecv(ops), len(ops))  # one per message, or one for all
         comm.wait_all(list({id(w): w for w in works}.values()), ["replan's weight transfers"] * len(works),
                       new.timeout)
-    for want, target, buf, spec in bufs:
-        received[want] = (target, buf, spec)
+    for want, target, spec, got in bufs:  # each dtype's message back into its tensors
+        received[want] = (target, unflatten(spec, got), spec)
 
     new_opt = make_optimizer(new.trainable_parameters())
     old_params = {id(p) for layer, _ in available.values() for p in layer.core.parameters()}
@@ -133,21 +223,9 @@ def replan(model, optimizer, plan: Plan, graph: TaskGraph, *, layer_graph: TaskG
             for layer, states in available.values():
                 for n, q in layer.core.named_parameters():
                     if q is p and states.get(n):
-                        new_opt.state[p] = {k: v for k, v in states[n].items()}
-    with torch.no_grad():
-        for want, (target, buf, spec) in received.items():
-            off = 0
-            for n, p in sorted(target.core.named_parameters()):
-                k = p.numel()
-                p.copy_(buf[off:off + k].view_as(p))
-                off += k
-                st = {}
-                for sk, shape, dtype in spec[n]:
-                    m = _numel(shape)
-                    st[sk] = buf[off:off + m].clone().view(shape).to(getattr(torch, dtype.split(".")[-1]))
-                    off += m
-                if st:
-                    new_opt.state[p] = st
+                        _load_state(new_opt, p, dict(states[n]))
+    for want, (target, tensors, spec) in received.items():
+        load_copy(target, tensors, spec, new_opt)
     # park what the new model does not use (with its optimizer state). A parked copy is only kept while
     # its weight is trained nowhere: once a plan uses the weight again, other copies would go stale.
     used = {id(layer.core) for layer in new.cores_by_group.values()}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ... import comm
 from ...models.layer_state import shard_spec, shard_tensor
 from ...models.reference import ReferenceModel
-from ...runtime.executor import fp32_grad
+from ...runtime.mixed_precision import fp32_grad
 
 
 def check_first_step(model, graph, batch, seed: int, *, backend: str = "local") -> float:
@@ -30,7 +30,8 @@ def check_first_step(model, graph, batch, seed: int, *, backend: str = "local") 
     mine = {}
     for key, shard, mod in model.local_cores():
         for name, p in mod.core.named_parameters():
-            g = fp32_grad(p) if p.grad is not None else torch.zeros_like(p)
+            g = fp32_grad(p)
+            g = torch.zeros_like(p) if g is None else g
             spec = shard_spec(p) if tp_of[key] > 1 else None
             mine[(key, shard, name)] = (g.detach().float().cpu().numpy(), spec)
     gathered = comm.gather_object(mine, dst=0)

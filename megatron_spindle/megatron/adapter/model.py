@@ -13,6 +13,8 @@ builds the same graph and plan either way:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -53,6 +55,8 @@ def make_cluster(args, world: int, *, say: bool = False):
     node = node_cluster(args, world)
     mem = node.memory_gib if node.memory_gib is not None else (curves.device.memory_gib if curves else None)
     cluster = load_cluster(node.preset, num_devices=world, gpus_per_node=node.gpus_per_node, memory_gib=mem)
+    if not comm.is_nccl():  # gloo ranks: no NCCL communicator buffers on a device to charge
+        cluster = dataclasses.replace(cluster, communicator_mib=0.0)
     if say:  # the plan's log: what the planner was told about the node, and from where
         log.info(f"spindle: cluster {cluster.name}, {cluster.memory_gib:.1f} GiB per device, islands of "
                  f"{cluster.gpus_per_node} devices" + (f" ({node.source})" if node.source else ""))

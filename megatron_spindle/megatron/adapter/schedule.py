@@ -14,7 +14,7 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
   next phase's forward and backward; :mod:`...runtime.executor`);
 * ``loss_func(state) -> (loss, report)``, called once the pass has run every phase: each task's loss
   contribution of this rank with count ``1/world``, so Megatron's sum over ranks gives ``[task loss, 1]`` and
-  the logged mean is the task loss;
+  the logged mean is the task loss (tensors on the model's device, none read on the host);
 * the passes per step are the plan's (``plan.passes``): a training call for another number of microbatches is
   refused (one line naming both); every pass but the last runs under the model's ``no_sync`` (gradients
   accumulate, no reduce); after the last one it waits for the group-wise gradient sync (what
@@ -23,7 +23,6 @@ decoder_seq_length, forward_only, ...``; it expects one report dict per microbat
 from __future__ import annotations
 
 import contextlib
-import time
 from functools import partial
 
 import torch
@@ -34,9 +33,9 @@ from ... import comm
 
 def forward_step(data_iterator, model):
     """Megatron-style forward step of a Spindle model: one multi-task batch through every wave."""
-    t0 = time.perf_counter()
-    batch = next(data_iterator)
     trace = getattr(model, "trace", None)
+    t0 = trace.now() if trace is not None else None
+    batch = next(data_iterator)
     if trace is not None:
         trace.span("data", "next batch", t0)
     state = model(batch)
@@ -44,15 +43,14 @@ def forward_step(data_iterator, model):
 
 
 def loss_func(model, state):
-    """``(loss, {task: tensor([this rank's share of the task loss, 1/world])})``."""
-    world = dist.get_world_size()
-    report = {}
-    total = torch.zeros((), dtype=torch.float64)
-    for task in model.plan.tasks:
-        v = float(state.losses.get(task, 0.0))
-        total += v
-        report[task] = torch.tensor([v, 1.0 / world], dtype=torch.float64)
-    return total, report
+    """``(loss, {task: tensor([this rank's share of the task loss, 1/world])})``, every tensor on the rank's
+    device (the model's): nothing is read on the host (a GPU would make the host wait once per task and pass)."""
+    dev = comm.comm_device()
+    none = torch.zeros((), dtype=torch.float64, device=dev)
+    share = torch.full((), 1.0 / dist.get_world_size(), dtype=torch.float64, device=dev)
+    losses = [state.losses[t].double() if t in state.losses else none for t in model.plan.tasks]
+    report = {t: torch.stack([v, share]) for t, v in zip(model.plan.tasks, losses)}
+    return torch.stack(losses).sum(), report
 
 
 def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -95,10 +93,9 @@ def spindle_forward_backward(*, forward_step_func, data_iterator, model, num_mic
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:
-    """What Megatron's ``train_step`` does with the reports: sum, all-reduce, divide."""
-    out = {}
-    for key in reports[0]:
-        val = torch.stack([r[key] for r in reports]).sum(0)
-        comm.all_reduce(val)
-        out[key] = float(val[0] / val[1])
-    return out
+    """What Megatron's ``train_step`` does with the reports: sum, all-reduce, divide; every key in one
+    all-reduce, read on the host once."""
+    keys = list(reports[0])
+    val = torch.stack([torch.stack([r[k] for r in reports]).sum(0) for k in keys])
+    comm.all_reduce(val)
+    return {k: s / n for k, (s, n) in zip(keys, val.tolist())}

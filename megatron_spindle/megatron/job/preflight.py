@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ... import comm
 from ...log import get_logger
+from ...planner.assembly.communicators import peak_memory_bytes
 from ...planner.workload.spec import resolve
 from ..checkpoint.save_load import CheckpointError, checkpoint_bytes
 from ..checkpoint.directory import SaveLock, check_save_dir
@@ -180,10 +181,12 @@ def machine_memory_error(plan, device) -> None:
     """Refuse a plan that cannot fit this machine before any layer is built, the same line on every rank:
     on a GPU, the device memory the plan fills on its fullest rank against the device's; on CPU ranks, which
     share the host's memory, the sum over the ranks of this node against what the host has available. The
-    amounts are the planner's estimate (weights, gradients, optimizer state, activations)."""
+    amounts are the planner's estimate (weights, gradients, optimizer state, activations; on GPUs the NCCL
+    communicators' buffers too)."""
     need = list(plan.device_memory_bytes)
     gib = 2.0 ** 30
     if device.type == "cuda":
+        need = peak_memory_bytes(plan)
         import torch  # optional here: only a CUDA run gets this far with a cuda device
         have = torch.cuda.get_device_properties(device).total_memory
         worst = max(range(len(need)), key=need.__getitem__)

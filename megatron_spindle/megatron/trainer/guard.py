@@ -41,7 +41,9 @@ def nonfinite_param_keys(model) -> list[str]:
     bad = []
     for key, _shard, mod in model.local_cores():
         for p in mod.core.parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            g = getattr(p, "main_grad", None)  # the reduced gradient (fp32 buffers leave a bf16 .grad unset)
+            g = p.grad if g is None else g
+            if g is not None and not bool(torch.isfinite(g).all()):
                 bad.append(key)
                 break
     return sorted(set(bad))

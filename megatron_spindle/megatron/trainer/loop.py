@@ -12,7 +12,8 @@ changes, progress lines, predictions, checkpoints, the trace). Without ``--spind
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
 samples/s, model TFLOP/s per GPU and MFU against the planning cluster's peak, as Megatron-LM users read them;
 recompute not counted), every ``--spindle-predict-interval`` iterations the predicted against measured step time, and
-ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ...).
+ends with one JSON line (``steps``, ``final_loss``, ``step_time_s``, ``host_syncs_per_step`` (the most times
+the host waited for the device in one iteration, :mod:`...runtime.host_sync`), ...).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ... import comm
 from ...log import get_logger, setup_logging
 from ...planner.assembly.render import grid
 from ...planner.workload.flops import mfu, step_model_flops, tflops_per_device
+from ...runtime.host_sync import HostSyncCounter
 from ...runtime.mixed_precision import MasterWeightsOptimizer
 from ...runtime.replan import replan
 from ...runtime.trace import gather_chrome_trace
@@ -171,6 +173,7 @@ class Trainer:
         self.logs = TrainLogs(args, self.rank, config={"model": self.graph.model, "tasks": list(self.graph.tasks),
                                                        "world_size": self.world, "system": self.plan.system})
         self.step_times: list[float] = []
+        self.syncs = HostSyncCounter(self.device)  # the host's waits for the device, per iteration
         self.last: dict[str, float] = {}
         self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
 
@@ -202,21 +205,22 @@ class Trainer:
         """One optimizer step (``accum`` passes of the plan): ``(task losses, grad norm, seconds)``."""
         model = self.model
         model.trace.step = it
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), model.trace.now()  # marks: CUDA events on a GPU (runtime/trace.py)
         reports = spindle_forward_backward(forward_step_func=forward_step, data_iterator=self.data, model=[model],
                                            num_microbatches=self.accum, seq_length=None, micro_batch_size=self.micro)
-        t_end = time.perf_counter()
+        m_end = model.trace.now()
         norm = model.clip_grads(self.args.clip_grad)
-        losses = reduce_reports(reports)
-        model.trace.span("step end", "gradient norm + loss all-reduce", t_end)
-        t_opt = time.perf_counter()
+        losses = reduce_reports(reports)  # the step's one wait for the losses: the marks so far are complete
+        model.trace.span("step end", "gradient norm + loss all-reduce", m_end)
+        m_opt = model.trace.now()
         if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step(1)
-        model.trace.span("optimizer", "optimizer step", t_opt)
+        model.trace.span("optimizer", "optimizer step", m_opt)
         dt = time.perf_counter() - t0
-        model.trace.span("step", "step", t0)
+        model.trace.span("step", "step", m0)
+        model.trace.resolve()  # what the device has passed, without waiting (the rest with the next step)
         return losses, norm, dt
 
     def _log_progress(self, it: int, losses: dict[str, float], norm: float, dt: float) -> None:
@@ -305,8 +309,8 @@ class Trainer:
 
     def agreed_stop(self) -> int:
         """Collective: the stop signal any rank received (0: none), so every rank stops after the same step."""
-        flag = torch.tensor([float(LIFE.pending())], dtype=torch.float64)
-        return int(comm.all_reduce(flag, op=comm.ReduceOp.MAX).item())
+        flag = torch.full((1,), float(LIFE.pending()), dtype=torch.float64, device=comm.comm_device())
+        return int(comm.all_reduce(flag, op=comm.ReduceOp.MAX).item())  # made on the device: one read
 
     def stop(self, sig: int, it: int, saved: bool) -> None:
         """After iteration ``it`` every rank agreed to stop on ``sig``: with ``--exit-signal-handler`` and
@@ -335,7 +339,7 @@ class Trainer:
         for it in range(self.start, args.train_iters):
             if self._phase_of(it) != self.phase:
                 self.change_tasks(it)
-            with comm.during(f"iteration {it + 1}"):
+            with comm.during(f"iteration {it + 1}"), self.syncs.counting():
                 losses, norm, dt = self.train_step(it)
             here[0] = it + 1
             self.step_times.append(dt)
@@ -344,7 +348,7 @@ class Trainer:
                            batch_size=self.accum * self.micro * len(self.plan.tasks), step_s=dt)
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 self._log_progress(it, losses, norm, dt)
-            if not self.trace_full and len(self.model.trace.spans) >= self.model.trace.max_spans:
+            if not self.trace_full and len(self.model.trace) >= self.model.trace.max_spans:
                 self.trace_full = it + 1
                 log.warning(f"warning: the step trace reached its cap of {self.model.trace.max_spans} spans at "
                             f"iteration {it + 1}: later iterations are not traced (the trace file ends there, no "
@@ -358,8 +362,9 @@ class Trainer:
                 with comm.during(f"iteration {it + 1}: saving checkpoint {args.save}"):
                     save_checkpoint(args.save, it + 1, self.model, self.optimizer)
                 log.info(f"saved checkpoint {args.save} at iteration {it + 1}")
-            with comm.during(f"after iteration {it + 1}"):
+            with comm.during(f"after iteration {it + 1}"), self.syncs.counting():
                 sig = self.agreed_stop()
+            self.syncs.end_step()
             if sig:
                 self.stop(sig, it, saved)
                 break
@@ -384,7 +389,7 @@ class Trainer:
                   "task_losses": self.last, "step_time_s": statistics.median(steady) if steady else None,
                   "samples_per_s": (per_step / statistics.median(steady)) if steady else None,
                   "world_size": self.world, "system": self.plan.system, "waves": len(self.plan.waves),
-                  **self.extra_json}
+                  "host_syncs_per_step": self.syncs.most(), **self.extra_json}
         log.info(json.dumps(result))
         return result
 

@@ -16,6 +16,7 @@ import numpy as np
 from ..level.anneal import anneal
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
+from .communicators import peak_memory_bytes
 from .dataflow import param_groups, transfers
 from ..workload.graph import TaskGraph
 from ..limits import check_inputs
@@ -163,12 +164,13 @@ def assemble_plan(graph: TaskGraph, cluster: Cluster, metaops: Sequence[MetaOp],
                                                 distributed_optimizer=distributed_optimizer)),
         makespan_ms=sum(w.duration_ms for w in wave_plans),
         lower_bound_ms=sum(lv.c_star_ms for lv in level_info), passes=passes,
-        distributed_optimizer=distributed_optimizer)
+        distributed_optimizer=distributed_optimizer, communicator_bytes=cluster.communicator_bytes)
 
 
 def fits_memory(plan: Plan, cluster: Cluster) -> bool:
-    """Whether every device of ``plan`` stays within ``cluster``'s usable memory (a relative 1e-9 of slack)."""
-    return max(plan.device_memory_bytes) <= cluster.memory_limit_bytes * (1 + 1e-9)
+    """Whether every device of ``plan``, its NCCL communicators included (:mod:`.communicators`), stays within
+    ``cluster``'s usable memory (a relative 1e-9 of slack)."""
+    return max(peak_memory_bytes(plan)) <= cluster.memory_limit_bytes * (1 + 1e-9)
 
 
 def device_memory(by_name: Mapping[str, MetaOp], slices: Sequence[Slice], num_devices: int, *,

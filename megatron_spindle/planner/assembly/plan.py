@@ -19,6 +19,7 @@ from typing import Mapping
 
 from ...atomic import write_file
 from ..jsonfile import read_json
+from ..workload.cluster import NCCL_COMMUNICATOR_MIB
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 
@@ -296,6 +297,10 @@ class Plan:
     distributed_optimizer: bool = False
     """Whether the optimizer state is sharded over each weight's devices (megatron.core's distributed optimizer);
     the memory estimate assumes it."""
+    communicator_bytes: float = NCCL_COMMUNICATOR_MIB * 2**20
+    """Device memory of one communicator with peers on each member, charged on top of ``device_memory_bytes`` in
+    the memory check (:mod:`.communicators`; the cluster's ``communicator_mib``). In the JSON only when it is
+    not NCCL's default."""
 
     # -- lookups ------------------------------------------------------------------------------------
     def metaop(self, name: str) -> MetaOp:
@@ -371,6 +376,8 @@ class Plan:
             "device_memory_bytes": list(self.device_memory_bytes),
             "makespan_ms": self.makespan_ms, "lower_bound_ms": self.lower_bound_ms,
             "passes": self.passes, "distributed_optimizer": self.distributed_optimizer,
+            **({} if self.communicator_bytes == NCCL_COMMUNICATOR_MIB * 2**20
+               else {"communicator_bytes": self.communicator_bytes}),
         }
 
     @classmethod
@@ -394,7 +401,8 @@ class Plan:
                 param_groups=tuple(ParamGroup.from_json(g) for g in d["param_groups"]),
                 device_memory_bytes=tuple(d["device_memory_bytes"]),
                 makespan_ms=d["makespan_ms"], lower_bound_ms=d["lower_bound_ms"], passes=d["passes"],
-                distributed_optimizer=d["distributed_optimizer"])
+                distributed_optimizer=d["distributed_optimizer"],
+                communicator_bytes=d.get("communicator_bytes", NCCL_COMMUNICATOR_MIB * 2**20))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__}: {e}") from None
         _check_task_fields(plan)

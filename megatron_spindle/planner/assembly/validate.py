@@ -12,7 +12,8 @@ Rules:
 5. dependencies: a slice starts after its MetaOp's earlier layers and its producers' last layers, i.e. in a
    later wave;
 6. waves are in time order (each starts when the previous one ends) and levels never go back;
-7. every device's memory estimate is within the limit;
+7. every device's memory estimate, its NCCL communicators' buffers included (:mod:`.communicators`), is
+   within the limit;
 8. parameter device groups are exactly the devices that hold each weight shard;
 9. the plan is for the graph it is used with (fingerprint and world size), when those are given;
 10. the stored data flow (transfers and their messages) is what :mod:`.dataflow` derives from the slices, so
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..workload.recompute import options as recompute_options
+from .communicators import communicators_per_device
 from .dataflow import param_groups, plan_transfers
 from .plan import Plan, SliceRef
 from .render import grid
@@ -148,9 +150,11 @@ def violations(plan: Plan) -> list[Violation]:
             out.append(Violation(6, f"level {w.level} after level {level}", i))
         clock, level = w.start_ms + w.duration_ms, max(level, w.level)
     # 7
-    for d, b in enumerate(plan.device_memory_bytes):
-        if b > plan.memory_limit_bytes * (1 + 1e-9):
-            out.append(Violation(7, f"needs {b / 2**30:.2f} GiB, limit {plan.memory_limit_bytes / 2**30:.2f} GiB",
+    per = plan.communicator_bytes
+    for d, (b, n) in enumerate(zip(plan.device_memory_bytes, communicators_per_device(plan))):
+        if b + n * per > plan.memory_limit_bytes * (1 + 1e-9):
+            out.append(Violation(7, f"needs {(b + n * per) / 2**30:.2f} GiB ({n} communicators at "
+                                    f"{per / 2**20:g} MiB included), limit {plan.memory_limit_bytes / 2**30:.2f} GiB",
                                  device=d))
     if len(plan.device_memory_bytes) != N:
         out.append(Violation(7, f"{len(plan.device_memory_bytes)} memory entries for {N} devices"))

@@ -83,6 +83,7 @@ from ..workload.recompute import FORWARD_SHARE
 from .grad_buckets import gradient_buckets
 from .link_costs import SyncFloor, allreduce_time_ms, boundary_time_ms, schedule_collectives, sync_floor, sync_time_ms
 from ..assembly.plan import Plan, Slice
+from ..assembly.communicators import peak_memory_bytes
 from .runtime_costs import RuntimeCosts
 from .timeline import dataflow_pass
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
@@ -214,12 +215,13 @@ def check_fits(plan: Plan, cluster: Cluster, *, check_memory: bool = True) -> No
                               f"cluster {cluster.name!r} has {cluster.gpus_per_node} per island: re-plan")
     if check_memory:
         limit = cluster.memory_limit_bytes
-        over = [(b, d) for d, b in enumerate(plan.device_memory_bytes) if b > limit * (1 + 1e-9)]
+        over = [(b, d) for d, b in enumerate(peak_memory_bytes(plan)) if b > limit * (1 + 1e-9)]
         if over:
             b, d = max(over)
             raise SimulationError(
                 f"plan ({plan.system}) is out of memory on {len(over)} device(s): device {d} needs "
-                f"{b / 2**30:.2f} GiB, cluster {cluster.name!r} allows {limit / 2**30:.2f} GiB "
+                f"{b / 2**30:.2f} GiB (NCCL communicators included), cluster {cluster.name!r} allows "
+                f"{limit / 2**30:.2f} GiB "
                 f"({cluster.memory_gib:g} GiB × {cluster.usable_memory_fraction:g} usable)")
 
 

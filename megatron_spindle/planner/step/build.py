@@ -8,7 +8,7 @@ against the validation rules. :func:`plan_system` gives the plan of any system (
 from __future__ import annotations
 
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
-from ..assembly.assemble import assemble_plan, make_metaops, schedule
+from ..assembly.assemble import assemble_plan, fits_memory, make_metaops, schedule
 from ..systems.baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
 from .choose import choose_whole_step
 from ..assembly.execution import Execution, configure
@@ -71,7 +71,7 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
         plan = choose_whole_step(own, graph, cluster, metaops, curves, baselines=search,
                                  level_schedules=None if unplaced else sched, execution=execution,
                                  placement_budget=placement_budget, report=report)
-        if unplaced is not None and max(plan.device_memory_bytes) > cluster.memory_limit_bytes * (1 + 1e-9):
+        if unplaced is not None and not fits_memory(plan, cluster):
             raise unplaced  # no candidate fits either: the placement's message says where memory ran out
     if validate:
         check_plan(plan)

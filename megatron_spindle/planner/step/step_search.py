@@ -55,6 +55,7 @@ from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
 from ..workload.memory import slice_param_keys
 from ..assembly.assemble import device_memory
+from ..assembly.communicators import peak_memory_bytes
 from ..assembly.dataflow import param_groups, transfers
 from ..assembly.plan import Plan, SliceRef, WavePlan
 
@@ -377,7 +378,7 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
                 break
             used += 1
             p = relocate(best, change, order)
-            if max(p.device_memory_bytes) > limit or not _disjoint(p) or not _ordered(p):
+            if max(peak_memory_bytes(p)) > limit or not _disjoint(p) or not _ordered(p):
                 continue
             t = step_time_ms(p, cluster)
             if t < (found[0] if found else best_ms) * (1 - 1e-9):

@@ -40,6 +40,7 @@ from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.workloads import build_graph
 from ..assembly.assemble import make_metaops
+from ..assembly.communicators import peak_memory_bytes
 from ..step.build import plan_system
 from ..assembly.execution import Execution, configure
 from ..assembly.plan import Plan
@@ -136,7 +137,7 @@ class Tuned:
 
 
 def _peak(plan: Plan) -> float:
-    return max(plan.device_memory_bytes)
+    return max(peak_memory_bytes(plan))  # NCCL communicators included
 
 
 def _fits(plan: Plan, cluster: Cluster) -> bool:

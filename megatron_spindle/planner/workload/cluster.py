@@ -73,6 +73,13 @@ IB_LATENCY_US = 20.0
 #: Share of device memory a plan may fill; the rest is CUDA context, NCCL buffers and allocator fragmentation
 #: (PyTorch's caching allocator commonly loses 5-10% to fragmentation).
 USABLE_MEMORY_FRACTION = 0.9
+#: Device memory one NCCL communicator holds on each member, MiB: NCCL's default buffer for the Simple protocol
+#: (``NCCL_BUFFSIZE``, 4 MiB, the documented default; ``DEFAULT_BUFFSIZE`` in NCCL's ``src/init.cc``) on each
+#: channel's ring connection, on 32 channels (NCCL's ``MAXCHANNELS``; an 8 x H100 node opened all 32 per peer
+#: in NCCL issue 1685's allocation log). The LL and LL128 protocols' buffers, tree connections and NVLink
+#: SHARP add to it where NCCL sets them up; fewer channels take less. The GPU check (``scripts/gpu_check.sh``,
+#: step ``runtime``) measures what one ``new_group`` takes on the device.
+NCCL_COMMUNICATOR_MIB = 4.0 * 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +110,9 @@ class Cluster:
     """Memory of one device, GiB."""
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     """Share of device memory a plan may fill (the rest: CUDA context, allocator fragmentation, buffers)."""
+    communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    """Device memory of one communicator with peers on each member, MiB, charged on top of the plan's estimate
+    (:mod:`..assembly.communicators`); 0 where ranks communicate through gloo on the host (no device buffers)."""
     peak_tflops: float = A800_PEAK_TFLOPS
     """Dense bf16 peak of one device, TFLOP/s (the analytic curves' device model uses it)."""
 
@@ -110,6 +120,8 @@ class Cluster:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "allreduce_latency_us" and v is None:
+                continue
+            if f.name == "communicator_mib" and isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
                 continue
             if f.name != "name" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"cluster field {f.name}={v!r} must be a positive number")
@@ -130,6 +142,10 @@ class Cluster:
     @property
     def memory_limit_bytes(self) -> float:
         return self.memory_gib * self.usable_memory_fraction * 2**30
+
+    @property
+    def communicator_bytes(self) -> float:
+        return self.communicator_mib * 2**20
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(bandwidth GB/s, latency µs) between devices ``a`` and ``b``; ``inf`` bandwidth when equal."""
