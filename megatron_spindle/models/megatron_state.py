@@ -16,10 +16,14 @@ from megatron.core import tensor_parallel as mtp
 from megatron.core import utils as mutils
 
 from ..compat.cpu import patches_applied
+from .blocks import self_group
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 _GROUP_PASSTHROUGH = False
+#: While true (``models.mimo_build.single_process_groups``: a user's provider run in one process), a module built
+#: without a tp group and without megatron's parallel state gets this rank alone.
+ONE_RANK_DEFAULT = [False]
 
 
 def _patch_group_passthrough() -> None:
@@ -28,8 +32,9 @@ def _patch_group_passthrough() -> None:
     ``megatron.core.utils.get_tensor_model_parallel_group_if_none(group)`` returns None whenever
     torch.distributed is not initialised, even when a group was passed; Row/ColumnParallelLinear and the
     region mappings then assert on the None group. A single-process model (the reference model, unit
-    tests) passes a one-rank stand-in group, which this patch lets through. Every megatron module that
-    imported the function by name gets the patched one.
+    tests) passes a one-rank stand-in group, which this patch lets through; while :data:`ONE_RANK_DEFAULT` is set,
+    a missing group is this rank alone. Every megatron module that imported the function by name gets the
+    patched one.
     """
     global _GROUP_PASSTHROUGH
     if _GROUP_PASSTHROUGH:
@@ -40,6 +45,8 @@ def _patch_group_passthrough() -> None:
     def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
         if tp_group is not None and not dist.is_initialized():
             return tp_group
+        if tp_group is None and ONE_RANK_DEFAULT[0] and not parallel_state.is_initialized():
+            return self_group()
         return orig(tp_group, is_expert=is_expert, check_initialized=check_initialized)
 
     for name, module in list(sys.modules.items()):

@@ -1,0 +1,70 @@
+"""A MIMO workload from a user's provider and tasks file: the model built on the meta device, described, its graph.
+
+:func:`load_source` is what ``spindle plan|compare|profile --model-provider`` and the training hooks'
+``--spindle-model-provider`` call: it imports ``MODULE:FUNCTION``, calls it as Megatron does
+(:func:`.mimo_build.call_provider`) under ``torch.device("meta")`` (:func:`..compat.mimo.meta_device`: no weight is
+allocated, a 7B model plans on a laptop), with one-rank groups where megatron's parallel state is not initialised,
+describes the model for the tasks (:mod:`.mimo_extract`) and makes it this process's MIMO model (the one whose
+parts :mod:`.mimo_layers` builds). Loaded once per process and provider, tasks file and its modification time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from ..compat.cpu import apply_cpu_patches
+from ..compat.mimo import meta_device
+from ..log import get_logger
+from ..mimo.describe import MimoDescription
+from ..mimo.tasks import MimoTasks, load_tasks
+from ..mimo.workload import MimoWorkload
+from . import mimo_layers
+from .megatron_state import ensure_megatron_globals
+from .mimo_build import call_provider, load_provider, single_process_groups
+from .mimo_extract import describe
+
+log = get_logger(__name__)
+
+
+@dataclass
+class MimoSource:
+    provider: str
+    """``MODULE:FUNCTION``."""
+    tasks: MimoTasks
+    model: object
+    """The provider's ``MimoModel`` on the meta device (its specs; no weights)."""
+    description: MimoDescription
+
+    def workload(self, *, task_count: int | None = None, batch: int | Mapping[str, int] | None = None,
+                 freeze: Sequence[str] = ()) -> MimoWorkload:
+        return MimoWorkload(self.description, self.tasks, task_count=task_count, batch=batch, freeze=tuple(freeze))
+
+
+_LOADED: dict = {}
+
+
+def load_source(provider: str, tasks_file: str, *, say: bool = False) -> MimoSource:
+    """The provider's model described for the tasks of ``tasks_file`` (module docstring); ``say``: log the notes
+    (encoders run whole, and why)."""
+    tasks = load_tasks(tasks_file)
+    key = (provider, os.path.abspath(tasks_file), os.path.getmtime(tasks_file))
+    src = _LOADED.get(key)
+    if src is None:
+        if not torch.cuda.is_available():
+            apply_cpu_patches()  # megatron.core's CUDA assumptions, as every entry point applies them
+        ensure_megatron_globals()
+        fn = load_provider(provider)
+        with meta_device(), single_process_groups():
+            mimo = call_provider(fn, provider)
+            description = describe(mimo, provider, tasks)
+        src = MimoSource(provider=provider, tasks=tasks, model=mimo, description=description)
+        _LOADED.clear()
+        _LOADED[key] = src
+    mimo_layers.set_model(src.model, src.description)
+    if say:
+        for line in src.description.notes():
+            log.info(f"note: {line}")
+    return src
