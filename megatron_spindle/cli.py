@@ -13,18 +13,16 @@ import threading
 import time
 
 from .compare import cli as compare
-from .argtypes import add_workload_args, positive_int
+from .argtypes import add_workload_args, passes_of, positive_int, workload_of
 from .atomic import check_output
 from .log import setup_logging
 from .planner.workload.analytic import CurvesFile
 from .planner.step.build import make_plan
 from .planner.tuning.tune_spindle import tune_spindle
-from .planner.tuning.tune import Workload
 from .planner.workload.cluster import load_cluster
 from .planner.simulation.simulate import simulate, step_sync_floor
 from .planner.simulation.step_bound import plan_step_bound
 from .planner.assembly.render import certified_bound_ms, gantt, grid, idle_devices, idle_warning, metaop_table, summary
-from .planner.workload.workloads import build_graph, resolve_passes
 from .hf import cli as hf_cli
 from .profiler import cli as profiler_cli
 
@@ -55,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     auto = args.passes == "auto"
-    passes = None if auto else resolve_passes(args.model, size=args.size, batch=args.batch, passes=args.passes)
-    graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes or 1,
-                        freeze=args.freeze)
+    workload = workload_of(args)
+    passes = None if auto else passes_of(args)
+    graph = workload.graph(passes or 1)
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
@@ -67,7 +65,7 @@ def cmd_plan(args) -> int:
             check_output(path, what)  # before the planning, not after it
     t0 = time.perf_counter()
     with _progress(args, cluster, auto):
-        plan, passes, graph = _make(args, graph, cluster, curves, passes, auto)
+        plan, passes, graph = _make(args, workload, graph, cluster, curves, passes, auto)
     planning_s = time.perf_counter() - t0
     if args.out:
         plan.save(args.out)
@@ -116,17 +114,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _make(args, graph, cluster, curves, passes, auto: bool):
+def _make(args, workload, graph, cluster, curves, passes, auto: bool):
     """The plan of ``spindle plan``: ``(plan, passes, graph)``."""
     if auto:  # the pass count joins the choice: Spindle at its own best configuration (planner/step/tuning.py)
-        tuned = tune_spindle(Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch,
-                                      freeze=args.freeze), cluster,
-                             curves_file=curves)
+        tuned = tune_spindle(workload, cluster, curves_file=curves)
         if tuned.plan is None:
             raise ValueError(f"no configuration fits: {tuned.error}")
         plan, passes = tuned.plan, tuned.execution.passes
-        graph = build_graph(args.model, tasks=args.tasks, size=args.size, batch=args.batch, passes=passes,
-                            freeze=args.freeze)
+        graph = workload.graph(passes)
         print(f"configuration: {tuned.execution.label()} (best of {len(tuned.tried)} tried)", file=sys.stderr)
     else:
         plan = make_plan(graph, cluster, curves_file=curves, search=not args.no_search, passes=passes)
@@ -142,7 +137,7 @@ def _progress(args, cluster, auto: bool):
         raise ValueError(f"--progress-interval {every}: must be zero or more seconds")
     done = threading.Event()
     out = sys.stderr if args.json else sys.stdout
-    what = (f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
+    what = (f"{args.model or args.model_provider}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
             + (", every pass count (--passes auto)" if auto else ""))
 
     def beat():

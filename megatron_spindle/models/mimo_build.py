@@ -26,6 +26,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 
 import torch
 from megatron.core import parallel_state
@@ -41,6 +42,17 @@ from .megatron_state import ONE_RANK_DEFAULT
 
 #: Megatron-LM's ``get_model`` calls a provider with these keywords (``vp_stage`` under virtual pipelines).
 FRAMEWORK_KEYWORDS = ("pre_process", "post_process", "config", "pg_collection", "vp_stage")
+#: megatron.core's warnings on every MIMO construction and config copy (said once, at import, not per part).
+_REPEATED = (r".* is experimental and still under active development", r"full scope is deprecated")
+
+
+@contextlib.contextmanager
+def quiet():
+    """Building the parts of a MIMO model again and again: without megatron.core's repeated warnings."""
+    with warnings.catch_warnings():
+        for message in _REPEATED:
+            warnings.filterwarnings("ignore", message=message)
+        yield
 
 
 def load_provider(ref: str):
@@ -71,7 +83,8 @@ def call_provider(fn, ref: str, **framework) -> MimoModel:
     kwargs = {k: v for k, v in {"pre_process": True, "post_process": True, **framework}.items()
               if k in params or takes_any}
     try:
-        model = fn(**kwargs)
+        with quiet():
+            model = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's function: any failure in one line
         raise ValueError(f"model provider {ref!r} failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
     if isinstance(model, (list, tuple)) and len(model) == 1:
@@ -159,6 +172,11 @@ def encoder_spec(mimo: MimoModel, modality: str, encoder: str) -> ModuleSpec:
 def build_part(mimo: MimoModel, op_type: str, key: str, *, tp_group, tp_size: int, dtype: torch.dtype) -> torch.nn.Module:
     """The module behind parameter key ``key`` (module docstring); ``mimo`` is the provider's model (on the meta
     device: only its specs and its blocks' layer specs are read)."""
+    with quiet():
+        return _build_part(mimo, op_type, key, tp_group=tp_group, tp_size=tp_size, dtype=dtype)
+
+
+def _build_part(mimo, op_type: str, key: str, *, tp_group, tp_size: int, dtype: torch.dtype) -> torch.nn.Module:
     parts = key.split(".")
     one = dict(tp_size=tp_size, dtype=dtype, tp_group=tp_group)
     if op_type == "mimo_layer":

@@ -23,7 +23,7 @@ from ..mimo.tasks import MimoTasks, load_tasks
 from ..mimo.workload import MimoWorkload
 from . import mimo_layers
 from .megatron_state import ensure_megatron_globals
-from .mimo_build import call_provider, load_provider, single_process_groups
+from .mimo_build import call_provider, load_provider, quiet, single_process_groups
 from .mimo_extract import describe
 
 log = get_logger(__name__)
@@ -57,7 +57,7 @@ def load_source(provider: str, tasks_file: str, *, say: bool = False) -> MimoSou
             apply_cpu_patches()  # megatron.core's CUDA assumptions, as every entry point applies them
         ensure_megatron_globals()
         fn = load_provider(provider)
-        with meta_device(), single_process_groups():
+        with meta_device(), single_process_groups(), quiet():
             mimo = call_provider(fn, provider)
             description = describe(mimo, provider, tasks)
         src = MimoSource(provider=provider, tasks=tasks, model=mimo, description=description)
