@@ -125,11 +125,17 @@ def groups(tp_group) -> ProcessGroupCollection:
     return ProcessGroupCollection(**{n: given.get(n, None if n == "hcp" else one) for n in names})
 
 
-def core_config(config: TransformerConfig, tp_size: int, dtype: torch.dtype) -> TransformerConfig:
-    """The user's config for one slice: its tensor-parallel size, CPU initialisation, the run's dtype."""
+def core_config(config: TransformerConfig, tp_size: int, dtype: torch.dtype, *,
+                attention: bool = True) -> TransformerConfig:
+    """The user's config for one slice: its tensor-parallel size, CPU initialisation, the run's dtype. A module
+    without attention (a projector) keeps a config whose heads megatron checks against the tensor-parallel size
+    (Megatron-LM's MIMO examples give projectors one head): its heads are raised to a multiple of it."""
+    heads = {}
+    if not attention and config.num_attention_heads % tp_size:
+        heads = dict(num_attention_heads=tp_size, num_query_groups=None, kv_channels=config.kv_channels)
     return dataclasses.replace(config, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
                                context_parallel_size=1, sequence_parallel=False, use_cpu_initialization=True,
-                               params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **heads)
 
 
 def is_layer_spec(v) -> bool:
@@ -144,7 +150,8 @@ def empty_block(block: TransformerBlock) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=[], layer_norm=block.submodules.layer_norm)
 
 
-def respec(spec: ModuleSpec, *, tp_size: int, dtype: torch.dtype, tp_group, layers=None, **params) -> ModuleSpec:
+def respec(spec: ModuleSpec, *, tp_size: int, dtype: torch.dtype, tp_group, layers=None, attention: bool = True,
+           **params) -> ModuleSpec:
     """A copy of ``spec`` with every ``TransformerConfig`` in its params set for the slice (:func:`core_config`),
     a layer spec replaced by ``layers`` (when given), ``params`` set, and its groups (``pg_collection`` /
     ``tp_group``) where the module takes them."""
@@ -152,7 +159,7 @@ def respec(spec: ModuleSpec, *, tp_size: int, dtype: torch.dtype, tp_group, laye
     new = {}
     for k, v in (spec.params or {}).items():
         if isinstance(v, TransformerConfig):
-            v = core_config(v, tp_size, dtype)
+            v = core_config(v, tp_size, dtype, attention=attention)
         elif layers is not None and is_layer_spec(v):
             v = layers
         new[k] = v
@@ -195,7 +202,7 @@ def _build_part(mimo, op_type: str, key: str, *, tp_group, tp_size: int, dtype: 
     if op_type == "mimo_projection":
         _, modality, _, index = parts
         spec = mimo.mimo_config.modality_submodules_spec[modality].submodules["input_projections"][int(index)]
-        return build_module(respec(spec, **one))
+        return build_module(respec(spec, attention=False, **one))
     lm = mimo.mimo_config.language_model_spec
     block = empty_block(mimo.language_model.decoder)
     if op_type == "mimo_lm_embed":
