@@ -55,7 +55,7 @@ def _patch_group_passthrough() -> None:
     _GROUP_PASSTHROUGH = True
 
 
-def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
+def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0, memory_buffer: bool = True) -> None:
     """Create megatron's process-wide objects that ``initialize_model_parallel`` would have made.
 
     * the global memory buffer (``parallel_state._set_global_memory_buffer()``): the local
@@ -63,7 +63,8 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
     * the RNG tracker states (``model_parallel_cuda_manual_seed``): attention forks ``model-parallel-rng``.
       Our layers use no dropout, so the seed only has to exist; ``tp_rank`` follows megatron's offsets.
 
-    Idempotent. Without CUDA, :func:`megatron_spindle.compat.apply_cpu_patches` must have run first (entry
+    ``memory_buffer=False``: not the buffer (a process whose ``initialize_model_parallel`` comes later, and
+    refuses a buffer made before it). Idempotent. Without CUDA, :func:`megatron_spindle.compat.apply_cpu_patches` must have run first (entry
     points call it): seeding megatron's RNG tracker would otherwise call ``torch.cuda``.
     """
     if not torch.cuda.is_available() and not patches_applied():
@@ -71,7 +72,7 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
                            "megatron_spindle.compat.apply_cpu_patches() once at start (the launchers, the "
                            "profiler and the tests do)")
     _patch_group_passthrough()
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+    if memory_buffer and parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     tracker = mtp.get_cuda_rng_tracker()
     if _MODEL_PARALLEL_RNG not in tracker.get_states():

@@ -9,11 +9,14 @@ parts :mod:`.mimo_layers` builds). Loaded once per process and provider, tasks f
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.utils import GlobalMemoryBuffer
 
 from ..compat.cpu import apply_cpu_patches
 from ..compat.mimo import meta_device
@@ -46,6 +49,19 @@ class MimoSource:
 _LOADED: dict = {}
 
 
+@contextlib.contextmanager
+def _own_memory_buffer():
+    """megatron's global memory buffer (local attention's scores) of its own for the meta forwards, the process's
+    put back after: a cached meta tensor must never serve a real forward, and a buffer made here would stop a
+    later ``initialize_model_parallel`` (Megatron-LM's own start-up)."""
+    saved = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    try:
+        yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved
+
+
 def load_source(provider: str, tasks_file: str, *, say: bool = False) -> MimoSource:
     """The provider's model described for the tasks of ``tasks_file`` (module docstring); ``say``: log the notes
     (encoders run whole, and why)."""
@@ -55,9 +71,9 @@ def load_source(provider: str, tasks_file: str, *, say: bool = False) -> MimoSou
     if src is None:
         if not torch.cuda.is_available():
             apply_cpu_patches()  # megatron.core's CUDA assumptions, as every entry point applies them
-        ensure_megatron_globals()
+        ensure_megatron_globals(memory_buffer=False)
         fn = load_provider(provider)
-        with meta_device(), single_process_groups(), quiet():
+        with meta_device(), single_process_groups(), quiet(), _own_memory_buffer():
             mimo = call_provider(fn, provider)
             description = describe(mimo, provider, tasks)
         src = MimoSource(provider=provider, tasks=tasks, model=mimo, description=description)
