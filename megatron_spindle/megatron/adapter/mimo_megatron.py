@@ -42,6 +42,10 @@ from .hooks import MEGATRON_DEFAULTS, megatron_args
 log = get_logger(__name__)
 
 _RUN: dict = {}
+#: Megatron's flags this run sets where the command line does not: the Spindle hooks' (an external data loader...),
+#: ``--lr`` and ``--lr-decay-style`` as the built-in trainer's defaults (so ``SPINDLE=0`` and a Spindle run of one
+#: command train alike), and an evaluation interval (Megatron-LM 0.19 needs one).
+DEFAULTS = {**MEGATRON_DEFAULTS, "lr": 3e-4, "lr_decay_style": "cosine", "eval_interval": 1000}
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, **framework):
@@ -137,17 +141,16 @@ def _known(argv, flag: str, kind=str, default=None):
     return getattr(p.parse_known_args(argv)[0], flag.lstrip("-").replace("-", "_"))
 
 
-def pretrain_mimo(argv: list[str]) -> None:
-    """Megatron-LM's ``pretrain`` on the user's MIMO provider (module docstring); ``argv`` as Megatron parses it."""
+def setup(argv: list[str]) -> list[str]:
+    """Read the MIMO run's flags (the provider, its tasks, ``--micro-batch-size``, ranks from ``WORLD_SIZE``), load
+    the model's description and graph, check ``--global-batch-size``; returns ``argv`` with it set. One line on bad
+    input (``ValueError``)."""
     flags = spindle_args(argv)
     if not flags.spindle_model_provider or not flags.spindle_tasks_file:
         raise ValueError("--spindle-model-provider MODULE:FUNCTION and --spindle-tasks-file TASKS.toml are required")
     micro = _known(argv, "--micro-batch-size", int)
     if micro is None:
         raise ValueError("--micro-batch-size is required (samples per rank in each micro-batch)")
-    apply_wheel_standins()
-    apply_cpu_standins()
-    apply_megatron_ddp_standins()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     source = load_source(flags.spindle_model_provider, flags.spindle_tasks_file, say=True)
     g = source.workload(task_count=flags.spindle_tasks, batch=micro * world, freeze=flags.spindle_freeze).graph(1)
@@ -159,17 +162,33 @@ def pretrain_mimo(argv: list[str]) -> None:
     if glob is not None and glob != sum(batches.values()):
         raise ValueError(f"--global-batch-size {glob}: a step is every task's batch, {' + '.join(map(str, batches.values()))}"
                          f" = {sum(batches.values())} samples (--micro-batch-size x ranks per task)")
-    argv = [*argv, *([] if glob is not None else ["--global-batch-size", str(sum(batches.values()))])]
-    sys.argv = [sys.argv[0], *argv]
     log.info(f"mimo: Megatron-LM's loop without Spindle: {flags.spindle_model_provider}, every module on every rank "
-             f"(colocated), {len(g.tasks)} tasks of {', '.join(map(str, batches.values()))} samples per step, micro-batches of "
-             f"{micro} per rank")
+             f"(colocated), {len(g.tasks)} tasks of {', '.join(map(str, batches.values()))} samples per step, "
+             f"micro-batches of {micro} per rank")
+    return [*argv, *([] if glob is not None else ["--global-batch-size", str(sum(batches.values()))])]
+
+
+def pretrain_mimo(argv: list[str]) -> None:
+    """Megatron-LM's ``pretrain`` on the user's MIMO provider (module docstring); ``argv`` as Megatron parses it."""
+    apply_wheel_standins()
+    apply_cpu_standins()
+    apply_megatron_ddp_standins()
+    sys.argv = [sys.argv[0], *setup(argv)]
     with cuda_on_cpu():
         run_pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                     extra_args_provider=add_spindle_args, args_defaults=dict(MEGATRON_DEFAULTS))
+                     extra_args_provider=add_spindle_args, args_defaults=DEFAULTS)
 
 
 def main(argv=None) -> int:
     """``examples/mimo/megatron_mimo.py``: :func:`pretrain_mimo`, ending as every entry does (one line, exit 2 on
-    bad input: :func:`..trainer.session.run_entry`)."""
-    return run_entry(lambda: pretrain_mimo(list(sys.argv[1:] if argv is None else argv)))
+    bad input: :func:`..trainer.session.run_entry`); with ``SPINDLE_PREFLIGHT=1`` only :func:`setup`'s checks, in
+    this one process (the launch script's check before torchrun starts any worker)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("SPINDLE_PREFLIGHT") == "1":
+        try:
+            setup(argv)
+        except ValueError as e:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        return 0
+    return run_entry(lambda: pretrain_mimo(argv))
