@@ -151,3 +151,42 @@ def test_an_encoder_without_its_inputs_names_the_tasks_key():
         with pytest.raises(TasksError, match=r"t.toml: inputs.audio.whisper: missing: the forward keywords of "
                                              r"WhisperStyleEncoder"):
             describe(mimo, AVLM, tasks)
+
+
+def test_energon_datasets_feed_a_mimo_model(tmp_path):
+    """``--spindle-data``: one energon dataset per task, a part per stream (``images.clip.x.npy``, ``input_ids.npy``,
+    ``labels.npy``, ``loss_mask.npy``): what a rank reads is what was written."""
+    pytest.importorskip("megatron.energon")
+    import importlib.util
+    import io
+
+    import numpy as np
+    import webdataset as wds
+
+    from megatron_spindle.data.energon import EnergonData
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+
+    spec = importlib.util.spec_from_file_location("make_energon_dataset", REPO / "scripts" / "make_energon_dataset.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    g = load_source(AVLM, TASKS).workload().graph(1)
+    batch = SyntheticData(g, seed=5).batch(0)
+    for task, streams in batch.items():
+        path = tmp_path / task
+        path.mkdir()
+        with wds.ShardWriter(str(path / "part-%04d.tar"), maxcount=8, verbose=0) as sink:
+            for i in range(8):
+                parts = {}
+                for name, t in streams.items():
+                    buf = io.BytesIO()
+                    np.save(buf, t[i].numpy())
+                    parts[f"{name}.npy"] = buf.getvalue()
+                sink.write({"__key__": f"{i:06d}", **parts})
+        script.energon_prepare(str(path))
+    plan = make_plan(g, load_cluster(None, num_devices=1, gpus_per_node=1))
+    got = next(EnergonData(str(tmp_path), g, plan, 0, seed=0))
+    for task, streams in batch.items():
+        for name, t in streams.items():
+            rows = got[task][name][0:8]
+            assert rows.dtype == t.dtype and torch.equal(rows, t), (task, name)

@@ -36,6 +36,8 @@ import contextlib
 import functools
 
 import torch
+from megatron.core.models.vision import clip_vit_model
+from megatron.core.optimizer import clip_grads, optimizer
 from torch.overrides import TorchFunctionMode
 
 _PATCHED = False
@@ -48,8 +50,6 @@ def apply_cpu_patches() -> bool:
         return False
     if _PATCHED:
         return True
-    from megatron.core.models.vision import clip_vit_model
-
     original = clip_vit_model.CLIPViTModel.__init__
 
     @functools.wraps(original)
@@ -132,8 +132,6 @@ def apply_megatron_ddp_standins() -> bool:
     if not _DDP_PATCHED:
         torch.cuda.Stream = _CpuStream
         torch.cuda.stream = _cpu_stream_context
-        from megatron.core.optimizer import clip_grads, optimizer
-
         original = clip_grads.clip_grad_by_total_norm_fp32
 
         @functools.wraps(original)
