@@ -190,3 +190,17 @@ def test_energon_datasets_feed_a_mimo_model(tmp_path):
         for name, t in streams.items():
             rows = got[task][name][0:8]
             assert rows.dtype == t.dtype and torch.equal(rows, t), (task, name)
+
+
+def test_spindle_plan_takes_a_provider_and_says_what_runs_whole(tmp_path, capsys):
+    from megatron_spindle.cli import main
+
+    (tmp_path / "t.toml").write_text(OPAQUE_TASKS)
+    assert main(["plan", "--model-provider", OPAQUE, "--tasks-file", str(tmp_path / "t.toml"), "--gpus", "4",
+                 "--progress-interval", "0"]) == 0
+    out = capsys.readouterr()
+    assert "model examples.mimo.tiny_avlm:tiny_vlm_opaque: 2 tasks" in out.out
+    assert "note: images.patch_mlp (" in out.out + out.err and "one MetaOp, data-parallel only" in out.out + out.err
+    assert main(["plan", "--model-provider", OPAQUE, "--gpus", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (f"spindle plan: error: --model-provider {OPAQUE} needs --tasks-file "
+                                               f"TASKS.toml (docs/mimo.md)")

@@ -63,12 +63,8 @@ def sequence(desc: MimoDescription, modalities: Sequence[str], seq_length: int) 
     return S, text - 1
 
 
-def _op(**kw) -> Operator:
-    return Operator(**kw)
-
-
 def _cost_op(name, task, module, op_type, batch, layer, key, inputs, cost: Cost, *, tp, trainable):
-    return _op(name=name, task=task, module=module, op_type=op_type, batch=batch, layer=layer, param_key=key,
+    return Operator(name=name, task=task, module=module, op_type=op_type, batch=batch, layer=layer, param_key=key,
                inputs=tuple(inputs), fwd_flops=cost.fwd_flops * batch, param_count=cost.params,
                out_elems_per_sample=layer.seq_len * layer.hidden, act_bytes_per_sample=cost.act_bytes,
                tp_splittable=tp, trainable=trainable)
@@ -79,7 +75,7 @@ def _layers(task, prefix, module, layer: LayerConfig, n: int, params: int, key, 
     fwd = costs.layer_fwd_flops_per_sample("transformer_layer", layer)
     act = costs.layer_act_bytes_per_sample("transformer_layer", layer)
     for i in range(n):
-        ops.append(_op(name=f"{task}.{prefix}.{i}", task=task, module=module, op_type="mimo_layer", batch=batch,
+        ops.append(Operator(name=f"{task}.{prefix}.{i}", task=task, module=module, op_type="mimo_layer", batch=batch,
                        layer=layer, param_key=f"{key}.layers.{i}", inputs=tuple(inputs),
                        fwd_flops=fwd * batch, param_count=params, out_elems_per_sample=layer.seq_len * layer.hidden,
                        act_bytes_per_sample=act, trainable=trainable))
@@ -142,7 +138,7 @@ def _task_ops(desc: MimoDescription, t, batch: int, frozen) -> list[Operator]:
                        normalization="" if lang.normalization == "LayerNorm" else lang.normalization)
     logits = LayerConfig(hidden=lang.hidden, seq_len=S, vocab_size=lang.vocab_size, loss_tokens=S,
                          normalization=head.normalization)  # MIMO's GPTModel projects every position
-    ops.append(_op(name=f"{t.name}.{LANGUAGE}.head", task=t.name, module=LANGUAGE, op_type="mimo_lm_head",
+    ops.append(Operator(name=f"{t.name}.{LANGUAGE}.head", task=t.name, module=LANGUAGE, op_type="mimo_lm_head",
                    batch=batch, layer=head, param_key="language_model",
                    inputs=(ops[-1].name, data_input(t.name, "labels"), data_input(t.name, "loss_mask")),
                    fwd_flops=costs.layer_fwd_flops_per_sample("lm_head", logits) * batch,

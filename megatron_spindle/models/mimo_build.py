@@ -40,8 +40,6 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from .blocks import self_group
 from .megatron_state import ONE_RANK_DEFAULT
 
-#: Megatron-LM's ``get_model`` calls a provider with these keywords (``vp_stage`` under virtual pipelines).
-FRAMEWORK_KEYWORDS = ("pre_process", "post_process", "config", "pg_collection", "vp_stage")
 #: megatron.core's warnings on every MIMO construction and config copy (said once, at import, not per part).
 _REPEATED = (r".* is experimental and still under active development", r"full scope is deprecated")
 

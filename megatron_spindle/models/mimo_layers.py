@@ -37,20 +37,28 @@ from .layers import OperatorLayer
 from .mimo_build import block_name, build_part, empty_block, respec
 from .mimo_data import example_inputs, token_streams
 
-_MODEL: list = [None, None]  # (the provider's meta MimoModel, its description)
+_MODEL: list = [None, None, None]  # (the provider's meta MimoModel, its description, the provider)
 
 
-def set_model(mimo: MimoModel, description) -> None:
-    """The MIMO model whose parts this process builds (its specs on the meta device, and its description)."""
+def set_model(mimo: MimoModel, description, provider=None) -> None:
+    """The MIMO model whose parts this process builds (its specs on the meta device, its description, and the
+    provider function that made it: the reference calls it again)."""
     if _MODEL[0] is not mimo:
         _ROPE.clear()
-    _MODEL[:] = [mimo, description]
+    _MODEL[:] = [mimo, description, provider]
 
 
 def model():
+    """``(meta MimoModel, description)`` of this process's MIMO model."""
     if _MODEL[0] is None:
         raise ValueError("no MIMO model loaded in this process (--model-provider / --spindle-model-provider)")
     return _MODEL[0], _MODEL[1]
+
+
+def provider():
+    """The provider function of this process's MIMO model."""
+    model()
+    return _MODEL[2]
 
 
 class BlockReached(Exception):

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
 from .layers import build_layer
-from .mimo_build import call_provider, load_provider, single_process_groups
-from .mimo_layers import model
+from .mimo_build import call_provider, single_process_groups
+from .mimo_layers import model, provider
 
 
 class MimoReference(nn.Module):
@@ -38,7 +38,7 @@ class MimoReference(nn.Module):
         _, desc = model()
         self.graph, self.seed = graph, seed
         with single_process_groups():
-            self.mimo = call_provider(load_provider(desc.name), desc.name).to(dtype=dtype, device=device)
+            self.mimo = call_provider(provider(), desc.name).to(dtype=dtype, device=device)
         ops = {op.param_key: op for op in graph.operators if op.param_key}
         params = dict(self.mimo.named_parameters())
         with torch.no_grad():

@@ -35,11 +35,13 @@ log = get_logger(__name__)
 @dataclass
 class MimoSource:
     provider: str
-    """``MODULE:FUNCTION``."""
+    """``MODULE:FUNCTION``, or the name of a provider function given itself (a script's own provider)."""
     tasks: MimoTasks
     model: object
     """The provider's ``MimoModel`` on the meta device (its specs; no weights)."""
     description: MimoDescription
+    function: object = None
+    """The provider function."""
 
     def workload(self, *, task_count: int | None = None, batch: int | Mapping[str, int] | None = None,
                  freeze: Sequence[str] = ()) -> MimoWorkload:
@@ -62,24 +64,28 @@ def _own_memory_buffer():
         parallel_state._GLOBAL_MEMORY_BUFFER = saved
 
 
-def load_source(provider: str, tasks_file: str, *, say: bool = False) -> MimoSource:
-    """The provider's model described for the tasks of ``tasks_file`` (module docstring); ``say``: log the notes
-    (encoders run whole, and why)."""
+def load_source(provider, tasks_file: str, *, say: bool = False) -> MimoSource:
+    """The provider's model described for the tasks of ``tasks_file`` (module docstring): ``provider`` is
+    ``MODULE:FUNCTION`` or the function itself (a training script's own provider, named by its module and name);
+    ``say``: log the notes (encoders run whole, and why)."""
     tasks = load_tasks(tasks_file)
+    fn = provider if callable(provider) else None
+    if fn is not None:
+        provider = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
     key = (provider, os.path.abspath(tasks_file), os.path.getmtime(tasks_file))
     src = _LOADED.get(key)
     if src is None:
         if not torch.cuda.is_available():
             apply_cpu_patches()  # megatron.core's CUDA assumptions, as every entry point applies them
         ensure_megatron_globals(memory_buffer=False)
-        fn = load_provider(provider)
+        fn = fn or load_provider(provider)
         with meta_device(), single_process_groups(), quiet(), _own_memory_buffer():
             mimo = call_provider(fn, provider)
             description = describe(mimo, provider, tasks)
-        src = MimoSource(provider=provider, tasks=tasks, model=mimo, description=description)
+        src = MimoSource(provider=provider, tasks=tasks, model=mimo, description=description, function=fn)
         _LOADED.clear()
         _LOADED[key] = src
-    mimo_layers.set_model(src.model, src.description)
+    mimo_layers.set_model(src.model, src.description, src.function)
     if say:
         for line in src.description.notes():
             log.info(f"note: {line}")

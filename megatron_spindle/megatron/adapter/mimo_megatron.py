@@ -32,7 +32,8 @@ from ...compat.megatron_lm import apply_cpu_standins, apply_wheel_standins, cuda
 from ...compat.mimo import apply_megatron_ddp_standins
 from ...log import get_logger
 from ...models.data import SyntheticData
-from ...models.mimo_build import call_provider, load_provider
+from ...models.mimo_build import call_provider
+from ...models.mimo_layers import provider as mimo_provider
 from ...models.mimo_source import load_source
 from .data import TEST_OFFSET, VALID_OFFSET
 from .flags import add_spindle_args, spindle_args
@@ -53,7 +54,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, **framew
     ``train`` (0.19) reads the model's ``pg_collection``, which ``MimoModel`` does not set: a colocated MIMO model
     runs on Megatron's groups, the ones ``get_model`` passes."""
     ref = _RUN["provider"]
-    model = call_provider(load_provider(ref), ref, **framework)
+    model = call_provider(mimo_provider(), ref, **framework)
     if getattr(model, "pg_collection", None) is None and framework.get("pg_collection") is not None:
         model.pg_collection = framework["pg_collection"]
     return model
