@@ -5,7 +5,10 @@ test-megatron-lm``) on 4 CPU ranks, through ``scripts/run_mimo.sh``:
   of the user's ``MimoModel`` in one process, and Megatron logs every task's loss;
 * without it (``SPINDLE=0``): Megatron builds the user's model on every rank, wraps it in its DDP and steps its
   optimizer; a run stopped at iteration 2 (``--exit-interval``, Megatron's checkpoint) and resumed gives the
-  uninterrupted run's iteration-3 losses.
+  uninterrupted run's iteration-3 losses;
+* the two train one objective on one data stream: on 2 ranks, ``SPINDLE=0`` started from the weights a Spindle run
+  starts from (:func:`megatron_spindle.models.mimo_reference.load_run_weights`) logs the Spindle run's losses,
+  every task at every one of 3 steps within 1e-5 (Megatron's Adam in both).
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import pytest
 pytest.importorskip("megatron.training.training", reason="megatron.training needs megatron-core >= 0.17 "
                     "(Python >= 3.12): run `make test-megatron-lm`")
 
-from test_mimo_launch import run_mimo  # noqa: E402
+from mp_harness import run_ranks  # noqa: E402
+from test_mimo_launch import REPO, run_mimo  # noqa: E402
 
 MEGATRON = ["--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1",
             "--eval-interval", "10", "--eval-iters", "1", "--seed", "1234"]
@@ -59,3 +63,61 @@ def test_without_spindle_megatron_trains_the_model_and_resumes_it(tmp_path):
     assert sorted(got) == [3], text[-2000:]
     for task, v in want[3].items():
         assert got[3][task] == pytest.approx(v, rel=1e-6), task
+
+
+def _logged_run(run) -> list[dict]:
+    """Megatron's ``train_step`` losses of every step of ``run()``."""
+    import megatron.training.training as mt
+
+    from megatron_spindle.megatron.adapter import hooks
+    losses, original = [], mt.train_step
+
+    def train_step(*a, **kw):
+        out = original(*a, **kw)
+        losses.append({k: float(v) for k, v in out[0].items()})
+        return out
+
+    mt.train_step = train_step
+    try:
+        run()
+    finally:
+        mt.train_step = original
+        hooks.uninstall()
+        hooks._BUILT.clear()
+        mt.destroy_global_state()
+    return losses
+
+
+def _both_rank(rank: int, world: int) -> dict:
+    import sys
+
+    from megatron_spindle.megatron.adapter import hooks, mimo_megatron
+    from megatron_spindle.models.mimo_reference import load_run_weights
+
+    flags = ["--spindle-model-provider", "examples.mimo.tiny_avlm:tiny_avlm", "--spindle-tasks-file",
+             str(REPO / "examples" / "mimo" / "tiny_tasks.toml"), "--train-iters", "3", "--micro-batch-size", "2",
+             *MEGATRON, "--eval-iters", "0"]
+    sys.argv = ["pretrain_mimo.py", "--spindle", *flags, "--global-batch-size", "4"]
+    spindle = _logged_run(lambda: hooks.pretrain_spindle(backend="megatron"))
+    original = mimo_megatron.model_provider
+
+    def seeded(*a, **kw):  # the user's model, from the weights the Spindle run started from
+        model = original(*a, **kw)
+        load_run_weights(model, mimo_megatron._RUN["graph"], seed=1234)
+        return model
+
+    mimo_megatron.model_provider = seeded
+    try:
+        megatron = _logged_run(lambda: mimo_megatron.pretrain_mimo(flags))
+    finally:
+        mimo_megatron.model_provider = original
+    return {"spindle": spindle, "megatron": megatron}
+
+
+def test_without_spindle_megatron_trains_spindles_objective_on_its_data():
+    out = run_ranks(_both_rank, 2, timeout_s=600, nccl_rules=False)[0]
+    assert len(out["spindle"]) == len(out["megatron"]) == 3
+    for step, (a, b) in enumerate(zip(out["spindle"], out["megatron"])):
+        assert set(a) == set(b) == {"image-text", "audio-text", "text"}
+        for task in a:
+            assert b[task] == pytest.approx(a[task], rel=1e-5), (step, task, a, b)

@@ -12,7 +12,9 @@ entry, on these plans:
 * ``c-split-across-waves``: the image-text language layers split over two waves on different ranks;
 * ``d-tensor-parallel``: the language model's embedding, layers and head, and the image projection, tensor
   parallel 2 (the one weight of the three tasks' MetaOps sharded alike);
-* ``e-planner``: the plan ``spindle plan`` makes.
+* ``e-planner``: the plan ``spindle plan`` makes;
+* ``f-encoder-parts-apart``: the audio encoder's embed and post parts (one weight) on disjoint ranks, each rank
+  holding parameters only one of them uses.
 """
 import pathlib
 
@@ -50,6 +52,7 @@ def _plans(g):
         return plan_from_waves(g, WORLD, waves, tp=tp)
 
     vis, aud, lm = "image-text.images.clip.layers", "audio-text.audio.whisper.layers", "image-text.language.layers"
+    emb, post = "audio-text.audio.whisper.embed", "audio-text.audio.whisper.post"
     lang = {f"{t}.language.{p}": 2 for t in g.tasks for p in ("embed", "layers", "head")}
     return {
         "a-sequential": sequential(),
@@ -57,6 +60,7 @@ def _plans(g):
         "c-split-across-waves": sequential({lm: [[(lm, 0, 1, (0, 1, 2, 3))], [(lm, 1, 1, (3, 1))]]}),
         "d-tensor-parallel": sequential(tp={**lang, "image-text.images.proj": 2}),
         "e-planner": make_plan(g, load_cluster(None, num_devices=WORLD, gpus_per_node=4)),
+        "f-encoder-parts-apart": sequential({emb: [[(emb, 0, 1, (0, 1))]], post: [[(post, 0, 1, (2, 3))]]}),
     }
 
 
@@ -113,7 +117,8 @@ def results():
     return run_ranks(_cases, WORLD, timeout_s=600), _reference()
 
 
-CASES = ["a-sequential", "b-concurrent-encoders", "c-split-across-waves", "d-tensor-parallel", "e-planner"]
+CASES = ["a-sequential", "b-concurrent-encoders", "c-split-across-waves", "d-tensor-parallel", "e-planner",
+         "f-encoder-parts-apart"]
 
 
 @pytest.mark.parametrize("case", CASES)

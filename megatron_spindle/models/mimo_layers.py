@@ -126,6 +126,17 @@ def _bsh(out, b: int) -> Tensor:
     return out.reshape(b, -1, out.shape[-1]) if out.dim() == 2 else out
 
 
+def _every_weight(y: Tensor, core: nn.Module) -> Tensor:
+    """``y`` depending, with a zero weight, on every trainable parameter of ``core``: the embed and post parts of
+    an encoder hold one weight (its key), and each uses only some of it (conv and positions before the block, a
+    final norm after it), and a rank may run only one of them; megatron's DDP needs every parameter's gradient
+    (zero for an unused one) in every backward, as ``find_unused_parameters`` gives torch's."""
+    unused = [p.reshape(-1)[:1] for p in core.parameters() if p.requires_grad]
+    if not unused or not torch.is_grad_enabled():
+        return y
+    return y + torch.cat(unused).sum().to(y.dtype) * 0
+
+
 def _move_attributes(module: nn.Module, device) -> None:
     """Plain tensor attributes (``CLIPViTModel.position_ids``: neither parameter nor buffer) to ``device``."""
     for m in module.modules():
@@ -146,10 +157,10 @@ class MimoEncoderLayer(OperatorLayer):
                 try:
                     enc(**kwargs)
                 except BlockReached as r:
-                    return r.hidden.transpose(0, 1)
+                    return _every_weight(r.hidden.transpose(0, 1), enc)
             raise RuntimeError(f"operator {self.op.name!r}: the encoder's forward did not call its block {attr!r}")
         with replaced(enc, attr, replay(getattr(enc, attr), acts[0].transpose(0, 1))):
-            return _bsh(enc(**kwargs), b)
+            return _every_weight(_bsh(enc(**kwargs), b), enc)
 
 
 class MimoModuleLayer(OperatorLayer):
@@ -157,7 +168,7 @@ class MimoModuleLayer(OperatorLayer):
         _, kwargs = _streams(self, inputs)
         b = next(iter(kwargs.values())).shape[0]
         _move_attributes(self.core, next(iter(kwargs.values())).device)
-        return _bsh(self.core(**kwargs), b)
+        return _every_weight(_bsh(self.core(**kwargs), b), self.core)  # a wrapper may hold unused weights
 
 
 class MimoLayerLayer(OperatorLayer):

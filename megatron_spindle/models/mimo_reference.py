@@ -26,6 +26,26 @@ from .mimo_build import call_provider, single_process_groups
 from .mimo_layers import model, provider
 
 
+@torch.no_grad()
+def load_run_weights(mimo: nn.Module, graph: TaskGraph, *, seed: int, dtype: torch.dtype = torch.float32,
+                     device=None) -> dict:
+    """Copy into the user's ``mimo`` the weights a Spindle run of ``seed`` starts from (each key's module built as
+    :func:`.layers.build_layer` builds it, tp 1); a frozen key's parameters stop requiring gradients. Returns
+    ``{param_key: operator}``."""
+    ops = {op.param_key: op for op in graph.operators if op.param_key}
+    params = dict(mimo.named_parameters())
+    for key, op in ops.items():
+        core = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device).core
+        for name, p in core.named_parameters():
+            mine = params.get(f"{key}.{name}")
+            if mine is None or mine.shape != p.shape:
+                raise ValueError(f"MIMO reference: {key}.{name} {list(p.shape)} is not a parameter of the "
+                                 f"provider's MimoModel (found {None if mine is None else list(mine.shape)})")
+            mine.copy_(p)
+            mine.requires_grad_(op.trainable)
+    return ops
+
+
 class MimoReference(nn.Module):
     """The user's whole ``MimoModel`` (tp 1) with the weights of a Spindle run of seed ``seed``.
 
@@ -39,18 +59,7 @@ class MimoReference(nn.Module):
         self.graph, self.seed = graph, seed
         with single_process_groups():
             self.mimo = call_provider(provider(), desc.name).to(dtype=dtype, device=device)
-        ops = {op.param_key: op for op in graph.operators if op.param_key}
-        params = dict(self.mimo.named_parameters())
-        with torch.no_grad():
-            for key, op in ops.items():
-                core = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device).core
-                for name, p in core.named_parameters():
-                    mine = params.get(f"{key}.{name}")
-                    if mine is None or mine.shape != p.shape:
-                        raise ValueError(f"MIMO reference: {key}.{name} {list(p.shape)} is not a parameter of the "
-                                         f"provider's MimoModel (found {None if mine is None else list(mine.shape)})")
-                    mine.copy_(p)
-                    mine.requires_grad_(op.trainable)
+        ops = load_run_weights(self.mimo, graph, seed=seed, dtype=dtype, device=device)
         self.keys = sorted(ops, key=len, reverse=True)
         self.task_inputs = {t: {} for t in graph.tasks}
         for op in graph.operators:
