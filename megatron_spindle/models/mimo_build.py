@@ -30,7 +30,9 @@ import warnings
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.mimo import MimoModel
+with warnings.catch_warnings():  # megatron.core warns when MIMO's config class is defined, in every process
+    warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental")
+    from megatron.core.models.mimo import MimoModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules

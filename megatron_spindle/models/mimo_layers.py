@@ -21,10 +21,13 @@ The MIMO model of the process (:func:`set_model`) is the one a graph was built f
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import SimpleNamespace
 
 import torch
-from megatron.core.models.mimo import MimoModel
+with warnings.catch_warnings():  # megatron.core warns when MIMO's config class is defined, in every process
+    warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental")
+    from megatron.core.models.mimo import MimoModel
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
