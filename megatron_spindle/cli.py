@@ -14,7 +14,7 @@ import threading
 import time
 
 from .compare import cli as compare
-from .argtypes import add_workload_args, positive_int
+from .argtypes import add_workload_args, positive_int, workload_of
 from .atomic import check_output
 from .log import setup_logging
 from .planner.workload.analytic import CurvesFile, DeviceModel
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     given = args.passes not in (None, "auto")  # a user's --passes wins over the tuned configuration
-    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
+    workload = workload_of(args)
     workload.graph(args.passes if given else 1)  # bad model, tasks, size, batch or passes: fail before planning
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
@@ -151,7 +151,7 @@ def _progress(args, cluster):
         raise ValueError(f"--progress-interval {every}: must be zero or more seconds")
     done = threading.Event()
     out = sys.stderr if args.json else sys.stdout
-    what = f"{args.model}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
+    what = f"{args.model or args.model_provider}, {cluster.num_devices} devices, batch {args.batch or 'of the model'}"
 
     def beat():
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..argtypes import add_workload_args, positive_int_list
+from ..argtypes import add_workload_args, passes_of, positive_int_list, workload_of
 from ..atomic import check_output, write_file
 from .band import band_lines, fill_band, fill_mfu
 from .explain import explain_row
@@ -44,7 +44,6 @@ from ..planner.tuning.tune_spindle import tune_with_baselines
 from ..planner.tuning.tune import Tuned, Workload, tune_baseline, tune_static_grids
 from ..planner.workload.analytic import CurvesFile, DeviceModel
 from ..planner.workload.cluster import DEFAULT_PRESET, PRESETS, load_cluster
-from ..planner.workload.workloads import resolve_passes
 from ..planner.level.solver import available as highs_available
 from ..plan_output import HIGHS_NOTE
 from ..planner.assembly.render import check_plotting
@@ -389,12 +388,11 @@ def cmd_compare(args) -> int:
     if args.plot:
         check_output(args.plot, "--plot")
         check_plotting("--plot")  # matplotlib missing: one line now, not after the planning
-    workload = Workload(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, freeze=args.freeze)
+    workload = workload_of(args)
     graph = workload.graph(1)  # bad model, tasks, size or batch: fail before planning
     fixed = None
     if args.fixed_passes or args.passes not in (None, "auto"):
-        passes = resolve_passes(args.model, size=args.size, batch=args.batch,
-                                passes=None if args.passes == "auto" else args.passes)
+        passes = passes_of(args)
         workload.graph(passes)  # passes that do not divide a task's batch: fail now
         fixed = Execution(passes=passes)
     curves = CurvesFile.load(args.curves) if args.curves else None

@@ -9,7 +9,8 @@ once per process, and does nothing when ``torch.cuda.is_available()``. Each patc
 and which of our code paths reaches it; each was checked to be needed (megatron-core 0.16.1, torch 2.13 CPU):
 without it a forward and backward of the tiny reference models fails ("Torch not compiled with CUDA
 enabled" for the first three, and for the sixth once a layer recomputes its activations, "group should not be
-None" / "global memory buffer is not initialized" for the two in ``ensure_megatron_globals``).
+None" / "global memory buffer is not initialized" for the two in ``ensure_megatron_globals``). The seventh is a
+user's MIMO model's (``CLIPViTModel``'s ``.cuda()``), in the sibling :mod:`.mimo`, applied from here.
 
 Not patched, because no layer built by :mod:`megatron_spindle.models.layers` reaches them: megatron optimizers
 (the runtime uses torch optimizers), sequence parallelism. megatron.core's ``DistributedDataParallel``
@@ -30,6 +31,8 @@ import torch
 from megatron.core.fusions import fused_softmax
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer import utils as tutils
+
+from .mimo import apply_cpu_patches as mimo_cpu_patches
 
 _PATCHED = False
 
@@ -199,6 +202,9 @@ def apply_cpu_patches() -> bool:
     #    Without CUDA there is no CUDA generator to save: an empty state, restored as nothing.
     mrandom._get_cuda_rng_state = _cpu_get_cuda_rng_state
     mrandom._set_cuda_rng_state = _cpu_set_cuda_rng_state
+
+    # 7. MIMO: CLIPViTModel.__init__ moves its position ids with .cuda() (:mod:`.mimo`).
+    mimo_cpu_patches()
 
     _PATCHED = True
     return True

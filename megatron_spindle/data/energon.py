@@ -189,7 +189,7 @@ class EnergonData:
     def _sample(self, task: str, s, r: RankReads) -> dict[str, Tensor]:
         got = {}
         for stream in r.streams:
-            parts = [k for k in s.parts if k.split(".", 1)[0] == stream]
+            parts = [k for k in s.parts if k.rsplit(".", 1)[0] == stream]  # "<stream>.<ext>": a stream may hold dots
             where = f"{self.root}/{task} sample {s.__key__!r} part {stream!r}"
             if len(parts) != 1:
                 raise ValueError(f"{where}: found {parts or 'no part'}; a sample needs one '{stream}.<ext>' part "

@@ -6,8 +6,16 @@ operator's inputs, ``[b, input_seq_len, input_dim]`` (batch first), to ``[b, seq
 (seeded initialisation per ``param_key``, weight sharing, tensor-parallel shards through megatron's
 parameter attributes, gradient sync over the parameter device group) is what every built-in layer gets from
 ``layers.build_layer``.
+
+A type whose forward needs more (its data streams, several inputs kept apart, a loss) registers its torch half
+here too (:func:`register_torch_layer`, :class:`TorchLayerType`): its own ``OperatorLayer`` subclass, the shapes of
+the data streams it reads, and optionally how synthetic data and profiling inputs for it are made. The MIMO
+operators (:mod:`.mimo_layers`) are such types.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -16,10 +24,45 @@ from ..planner.workload.graph import Operator
 from ..planner.workload.layer_types import custom_layer_type
 
 
+@dataclass(frozen=True, kw_only=True)
+class TorchLayerType:
+    """The torch half of a registered layer type whose forward is its own."""
+
+    build: Callable
+    """``build(op, *, tp_group, tp_rank, tp_size, dtype) -> nn.Module``: the parameter module ("core")."""
+    layer_class: type
+    """An ``OperatorLayer`` subclass; ``forward(inputs)`` gets every input in ``op.inputs`` order, data included."""
+    loss: bool = False
+    """Its output is a loss (a scalar: the sum over the local samples over the global count, as every loss)."""
+    stream_spec: Callable | None = None
+    """``stream_spec(op, position, task, stream) -> models.data.StreamSpec`` of the data stream at ``position``."""
+    synthesize: Callable | None = None
+    """``synthesize(op, specs, z, seed) -> {stream: tensor}``: streams of its task's synthetic batch (latent ``z``)."""
+    example_inputs: Callable | None = None
+    """``example_inputs(op, batch, *, generator, dtype, device, requires_grad, graph) -> [tensor]`` (profiling)."""
+
+
+_TORCH: dict[str, TorchLayerType] = {}
+
+
+def register_torch_layer(op_type: str, t: TorchLayerType) -> None:
+    """Register (or replace) the torch half of a layer type registered in the planner's registry."""
+    if custom_layer_type(op_type) is None:
+        raise ValueError(f"layer type {op_type!r} is not registered (planner.workload.layer_types.register_layer_type)")
+    _TORCH[op_type] = t
+
+
+def torch_layer(op_type: str) -> TorchLayerType | None:
+    return _TORCH.get(op_type)
+
+
 def build_custom_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype) -> nn.Module:
     """The parameter module of a custom-type operator, from its registered build function."""
+    own = _TORCH.get(op.op_type)
     t = custom_layer_type(op.op_type)
-    if t is None or t.build is None:
+    if own is not None:
+        t = own
+    elif t is None or t.build is None:
         raise ValueError(f"operator {op.name!r}: layer type {op.op_type!r} has no registered build function "
                          f"(register_layer_type(..., build=...) in the spec's layer_plugins)")
     tp_rank = tp_group.rank() if tp_group is not None and tp_size > 1 else 0

@@ -31,12 +31,14 @@ curve visibly goes down:
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
 
 from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
+from .custom import torch_layer
 
 LATENT_DIM = 8
 PATCH_NOISE = 0.1
@@ -67,6 +69,9 @@ def parse_data_input(name: str) -> tuple[str, str]:
 
 def stream_spec_for(op: Operator, position: int, task: str = "", stream: str = "") -> StreamSpec:
     """Spec of the data stream that ``op`` reads at input ``position``."""
+    own = torch_layer(op.op_type)
+    if own is not None and own.stream_spec is not None:
+        return own.stream_spec(op, position, task, stream)
     c = op.layer
     if op.op_type == "patch_embed":
         return StreamSpec(task=task, stream=stream, shape=(c.seq_len - 1, c.input_dim),
@@ -167,6 +172,7 @@ class SyntheticData:
         self.specs = stream_specs(graph)
         self.sizes = task_batch_sizes(graph)
         self._labelled = self._labelled_streams(graph)
+        self._own = [op for op in graph.operators if getattr(torch_layer(op.op_type), "synthesize", None)]
 
     @staticmethod
     def _labelled_streams(graph: TaskGraph) -> dict[str, tuple[str, str]]:
@@ -189,7 +195,7 @@ class SyntheticData:
         return a, c
 
     def _patches(self, spec: StreamSpec, z: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        n = spec.shape[0] * spec.shape[1]
+        n = math.prod(spec.shape)
         proj = torch.randn(LATENT_DIM, n, generator=_gen(self.seed, "patches", spec.stream))
         x = z @ proj / LATENT_DIM ** 0.5
         x = x + PATCH_NOISE * torch.randn(x.shape, generator=g)
@@ -220,9 +226,12 @@ class SyntheticData:
         g = _gen(self.seed, "step", step, task)
         z = torch.randn(self.sizes[task], LATENT_DIM, generator=g)
         out: dict[str, torch.Tensor] = {}
+        for op in self._own:  # layer types that make their own streams (registered synthesize)
+            if op.task == task:
+                out.update(torch_layer(op.op_type).synthesize(op, self.specs[task], z, self.seed))
         seq_stream, label_stream = self._labelled.get(task, ("", ""))
         for name, spec in self.specs[task].items():
-            if name == label_stream:
+            if name == label_stream or name in out:
                 continue
             if spec.dtype.is_floating_point:
                 out[name] = self._patches(spec, z, g)

@@ -57,7 +57,7 @@ from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
 from ..planner.workload.layer_types import OP_TYPES
 from . import recompute
 from .megatron_state import ensure_megatron_globals
-from .custom import build_custom_core, custom_forward, custom_supports_tp
+from .custom import build_custom_core, custom_forward, custom_supports_tp, torch_layer
 from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead, PatchEmbedding,
                      PoolHead, TokenEmbedding, layer_spec, make_norm, parallel_config, pg_collection,
                      rotary_embedding, LocalGroup, transformer_config, use_te_backend)
@@ -361,7 +361,8 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         one_group: a one-rank process group for the layer's size-1 dimensions (the runtime's, created with its
             other groups); None: a :class:`.blocks.LocalGroup` stand-in (layers never create groups).
     """
-    layer_class = _LAYER_CLASSES.get(op.op_type, CustomOpLayer)
+    own = torch_layer(op.op_type)
+    layer_class = _LAYER_CLASSES.get(op.op_type) or (own.layer_class if own is not None else CustomOpLayer)
     _check_tp(op, tp_group, tp_rank, tp_size)
     recompute.check_mode(op.name, op.op_type, recompute_mode)
     use_te = use_te_backend(backend)

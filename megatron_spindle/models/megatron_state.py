@@ -16,10 +16,14 @@ from megatron.core import tensor_parallel as mtp
 from megatron.core import utils as mutils
 
 from ..compat.cpu import patches_applied
+from .blocks import self_group
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 _GROUP_PASSTHROUGH = False
+#: While true (``models.mimo_build.single_process_groups``: a user's provider run in one process), a module built
+#: without a tp group and without megatron's parallel state gets this rank alone.
+ONE_RANK_DEFAULT = [False]
 
 
 def _patch_group_passthrough() -> None:
@@ -28,8 +32,9 @@ def _patch_group_passthrough() -> None:
     ``megatron.core.utils.get_tensor_model_parallel_group_if_none(group)`` returns None whenever
     torch.distributed is not initialised, even when a group was passed; Row/ColumnParallelLinear and the
     region mappings then assert on the None group. A single-process model (the reference model, unit
-    tests) passes a one-rank stand-in group, which this patch lets through. Every megatron module that
-    imported the function by name gets the patched one.
+    tests) passes a one-rank stand-in group, which this patch lets through; while :data:`ONE_RANK_DEFAULT` is set,
+    a missing group is this rank alone. Every megatron module that imported the function by name gets the
+    patched one.
     """
     global _GROUP_PASSTHROUGH
     if _GROUP_PASSTHROUGH:
@@ -40,6 +45,8 @@ def _patch_group_passthrough() -> None:
     def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
         if tp_group is not None and not dist.is_initialized():
             return tp_group
+        if tp_group is None and ONE_RANK_DEFAULT[0] and not parallel_state.is_initialized():
+            return self_group()
         return orig(tp_group, is_expert=is_expert, check_initialized=check_initialized)
 
     for name, module in list(sys.modules.items()):
@@ -48,7 +55,7 @@ def _patch_group_passthrough() -> None:
     _GROUP_PASSTHROUGH = True
 
 
-def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
+def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0, memory_buffer: bool = True) -> None:
     """Create megatron's process-wide objects that ``initialize_model_parallel`` would have made.
 
     * the global memory buffer (``parallel_state._set_global_memory_buffer()``): the local
@@ -56,7 +63,8 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
     * the RNG tracker states (``model_parallel_cuda_manual_seed``): attention forks ``model-parallel-rng``.
       Our layers use no dropout, so the seed only has to exist; ``tp_rank`` follows megatron's offsets.
 
-    Idempotent. Without CUDA, :func:`megatron_spindle.compat.apply_cpu_patches` must have run first (entry
+    ``memory_buffer=False``: not the buffer (a process whose ``initialize_model_parallel`` comes later, and
+    refuses a buffer made before it). Idempotent. Without CUDA, :func:`megatron_spindle.compat.apply_cpu_patches` must have run first (entry
     points call it): seeding megatron's RNG tracker would otherwise call ``torch.cuda``.
     """
     if not torch.cuda.is_available() and not patches_applied():
@@ -64,7 +72,7 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0) -> None:
                            "megatron_spindle.compat.apply_cpu_patches() once at start (the launchers, the "
                            "profiler and the tests do)")
     _patch_group_passthrough()
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+    if memory_buffer and parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     tracker = mtp.get_cuda_rng_tracker()
     if _MODEL_PARALLEL_RNG not in tracker.get_states():

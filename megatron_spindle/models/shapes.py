@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
-from .custom import custom_input_shape
+from .custom import custom_input_shape, torch_layer
 from .data import stream_spec_for
 
 #: Operator types that produce a loss scalar.
@@ -19,7 +19,7 @@ LOSS_OP_TYPES = frozenset({"contrastive_loss", "lm_head"})
 def output_shape(op: Operator) -> tuple[int, ...]:
     """Per-sample shape of the operator's output (``()`` for a loss)."""
     c = op.layer
-    if op.op_type in LOSS_OP_TYPES:
+    if op.op_type in LOSS_OP_TYPES or getattr(torch_layer(op.op_type), "loss", False):
         return ()
     if op.op_type == "pool_head":
         return (c.proj_dim,)
@@ -61,7 +61,12 @@ def input_shapes(op: Operator, graph: TaskGraph | None = None) -> list[tuple[tup
 def example_inputs(op: Operator, batch: int, *, graph: TaskGraph | None = None,
                    generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
                    device=None, requires_grad: bool = False) -> list[Tensor]:
-    """Random inputs of ``op`` for ``batch`` samples: normal activations, token ids below the vocabulary."""
+    """Random inputs of ``op`` for ``batch`` samples: normal activations, token ids below the vocabulary (a type
+    registered with its own ``example_inputs``: those)."""
+    own = torch_layer(op.op_type)
+    if own is not None and own.example_inputs is not None:
+        return own.example_inputs(op, batch, generator=generator, dtype=dtype, device=device,
+                                  requires_grad=requires_grad, graph=graph)
     out = []
     for shape, dt in input_shapes(op, graph):
         if dt.is_floating_point:

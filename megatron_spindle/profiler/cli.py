@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import check_model_flags, non_negative_int, positive_int
 from ..atomic import check_output
 from ..planner.workload.spec import shipped_models
 from .points import default_cache_path
@@ -25,8 +25,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "parallel: one process at local batch B/n; tensor parallel: tp processes), fit the "
                     "piecewise curves and write them for `spindle plan/compare --curves`. Points already "
                     "in the cache (same backend, device type, dtype, threads, processes per machine) are not measured again.")
-    p.add_argument("--model", required=True, metavar="NAME|SPEC.toml",
-                   help=f"a shipped model ({', '.join(shipped_models())}) or a model spec file")
+    p.add_argument("--model", default=None, metavar="NAME|SPEC.toml",
+                   help=f"a shipped model ({', '.join(shipped_models())}) or a model spec file; or --model-provider")
+    p.add_argument("--model-provider", default=None, metavar="MODULE:FUNCTION",
+                   help="a Megatron model provider returning a MimoModel, importable from PYTHONPATH (docs/mimo.md)")
+    p.add_argument("--tasks-file", default=None, metavar="TASKS.toml", help="the tasks of --model-provider's model")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks (default: the most)")
     p.add_argument("--size", default="full", help="model size: full or tiny")
     p.add_argument("--batch", type=positive_int, default=None, help="global batch per task (default: the model's)")
@@ -73,7 +76,9 @@ def cmd_profile(args) -> int:
         if "WORLD_SIZE" not in os.environ:
             raise ValueError("--nproc N is required (unless run under torchrun)")
         nproc = int(os.environ["WORLD_SIZE"])
-    cfg = ProfileConfig(model=args.model, tasks=args.tasks, size=args.size, batch=args.batch, nproc=nproc,
+    check_model_flags(args)
+    cfg = ProfileConfig(model=args.model, model_provider=args.model_provider, tasks_file=args.tasks_file,
+                        tasks=args.tasks, size=args.size, batch=args.batch, nproc=nproc,
                         max_devices=args.max_devices, gpus_per_node=args.gpus_per_node,
                         memory_gib=args.memory_gib, warmup=args.warmup, repeats=args.repeats,
                         min_seconds=args.min_time, out=args.out,

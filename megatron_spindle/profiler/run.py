@@ -54,8 +54,11 @@ _log = get_logger(__name__)
 class ProfileConfig:
     """What to profile and how."""
 
-    model: str
-    """Built-in model name (``multitask-clip``, ``qwen-val``, ``ofasys``)."""
+    model: str | None
+    """Built-in model name (``multitask-clip``, ``qwen-val``, ``ofasys``) or a spec file; None with ``model_provider``."""
+    model_provider: str | None = None
+    """A MIMO model provider (``MODULE:FUNCTION``, docs/mimo.md) instead of ``model``; its tasks from ``tasks_file``."""
+    tasks_file: str | None = None
     tasks: int | None = None
     """Number of tasks (default: the model's largest)."""
     size: str = "full"
@@ -107,6 +110,15 @@ class ProfileConfig:
             raise ValueError(f"profile memory_gib={self.memory_gib!r} must be positive")
 
 
+def profiled_graph(cfg: ProfileConfig):
+    """The graph the profile measures: a spec model's, or a MIMO provider's (built on the meta device; each process
+    loads it, so its layers build from the user's specs)."""
+    if cfg.model_provider:
+        from ..models.mimo_source import load_source  # optional: a MIMO provider's model (torch is loaded already)
+        return load_source(cfg.model_provider, cfg.tasks_file).workload(task_count=cfg.tasks, batch=cfg.batch).graph(1)
+    return build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)
+
+
 def _host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
@@ -137,7 +149,7 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
                       procs=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         memory_gib = cfg.memory_gib or _host_memory_gib() / world
 
-    graph = build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)
+    graph = profiled_graph(cfg)
     cluster = Cluster(name="profile", num_devices=cfg.max_devices, gpus_per_node=cfg.gpus_per_node,
                       memory_gib=memory_gib)
     metaops = make_metaops(graph, cluster)
@@ -304,7 +316,7 @@ def profile(cfg: ProfileConfig) -> dict:
 
     Returns the curves document (on process 0; ``{}`` on the others).
     """
-    build_graph(cfg.model, tasks=cfg.tasks, size=cfg.size, batch=cfg.batch)  # bad input: fail before starting
+    profiled_graph(cfg)  # bad input: fail before starting
     if dist.is_initialized():
         return profile_rank(cfg) or {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun

@@ -2,7 +2,8 @@
 
 Every rank runs one forward and backward pass of the plan on the first batch and syncs gradients (no
 optimizer step); rank 0 builds the whole model in one process with the same seed (the reference: fp32, on
-the run's device, so the CUDA device under NCCL), runs the same batch, and compares every task's loss and
+the run's device, so the CUDA device under NCCL; for a MIMO provider the user's own ``MimoModel``,
+:mod:`...models.mimo_reference`), runs the same batch, and compares every task's loss and
 every parameter's gradient (each rank's shard against the same slice of the reference gradient). A bf16 run
 is thus measured against full precision. The result is the largest relative difference, per tensor relative
 to its largest reference entry. Gradients are cleared afterwards, so training is unchanged.
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from ... import comm
 from ...models.layer_state import shard_spec, shard_tensor
+from ...mimo.graph import is_mimo_graph
+from ...models.mimo_reference import MimoReference
 from ...models.reference import ReferenceModel
 from ...runtime.mixed_precision import fp32_grad
 
@@ -40,8 +43,8 @@ def check_first_step(model, graph, batch, seed: int, *, backend: str = "local") 
     worst = torch.zeros((), dtype=torch.float64, device=model.device)
     if dist.get_rank() == 0:
         # fp32 reference on the run's device: a bf16 run is measured against full precision
-        ref = ReferenceModel(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init,
-                             backend=backend)
+        reference = MimoReference if is_mimo_graph(graph) else ReferenceModel  # a MIMO plan: the user's MimoModel
+        ref = reference(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init, backend=backend)
         out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}

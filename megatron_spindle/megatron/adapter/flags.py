@@ -45,6 +45,12 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--spindle-model", default="multitask-clip", metavar="NAME|SPEC.toml",
                    help="a shipped model (multitask-clip, qwen-val, ofasys) or a model spec file "
                         "(docs/model_spec.md)")
+    g.add_argument("--spindle-model-provider", default=None, metavar="MODULE:FUNCTION",
+                   help="train your own Megatron MIMO model: a model provider returning a MimoModel "
+                        "(megatron.core.models.mimo), importable from PYTHONPATH, its tasks from --spindle-tasks-file "
+                        "(docs/mimo.md); replaces --spindle-model")
+    g.add_argument("--spindle-tasks-file", default=None, metavar="TASKS.toml",
+                   help="the tasks of --spindle-model-provider's model: [[tasks]] name, modalities, batch")
     g.add_argument("--spindle-tasks", type=int, default=None,
                    help="number of tasks (multitask-clip 4/7/10, ofasys 4/7, qwen-val 3); default the most")
     g.add_argument("--spindle-size", default="full",
@@ -297,13 +303,24 @@ def world_from_env() -> int:
 
 
 def run_graph(args, world: int):
-    """The task graph of a run: ``--spindle-model``, ``-tasks``, ``-size``, ``-freeze`` and one pass of
-    ``--micro-batch-size`` x ``world`` samples per task (the model's default batch without it). An unknown
+    """The task graph of a run: ``--spindle-model`` (or ``--spindle-model-provider`` and ``--spindle-tasks-file``),
+    ``-tasks``, ``-size``, ``-freeze`` and one pass of ``--micro-batch-size`` x ``world`` samples per task (the
+    model's default batch without it). An unknown
     ``--spindle-freeze`` module is a ``ValueError`` naming the flag and listing the modules."""
     freeze = getattr(args, "spindle_freeze", None) or ()
+    batch = args.micro_batch_size * world if args.micro_batch_size else None
+    provider, tasks_file = getattr(args, "spindle_model_provider", None), getattr(args, "spindle_tasks_file", None)
+    if bool(provider) != bool(tasks_file):
+        raise ValueError(f"--spindle-model-provider {provider} needs --spindle-tasks-file TASKS.toml" if provider else
+                         f"--spindle-tasks-file {tasks_file} goes with --spindle-model-provider (docs/mimo.md)")
     try:
-        return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size,
-                           batch=args.micro_batch_size * world if args.micro_batch_size else None, freeze=freeze)
+        if provider:
+            from ...models.mimo_source import load_source  # optional: torch (a MIMO provider is built to read its shapes)
+            workload = load_source(provider, tasks_file).workload(task_count=args.spindle_tasks, batch=batch,
+                                                                  freeze=freeze)
+            return workload.graph(1)
+        return build_graph(args.spindle_model, tasks=args.spindle_tasks, size=args.spindle_size, batch=batch,
+                           freeze=freeze)
     except ValueError as e:
         if str(e).startswith("cannot freeze"):
             raise ValueError(f"--spindle-freeze {','.join(freeze)}: {e}") from None

@@ -272,6 +272,14 @@ def spindle_model_provider(pre_process: bool = True, post_process: bool = True, 
     return chunk
 
 
+def megatron_args():
+    """Megatron's parsed arguments (``megatron.training.get_args``), for the adapter's modules that must not import
+    ``megatron.training`` themselves (the MIMO loop without Spindle, :mod:`.mimo_megatron`)."""
+    from megatron.training import get_args  # optional: megatron.training
+
+    return get_args()
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's dataset provider for ``--dataloader-type external``: see :func:`data_iterators`."""
     from megatron.training import get_args  # optional: megatron.training

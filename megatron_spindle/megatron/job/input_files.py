@@ -21,7 +21,12 @@ from ...planner.workload.spec import load_spec
 
 def init_of(args) -> dict[str, str]:
     """Pretrained weights of this run: the spec's ``[model] init`` at ``--spindle-size``, then every
-    ``--spindle-init MODULE=DIR`` (a flag wins over the spec for the same module)."""
+    ``--spindle-init MODULE=DIR`` (a flag wins over the spec for the same module). A MIMO provider's model has
+    none: its provider loads what it wants."""
+    if getattr(args, "spindle_model_provider", None):
+        _need(not getattr(args, "spindle_init", None), f"--spindle-init {' '.join(args.spindle_init)}: a MIMO "
+              f"provider's model (--spindle-model-provider) loads its own pretrained weights in its provider")
+        return {}
     init = load_spec(args.spindle_model).init_for(args.spindle_size)
     for item in getattr(args, "spindle_init", None) or []:
         module, sep, path = item.partition("=")

@@ -26,7 +26,7 @@ from .lifeline import LIFE
 log = get_logger(__name__)
 
 #: Flags whose files are compared by content as well as by name.
-_FILE_FLAGS = ("spindle_plan", "spindle_curves")
+_FILE_FLAGS = ("spindle_plan", "spindle_curves", "spindle_tasks_file")
 
 
 def _digest(path: str) -> str:

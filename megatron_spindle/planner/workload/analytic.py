@@ -108,6 +108,7 @@ from ..limits import MAX_DEVICES, MAX_LAYER_MS
 from .curves import ScalingCurve, fit_piecewise
 from ..exact import on_grid
 from .metaops import MetaOp
+from .layer_types import timed_like
 from .recompute import time_factor
 
 CURVES_SCHEMA_VERSION = 1
@@ -196,8 +197,9 @@ class DeviceModel:
         return self.max_efficiency * h / (h + self.half_efficiency_hidden)
 
     def latency_ms(self, op_type: str) -> float:
-        """Fixed forward + backward time of one layer of ``op_type``, ms."""
-        return self.layer_latency_ms.get(op_type, UNKNOWN_TYPE_LATENCY_MS)
+        """Fixed forward + backward time of one layer of ``op_type`` (a custom type: of the built-in type it is
+        registered ``like``), ms."""
+        return self.layer_latency_ms.get(timed_like(op_type), UNKNOWN_TYPE_LATENCY_MS)
 
     def layer_time_ms(self, m: MetaOp, n: int) -> float:
         """Analytic forward+backward time of one layer of ``m`` on ``n`` devices (``n`` valid)."""

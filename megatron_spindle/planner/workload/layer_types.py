@@ -83,6 +83,9 @@ class CustomLayerType:
     """Whether the build function shards the layer over a tensor-parallel group (tp > 1 allowed)."""
     origin: str = ""
     """The plugin that registered it (a file or module name; empty when registered by other code)."""
+    like: str = ""
+    """A built-in type whose analytic constants (its fixed per-layer latency) time this one ("": none, the
+    analytic model's default for unknown types)."""
 
     @property
     def described(self) -> str:
@@ -94,7 +97,7 @@ _LOADING: list[str] = []  # the plugin being imported (its registrations name it
 
 
 def register_layer_type(name: str, *, cost: Callable, build: Callable | None = None,
-                        tensor_parallel: bool = False) -> CustomLayerType:
+                        tensor_parallel: bool = False, like: str = "") -> CustomLayerType:
     """Register (or re-register, e.g. when a plugin is imported twice) a custom layer type."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"custom layer type name must be an identifier, got {name!r}")
@@ -102,8 +105,10 @@ def register_layer_type(name: str, *, cost: Callable, build: Callable | None = N
         raise ValueError(f"custom layer type {name!r} would shadow the built-in type of that name")
     if not callable(cost) or (build is not None and not callable(build)):
         raise ValueError(f"custom layer type {name!r}: cost (and build, if given) must be callable")
+    if like and like not in OP_TYPES:
+        raise ValueError(f"custom layer type {name!r}: like={like!r} is not a built-in type ({', '.join(OP_TYPES)})")
     t = CustomLayerType(name=name, cost=cost, build=build, tensor_parallel=bool(tensor_parallel),
-                        origin=_LOADING[-1] if _LOADING else "")
+                        origin=_LOADING[-1] if _LOADING else "", like=like)
     _REGISTRY[name] = t
     return t
 
@@ -111,6 +116,12 @@ def register_layer_type(name: str, *, cost: Callable, build: Callable | None = N
 def custom_layer_type(name: str) -> CustomLayerType | None:
     """The registered custom type of that name, or None."""
     return _REGISTRY.get(name)
+
+
+def timed_like(op_type: str) -> str:
+    """The type whose analytic constants time ``op_type``: itself when built in, a custom type's ``like``."""
+    t = _REGISTRY.get(op_type)
+    return t.like or op_type if t is not None else op_type
 
 
 def registered() -> tuple[str, ...]:
