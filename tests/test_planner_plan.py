@@ -426,7 +426,7 @@ def test_gantt_at_32_devices_has_the_step_a_full_key_and_no_overlapping_labels()
     (["--model", "multitask-clip", "--tasks", "11", "--gpus", "8"], "trains 1 to 10 tasks"),
     (["--model", "multitask-clip", "--tasks", "0", "--gpus", "8"], "argument --tasks: 0 must be positive"),
     (["--model", "multitask-clip", "--gpus", "0"], "argument --gpus: 0 must be positive"),
-    (["--gpus", "8"], "the following arguments are required: --model"),
+    (["--gpus", "8"], "give --model NAME|SPEC.toml or --model-provider"),
     (["--model", "qwen-val", "--gpus", "2"], "needs 8 devices"),
     (["--model", "qwen-val", "--gpus", "8", "--curves", "/nonexistent.json"], "does not exist"),
 ])

@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel as mtp
 from megatron.core import utils as mutils
 
 from ..compat.cpu import patches_applied
-from .blocks import self_group
+from .blocks import LocalGroup
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -46,7 +46,7 @@ def _patch_group_passthrough() -> None:
         if tp_group is not None and not dist.is_initialized():
             return tp_group
         if tp_group is None and ONE_RANK_DEFAULT[0] and not parallel_state.is_initialized():
-            return self_group()
+            return LocalGroup()
         return orig(tp_group, is_expert=is_expert, check_initialized=check_initialized)
 
     for name, module in list(sys.modules.items()):

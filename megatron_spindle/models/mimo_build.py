@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
-from .blocks import self_group
+from .blocks import LocalGroup
 from .megatron_state import ONE_RANK_DEFAULT
 
 #: megatron.core's warnings on every MIMO construction and config copy (said once, at import, not per part).
@@ -105,7 +105,7 @@ def single_process_groups():
         if parallel_state.model_parallel_is_initialized():
             return original.__func__(cls, required_pgs)
         names = required_pgs or [f.name for f in dataclasses.fields(cls)]
-        one = self_group()
+        one = LocalGroup()
         return cls(**{n: (None if n == "hcp" else one) for n in names})
 
     ProcessGroupCollection.use_mpu_process_groups = classmethod(use_mpu_process_groups)
@@ -118,8 +118,10 @@ def single_process_groups():
 
 
 def groups(tp_group) -> ProcessGroupCollection:
-    """A slice's groups for megatron.core modules: ``tp_group``; every other group this rank alone."""
-    one = self_group()
+    """A slice's groups for megatron.core modules: ``tp_group``; every other group this rank alone: the
+    runtime's one-rank group when ``tp_group`` is it (a slice at TP 1), else a :class:`.blocks.LocalGroup`
+    stand-in (megatron asks a size-1 group only its size and rank; no layer creates a process group)."""
+    one = tp_group if tp_group is not None and tp_group.size() == 1 else LocalGroup()
     names = [f.name for f in dataclasses.fields(ProcessGroupCollection)]
     given = {"tp": tp_group, "tp_cp": tp_group, "mp": tp_group}
     return ProcessGroupCollection(**{n: given.get(n, None if n == "hcp" else one) for n in names})

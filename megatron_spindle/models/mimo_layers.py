@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..mimo.graph import MIMO_TYPES
 from ..planner.workload.graph import DATA_PREFIX
-from .blocks import GroupVocabParallelCrossEntropy, self_group
+from .blocks import GroupVocabParallelCrossEntropy, LocalGroup
 from .custom import TorchLayerType, register_torch_layer
 from .data import StreamSpec, parse_data_input
 from .layers import OperatorLayer
@@ -233,7 +233,7 @@ def _rope_model():
             _ROPE.append(None)
         else:
             spec = respec(mimo.mimo_config.language_model_spec, layers=empty_block(lm.decoder), tp_size=1,
-                          dtype=torch.float32, tp_group=self_group(), pre_process=False, post_process=False)
+                          dtype=torch.float32, tp_group=LocalGroup(), pre_process=False, post_process=False)
             _ROPE.append(build_module(spec))
     return _ROPE[0]
 
