@@ -38,7 +38,7 @@ demo: $(VENV)/.installed
 	GPUS_PER_NODE=$(DEMO_RANKS) PYTHON=$(VPY) scripts/run_multitask_clip.sh --spindle-curves out/curves_tiny.json
 
 # Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
-# on 2 cores (7.6 and 6.2 minutes here on 2026-12-03, main at f6f9bf8).
+# on 2 cores (their times: tests/README.md).
 FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py \
 	tests/test_faults_files.py tests/test_mimo_launch.py
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run every bad input and fault of issues 12, 24 and 33 the way users run them; write what each gets as a table
+"""Run every bad input and fault below the way users run them; write what each gets as a table
 (docs/reliability.md).
 
     .venv/bin/python scripts/reliability_table.py [--out docs/reliability.md] [--only GROUP[,GROUP]]
@@ -96,7 +96,7 @@ def worker_pids(run) -> dict[int, int]:
 def bad_inputs(w: str, files: dict):
     for item, what, args, env, _ in BAD_INPUTS:
         r = launch(substitute(args, files), w, **env).wait(300)
-        yield row(f"24.{item}", what, SCRIPT, r, left=leftovers(w, result=r))
+        yield row(f"launch.{item}", what, SCRIPT, r, left=leftovers(w, result=r))
     with contextlib.ExitStack() as stack:
         import fcntl
         save = os.path.join(w, "locked")
@@ -105,18 +105,18 @@ def bad_inputs(w: str, files: dict):
         stack.callback(os.close, fd)
         os.write(fd, b'{"host": "node-7", "pid": 4242, "started": "2026-12-01 10:00:00 UTC"}')
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield row("24.1", "`--save` held by a run on another host", SCRIPT, launch(["--save", save], w).wait(300))
+        yield row("launch.1", "`--save` held by a run on another host", SCRIPT, launch(["--save", save], w).wait(300))
     r = spindle(["plan", "--model", files["UNUSED_MODULE"], "--size", "tiny", "--tasks", "4", "--gpus", "2"], w)
-    yield row("24.8", "spec module used by no task", CLI, r, shown=out_line(r, r"^warning:.*"))
+    yield row("launch.8", "spec module used by no task", CLI, r, shown=out_line(r, r"^warning:.*"))
     r = bare_torchrun(["--log-interval", "0"], w).wait(300)
     ours = [x for x in r.err if x.startswith("error: --log-interval")]
-    yield row("24.3", "`--log-interval 0` under a bare torchrun", TORCHRUN, r,
+    yield row("launch.3", "`--log-interval 0` under a bare torchrun", TORCHRUN, r,
               shown=f"{ours[0] if ours else '(none)'} ({len(ours)} time(s)), then torchrun's own report "
                     f"(ChildFailedError) of the failed group")
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()
-        yield row("12.5", "busy `MASTER_PORT`", SCRIPT, launch([], w, MASTER_PORT=s.getsockname()[1]).wait(300))
+        yield row("input.5", "busy `MASTER_PORT`", SCRIPT, launch([], w, MASTER_PORT=s.getsockname()[1]).wait(300))
 
 
 def owned_save_and_sigint(w: str):
@@ -124,10 +124,10 @@ def owned_save_and_sigint(w: str):
     a = launch(["--save", save, "--save-interval", "1"], w, TRAIN_ITERS=200)
     a.wait_for(r"saved checkpoint \S+ at iteration 2\b")
     b = launch(["--save", save, "--seed", "7"], w).wait(300)
-    yield row("24.1", "a second run with the same `--save` while the first trains", SCRIPT, b)
+    yield row("launch.1", "a second run with the same `--save` while the first trains", SCRIPT, b)
     os.killpg(a.proc.pid, signal.SIGINT)
     r = a.wait(300)
-    yield row("24.6", "SIGINT (Ctrl-C: the whole process group)", SCRIPT, r, left=leftovers(save, result=r))
+    yield row("launch.6", "SIGINT (Ctrl-C: the whole process group)", SCRIPT, r, left=leftovers(save, result=r))
 
 
 def sigterm_without_handler(w: str):
@@ -136,7 +136,7 @@ def sigterm_without_handler(w: str):
     a.wait_for(r"iteration +2/200")
     a.proc.send_signal(signal.SIGTERM)
     r = a.wait(300)
-    yield row("24.6", "SIGTERM to the launcher (without `--exit-signal-handler`)", SCRIPT, r,
+    yield row("launch.6", "SIGTERM to the launcher (without `--exit-signal-handler`)", SCRIPT, r,
               left=leftovers(save, result=r))
 
 
@@ -153,7 +153,7 @@ def orphans_then_exit_signal_handler(w: str):
         left = run_processes(run.marker)
     gone = time.monotonic() - t0
     r = run.result()
-    yield row("24.2", "`kill -9` of torchrun during training", TORCHRUN, r,
+    yield row("launch.2", "`kill -9` of torchrun during training", TORCHRUN, r,
               shown=f"torchrun killed; {len(left)} workers left {gone:.1f} s after the kill (parent-death signal)",
               left=f"{len(left)} processes; {leftovers(save)}")
     nxt = launch(["--save", save, "--load", save, "--save-interval", "1000", "--exit-signal-handler"], w,
@@ -162,12 +162,12 @@ def orphans_then_exit_signal_handler(w: str):
     time.sleep(1)
     nxt.proc.send_signal(signal.SIGTERM)
     r = nxt.wait(300)
-    yield row("24.1", "the next run with that `--save` (its lock left by the killed run)", SCRIPT, r,
+    yield row("launch.1", "the next run with that `--save` (its lock left by the killed run)", SCRIPT, r,
               shown=out_line(r, r"^warning: --save .*"))
-    yield row("24.6", "SIGTERM to the launcher with `--exit-signal-handler`", SCRIPT, r,
+    yield row("launch.6", "SIGTERM to the launcher with `--exit-signal-handler`", SCRIPT, r,
               shown=out_line(r, r"^SIGTERM: finished.*"), left=leftovers(save, result=r))
     warned = [x for x in (r.out + "\n" + "\n".join(r.err)).splitlines() if "Warning" in x]
-    yield row("24.10", "`--load` (megatron.core's FutureWarnings)", SCRIPT, r,
+    yield row("launch.10", "`--load` (megatron.core's FutureWarnings)", SCRIPT, r,
               shown=f"{len(warned)} warning lines: " + (" / ".join(warned[:2]) or "none") + "; " +
               out_line(r, r"^resumed from .*"))
 
@@ -175,7 +175,7 @@ def orphans_then_exit_signal_handler(w: str):
 def peer_faults(w: str, files: dict):
     r = launch(["--save", os.path.join(w, "killed"), "--save-interval", "1"], w, TRAIN_ITERS=5,
                SPINDLE_FAULT="1:3:save-start").wait(300)
-    yield row("24.5", "a rank SIGKILLed (a node killed)", SCRIPT, r,
+    yield row("launch.5", "a rank SIGKILLed (a node killed)", SCRIPT, r,
               left=leftovers(os.path.join(w, "killed"), result=r))
     run = launch(["--spindle-timeout", "8"], w, TRAIN_ITERS=200)
     run.wait_for(r"iteration +2/200")
@@ -185,22 +185,22 @@ def peer_faults(w: str, files: dict):
     while "error: rank 0" not in open(run.err_path).read() and time.monotonic() < end:
         time.sleep(0.2)
     os.kill(ranks[1], signal.SIGCONT)
-    yield row("24.5", "a rank SIGSTOPped (`--spindle-timeout 8`), continued later", SCRIPT, run.wait(300))
+    yield row("launch.5", "a rank SIGSTOPped (`--spindle-timeout 8`), continued later", SCRIPT, run.wait(300))
     port = free_port()
     nodes = [launch([], w, NNODES=2, NODE_RANK=n, GPUS_PER_NODE=1, MASTER_PORT=port, TASKS=t, MICRO_BATCH=8)
              for n, t in ((0, 4), (1, 7))]
     for n, r in enumerate(x.wait(300) for x in nodes):
-        yield row("24.5", f"two nodes with other `TASKS` (4 and 7): node {n}", SCRIPT, r)
+        yield row("launch.5", f"two nodes with other `TASKS` (4 and 7): node {n}", SCRIPT, r)
     env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
     r = start([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", "--spindle-size", "tiny", "--spindle-tasks",
                "4", "--micro-batch-size", "4", "--spindle-startup-timeout", "5"], env, w).wait(300)
-    yield row("24.2", "rank 0 of 2 started, rank 1 never (`--spindle-startup-timeout 5`)",
+    yield row("launch.2", "rank 0 of 2 started, rank 1 never (`--spindle-startup-timeout 5`)",
               "`python -m megatron_spindle.megatron.trainer.loop` by hand", r, shown=" / ".join(r.errors) + " (the other "
               "stderr lines: megatron.core's import warnings, which this entry point does not quiet)")
     save = os.path.join(w, "wide")
     launch(["--save", save], w, TRAIN_ITERS=1).wait(300)
     r = launch(["--spindle-model", files["WIDER"], "--load", save], w, TRAIN_ITERS=2).wait(300)
-    yield row("24.10", "a shape mismatch on load (another hidden size)", SCRIPT, r)
+    yield row("launch.10", "a shape mismatch on load (another hidden size)", SCRIPT, r)
 
 
 def restart(w: str):
@@ -209,7 +209,7 @@ def restart(w: str):
     ref = launch(["--spindle"], w, TRAIN_ITERS=4).wait(300)
     r = launch(flags, w, TRAIN_ITERS=4, SPINDLE_FAULT="1:2:save-done", TORCHRUN_ARGS="--max-restarts 1").wait(600)
     same = losses(r.out) == losses(ref.out) and sorted(losses(r.out)) == [1, 2, 3, 4]
-    yield row("24.5", "a rank SIGKILLed under torchrun `--max-restarts 1`", SCRIPT, r,
+    yield row("launch.5", "a rank SIGKILLed under torchrun `--max-restarts 1`", SCRIPT, r,
               shown=out_line(r, r"^torchrun restart 1: resumed.*") + f"; losses {'equal' if same else 'DIFFER from'}"
                     " the uninterrupted run", left=leftovers(save, result=r))
 
@@ -217,7 +217,7 @@ def restart(w: str):
 def failed_save(w: str):
     with tmpfs("8m") as d:
         if d is None:
-            yield row("24.6", "a save that fails (the disk fills during the run)", SCRIPT, None,
+            yield row("launch.6", "a save that fails (the disk fills during the run)", SCRIPT, None,
                       shown="skipped (needs root for a small tmpfs)")
             return
         run = launch(["--save", d, "--save-interval", "1"], w, TRAIN_ITERS=200)
@@ -226,21 +226,21 @@ def failed_save(w: str):
             while True:
                 fh.write(b"\0" * (1 << 20))
         r = run.wait(300)
-        yield row("24.6", "a save that fails (the disk fills during the run)", SCRIPT, r, left=leftovers(d, result=r))
+        yield row("launch.6", "a save that fails (the disk fills during the run)", SCRIPT, r, left=leftovers(d, result=r))
 
 
-def issue12(w: str):
+def bad_values(w: str):
     ck = os.path.join(w, "ck")
     r = launch(["--lr", "1e6", "--save", os.path.join(w, "nan"), "--save-interval", "1"], w).wait(300)
     its = sorted(x for x in os.listdir(os.path.join(w, "nan")) if x.startswith("iter_"))
-    yield row("12.1", "`--lr 1e6` (NaN from iteration 2)", SCRIPT, r, left="checkpoints: " + ", ".join(its))
+    yield row("input.1", "`--lr 1e6` (NaN from iteration 2)", SCRIPT, r, left="checkpoints: " + ", ".join(its))
     launch(["--save", ck], w).wait(300)
-    yield row("12.5", "`--train-iters 2` below the checkpoint's 3", SCRIPT,
+    yield row("input.5", "`--train-iters 2` below the checkpoint's 3", SCRIPT,
               launch(["--load", ck], w, TRAIN_ITERS=2).wait(300))
     bit = os.path.join(w, "ck-bit")
     shutil.copytree(ck, bit)
     flip_bit(os.path.join(bit, "iter_0000003"))
-    yield row("12.1", "resume from a shard with one flipped bit", SCRIPT,
+    yield row("input.1", "resume from a shard with one flipped bit", SCRIPT,
               launch(["--load", bit], w, TRAIN_ITERS=4).wait(300))
     pick = os.path.join(w, "ck-pickle")
     shutil.copytree(ck, pick)
@@ -254,7 +254,7 @@ def issue12(w: str):
     m["files"][".metadata"] = file_digest(os.path.join(it, ".metadata"))
     json.dump(m, open(os.path.join(it, MANIFEST), "w"))
     r = launch(["--load", pick], w, TRAIN_ITERS=4).wait(300)
-    yield row("12.2", "resume from a crafted `.metadata` pickle (manifest rewritten to match)", SCRIPT, r,
+    yield row("input.2", "resume from a crafted `.metadata` pickle (manifest rewritten to match)", SCRIPT, r,
               left="code ran!" if os.path.exists(marker) else "no code ran")
     for what, args in (("`spindle plan --out /dev/full`", PLAN + ["--out", "/dev/full"]),
                        ("`spindle plan --out DIR`", PLAN + ["--out", w]),
@@ -263,7 +263,7 @@ def issue12(w: str):
                         ["plan", "--model", "multitask-clip", "--gpus", "1000000000"]),
                        ("`spindle plan --batch 100000000`", ["plan", "--model", "multitask-clip", "--gpus", "64",
                                                              "--batch", "100000000"])):
-        yield row("12.6", what, CLI, spindle(args, w))
+        yield row("input.6", what, CLI, spindle(args, w))
 
 
 def kills(w: str):
@@ -279,7 +279,7 @@ def kills(w: str):
         verify_checkpoint(os.path.join(d, f"iter_{tracked:07d}"))
         err = [x for x in out.splitlines() if x.startswith("error:")]
         r = Result(rc, out, err, left)
-        yield row("12.3", f"SIGKILL a rank {when} a save ({fault}, rank:iteration:point)", "torchrun via launch", r,
+        yield row("input.3", f"SIGKILL a rank {when} a save ({fault}, rank:iteration:point)", "torchrun via launch", r,
                   left=f"{len(left)} processes; the tracker names iteration {tracked}, every file matches its "
                        f"manifest")
 
@@ -293,24 +293,24 @@ def cases(w: str):
     yield from peer_faults(w, files)
     yield from restart(w)
     yield from failed_save(w)
-    yield from issue12(w)
+    yield from bad_values(w)
     yield from kills(w)
 
 
-def issue33(w: str):
-    from reliability_issue33 import issue33 as cases33
-    yield from cases33(w, row, tmpfs)
+def file_faults(w: str):
+    from reliability_files import files as file_cases
+    yield from file_cases(w, row, tmpfs)
 
 
 GROUPS = ("bad_inputs", "owned_save_and_sigint", "sigterm_without_handler", "orphans_then_exit_signal_handler",
-          "peer_faults", "restart", "failed_save", "issue12", "kills", "issue33")
+          "peer_faults", "restart", "failed_save", "bad_values", "kills", "file_faults")
 
 
 def selected(w: str, only: list[str]):
     """The cases of the groups named in ``only`` (all without it)."""
     if not only:
         yield from cases(w)
-        yield from issue33(w)
+        yield from file_faults(w)
         return
     files = make_inputs(os.path.join(w, "inputs"))
     for name in only:
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "reliability.md"))
     ap.add_argument("--only", default="", metavar="GROUP[,GROUP]",
                     help=f"run these groups only ({', '.join(GROUPS)}); their rows replace the table's rows of the "
-                         f"same issues, the other rows stay")
+                         f"same groups, the other rows stay")
     a = ap.parse_args(argv)
     only = [g for g in a.only.split(",") if g]
     bad = [g for g in only if g not in GROUPS]
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                       for x in r)
             rows.append(r)
             print(" | ".join(r), flush=True)
-    head = ["issue.finding", "input or fault", "started with", "exit status", "what the user sees", "stderr lines",
+    head = ["case", "input or fault", "started with", "exit status", "what the user sees", "stderr lines",
             "traceback", "left behind"]
     table = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     table += ["| " + " | ".join(r) + " |" for r in rows]
@@ -346,12 +346,12 @@ def main(argv=None) -> int:
     begin, end = "<!-- table: begin -->", "<!-- table: end -->"
     i, j = doc.index(begin) + len(begin), doc.index(end)
     took = f"(generated in {time.time() - t0:.0f} s)"
-    if only:  # keep the rows of the issues not run, and the note of how long they took
-        issues = {r[0].split(".")[0] for r in rows}
+    if only:  # keep the rows of the groups not run, and the note of how long they took
+        groups = {r[0].split(".")[0] for r in rows}
         old = doc[i:j].strip().splitlines()
-        kept = [x for x in old[1:] if x.startswith("| ") and x.split("|")[1].strip().split(".")[0] not in issues
-                and not x.startswith(("| issue.finding", "| ---"))]
-        took = f"{old[0].split(' (issue')[0] if old and old[0].startswith('(generated') else ''} (issue {', '.join(sorted(issues))} " \
+        kept = [x for x in old[1:] if x.startswith("| ") and x.split("|")[1].strip().split(".")[0] not in groups
+                and not x.startswith(("| case", "| ---"))]
+        took = f"{old[0].split(' (')[0] if old and old[0].startswith('(generated') else ''} ({', '.join(sorted(groups))} " \
                f"rows: {time.time() - t0:.0f} s, `--only {a.only}`)"
         table = table[:2] + kept + table[2:]
     doc = doc[:i] + f"\n{took}\n\n" + "\n".join(table) + "\n" + doc[j:]

@@ -4,9 +4,9 @@
   ``megatron_spindle.launch``) on 2 CPU ranks of the tiny model;
 * :func:`bare_torchrun`: ``torchrun ... examples/pretrain_multitask_clip.py``, as the README's other path;
 * :func:`spindle`: the ``spindle`` command;
-* :func:`make_inputs`: every bad input file of issue 24 (specs, a plugin, plans, curves files, an empty
+* :func:`make_inputs`: every bad input file of the launch rows (specs, a plugin, plans, curves files, an empty
   data folder) in one directory;
-* :data:`BAD_INPUTS`: issue 24's bad flags and files, each refused by the launch script's check before any
+* :data:`BAD_INPUTS`: the launch rows' bad flags and files, each refused by the launch script's check before any
   worker starts: ``(finding, what, script args, environment, words the one line must hold)``.
 
 Every process a run starts carries ``SPINDLE_RUN_MARK`` in its environment, so :func:`run_processes` finds
@@ -278,7 +278,7 @@ def make_inputs(d: str) -> dict[str, str]:
 
 
 #: (finding, what, script args, environment, words the one line holds); placeholders from make_inputs. Findings
-#: are issue 24's bullets in order: 1 one --save, 2 orphans and hangs at start, 3 one line on the launch path,
+#: are the launch rows' groups in order: 1 one --save, 2 orphans and hangs at start, 3 one line on the launch path,
 #: 4 a huge spec, 5 a peer's failure, 6 signals and failed saves, 7 plan fields, 8 spec values, 9 curves,
 #: 10 flags.
 BAD_INPUTS = [

@@ -260,7 +260,7 @@ def test_device_json_round_trip_and_unknown_fields():
     assert dev.latency_ms("transformer_layer") == 1.0 and dev.latency_ms("lm_head") == DEV.latency_ms("lm_head")
 
 
-# --- the band's anchors (issue 31): the level's low edge, and a training anchor at large batch ----------------
+# --- the band's anchors: the level's low edge, and a training anchor at large batch ----------------
 #: SC21 Table 1 (Narayanan et al., arXiv 2104.04473), as docs/results/analytic_curves.md source 4 reads it:
 #: hidden -> share of peak end to end.
 SC21_TABLE1 = {2304: 0.44, 4096: 0.46}
@@ -291,7 +291,7 @@ def test_bert_large_pretraining_throughput_on_a100():
     assert abs(dle_error(DEV)) < 0.07
 
 
-#: The only training measurement at several small per-device batches found (issue 31's search): NVIDIA
+#: The only training measurement at several small per-device batches found in the stored corpus: NVIDIA
 #: DeepLearningExamples ``TensorFlow/LanguageModeling/BERT/README.md`` at commit 4b09b347 (2019-03-19), "Training
 #: performance results": SQuAD fine-tuning of BERT-large (24 layers, h 1024, sequence 384) on ONE V100, TensorFlow
 #: 19.03, FP16, XLA on (``scripts/run_squad.sh`` default), sentences/s: batch -> [measurements] (DGX-1 16G: 2, 3;

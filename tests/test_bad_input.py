@@ -1,4 +1,4 @@
-"""Bad input and faults of issue 12, case by case: exit status 2, one line naming the value, no traceback,
+"""Bad input and faults, case by case: exit status 2, one line naming the value, no traceback,
 nothing left behind (no temporary file, no process, no checkpoint of a bad state).
 
 Numbering follows the issue: (1) numeric failure, (4) late or garbled save failures, (5) bad values, (6) the

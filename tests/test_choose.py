@@ -1,4 +1,4 @@
-"""Whole-step choice (issue 14): backfilled and cross-level waves are valid plans, never longer than the
+"""Whole-step choice: backfilled and cross-level waves are valid plans, never longer than the
 waves they start from, and the plan with the shortest simulated step wins."""
 import pytest
 

@@ -26,7 +26,7 @@ COMMUNICATION = {
 
 #: Call sites still allowed outside the communication module while they are being routed through it:
 #: ``(file, function)``. While its file exists, each entry must still be there, so the list shrinks as they are
-#: routed and cannot hide new calls. Empty since the executor posts its P2P through ``comm`` (issue 9).
+#: routed and cannot hide new calls. Empty since the executor posts its P2P through ``comm``.
 PENDING: set[tuple[str, str]] = set()
 
 

@@ -1,4 +1,4 @@
-"""``spindle compare`` explains every row (issue 32, part 3): the best baseline, the parts of the difference,
+"""``spindle compare`` explains every row: the best baseline, the parts of the difference,
 the candidate that won, Spindle's own best waves, the whole-step bound under every system's step, and each
 plan's sync floor under its own step."""
 import json

@@ -1,4 +1,4 @@
-"""Issue 33, finding by finding, through the launch path (``scripts/run_multitask_clip.sh`` on 2 CPU ranks of
+"""Files, disk and terminal misbehaving, case by case, through the launch path (``scripts/run_multitask_clip.sh`` on 2 CPU ranks of
 the tiny model) or the ``spindle`` command: nothing lost when the files, the disk or the terminal misbehave.
 Exit status and line count are asserted for each; numbers in the test names are the issue's findings.
 """

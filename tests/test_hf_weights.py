@@ -1,4 +1,4 @@
-"""Pretrained weights from Hugging Face directories (issue 23, part 2) and the training logs (part 3).
+"""Pretrained weights from Hugging Face directories, and the training logs.
 
 Tiny models are made on the spot with ``transformers`` (random weights, ``save_pretrained``; no hub):
 ``scripts/make_tiny_hf.py`` builds them, so these are the README's models.

@@ -177,14 +177,14 @@ def test_planner_stages_import_only_earlier_stages():
 
 
 def test_no_planner_folder_holds_more_than_15_modules():
-    """A folder a reader takes in at once: the planner's folders split by concern (issue 34)."""
+    """A folder a reader takes in at once: the planner's folders split by concern."""
     big = {d.name: n for d in (PKG / "planner").iterdir() if d.is_dir()
            if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > 15}
     assert not big, big
 
 
 def test_every_module_fits_in_a_head():
-    """A few hundred lines per module, one idea each (STYLE.md): none over 450."""
+    """A few hundred lines per module, one idea each: none over 450."""
     long = [f"{p.relative_to(PKG)}: {n} lines" for p in sorted(PKG.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 450]
     assert not long, "\n".join(long)

@@ -1,4 +1,4 @@
-"""Spindle's waves inside task lanes (issue 32, part 1): the packing, and plans the whole-step choice can run."""
+"""Spindle's waves inside task lanes: the packing, and plans the whole-step choice can run."""
 import pytest
 
 from megatron_spindle.planner.simulation.simulate import simulate
@@ -98,7 +98,7 @@ def test_the_size_search_keeps_only_shorter_steps_and_the_lanes_least_shares():
 def test_the_searched_lanes_win_a_row_from_the_best_baseline():
     # Multitask-CLIP-10 on 256 devices: task-level's schedule (power-of-two lanes, a quarter of the devices idle)
     # was the best candidate; the lanes on whole islands, sizes searched by the step, beat it with Spindle's own
-    # waves (issue 32)
+    # waves
     from megatron_spindle.planner.tuning.tune import Workload
     cluster = load_cluster(None, num_devices=256)
     report: dict = {}

@@ -1,4 +1,4 @@
-"""Issue 24, finding by finding, through the launch path users take: ``scripts/run_multitask_clip.sh`` (its
+"""The launch rows of docs/reliability.md, case by case, through the launch path users take: ``scripts/run_multitask_clip.sh`` (its
 one-process check, then torchrun through ``megatron_spindle.launch``), a bare ``torchrun`` of an example
 script, and the ``spindle`` command. Exit status and line count are asserted for each.
 
@@ -228,7 +228,7 @@ def test_a_save_that_fails_leaves_no_tmp(tmp_path):
 
 
 def test_seven_tasks_on_four_ranks_hold_nccls_rules(tmp_path):
-    """Issue 30's failure: on 4 ranks with 7 tasks a boundary's batch carries several messages, and under NCCL
+    """A failure once seen: on 4 ranks with 7 tasks a boundary's batch carries several messages, and under NCCL
     ``batch_isend_irecv`` returns one work for the batch; pairing works with messages by position lost every
     message but the first (``input 1 assembled samples [], wanted [0, 16)``). ``SPINDLE_NCCL_RULES`` makes
     gloo return one work per batch and records every rank's calls; the run must match a single process and

@@ -1,4 +1,4 @@
-"""Issue 12, item 7: bounded input. Divisors by factorization, a one-line limit on devices and batch, and a
+"""Bounded input. Divisors by factorization, a one-line limit on devices and batch, and a
 warning when devices stay idle."""
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (hand-computable cases), and the band ``spindle compare`` reports (issue 31)."""
+"""Model FLOPs and MFU (hand-computable cases), and the band ``spindle compare`` reports."""
 import json
 
 import pytest

@@ -34,7 +34,7 @@ def test_shipped_specs_give_the_graphs_of_the_former_python_definitions():
 @pytest.mark.parametrize("key", sorted(GOLDEN["plans_16_gpus"]))
 def test_spindle_plan_with_the_spec_path_gives_the_makespan_of_the_name(key, capsys):
     # the golden plans_16_gpus numbers are the planner of commit 1994ac5; the planner has changed since
-    # (issue 14: whole-step choice, solver), so the spec path is compared with the name under today's planner
+    # (whole-step choice, solver), so the spec path is compared with the name under today's planner
     model, tasks = key.rsplit("-", 1)
     path = shipped_models()[model]
     got = {}
@@ -224,7 +224,7 @@ BAD = [
     ("temperature = 0.07", "temperature = 0.07\ntrainable = false", "modules.loss.trainable", "no weights"),
     ("[modules.loss]", "[modules.img.head2]\nshare = \"img.head\"\ntrainable = false\n[modules.loss]",
      "modules.img.head2.trainable", "one weight"),
-    # issue 24: finite values, the planner's limits, names that parse back
+    # finite values, the planner's limits, names that parse back
     ("temperature = 0.07", "temperature = nan", "modules.loss.temperature", "nan"),
     ("[tasks.pair]\nbatch = 16", "[tasks.pair]\nbatch = 16\nweight = inf", "tasks.pair.weight", "inf"),
     ("[modules.img.layers]\ntype = \"transformer_layer\"\nnum_layers = 2",

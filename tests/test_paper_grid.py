@@ -1,4 +1,4 @@
-"""Spindle against every tuned baseline on the paper's grid and beyond it (issue 22).
+"""Spindle against every tuned baseline on the paper's grid and beyond it.
 
 ``scripts/bench_paper.py`` tunes every system on the paper's Figure 8 grid and at 64, 256 and 1024 GPUs (an
 hour of planning on two cores) and writes each system's configuration and step to

@@ -1,4 +1,4 @@
-"""The path terms of the whole-step bound (issue 32, part 2): each cost floor at or below what the simulator
+"""The path terms of the whole-step bound: each cost floor at or below what the simulator
 charges, every random plan's pass and step at or above them, and a case where every plan must pay the sync
 that the bound without them leaves out."""
 import random

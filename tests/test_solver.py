@@ -1,4 +1,4 @@
-"""The HiGHS level solver (issue 14): optimal on small instances against brute force, valid bounds, and a
+"""The HiGHS level solver: optimal on small instances against brute force, valid bounds, and a
 planner that works without the solver package."""
 import functools
 import itertools
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(not solver.available(), reason="highspy is not i
 
 
 def written_on():
-    """The analytic device the built-in solver instances below were chosen on: issue 30's constants (transformer
+    """The analytic device the built-in solver instances below were chosen on: the constants (transformer
     floor 0.21 ms, every type by its operator count, ``max_efficiency`` 0.73). These tests exercise the solver on
-    those instances, not the cost model (issue 31 made the eager floor the default)."""
+    those instances, not the cost model (the default is now the eager floor)."""
     from megatron_spindle.planner.workload.analytic import FWD_BWD_OPS, DeviceModel
     return DeviceModel(max_efficiency=0.73, layer_latency_ms={k: round(0.21 * v / 55, 4) for k, v in FWD_BWD_OPS.items()})
 
@@ -422,7 +422,7 @@ def test_rebuild_shortens_the_annealing_best_on_clip7_16(monkeypatch):
     """On Multitask-CLIP-7 / 16 GPUs' encoders, with the planner's work limits, the ruin-and-recreate runs
     shorten the heuristics + dives + annealing's best when all six run (measured with the analytic curves of
     docs/results/analytic_curves.md: 129.92 -> 129.31 ms, 0.5%, found by the sixth seed) and stay above the
-    level's bound; by default they stop after two runs in a row find nothing shorter (issue 21's planning
+    level's bound; by default they stop after two runs in a row find nothing shorter (planning
     time), never longer than the annealing alone."""
     from megatron_spindle.planner.level import anneal as anneal_mod
     from megatron_spindle.planner.assembly.assemble import REBUILD_WORK

@@ -1,4 +1,4 @@
-"""The whole-step bound with sync (issue 32, part 2): at or below the simulated step of every plan tried.
+"""The whole-step bound with sync: at or below the simulated step of every plan tried.
 
 Random executable plans of a small workload (every allocation, layer split, wave packing and placement the
 generator draws, on fast and on slow links so that the sync decides) and every system's recorded step on the

@@ -1,4 +1,4 @@
-"""Whole-step local search (issue 32, part 1): never a longer step than its start, the same plan on every run,
+"""Whole-step local search: never a longer step than its start, the same plan on every run,
 valid plans, and a row where it shortens the step below every other candidate."""
 import pytest
 

@@ -142,8 +142,8 @@ def test_at_the_runs_own_passes_the_tuner_makes_a_plan_fit_where_the_plain_one_d
     cl = small_memory(8, 8)
     with pytest.raises(PlacementError):
         make_plan(g, cl, search=False)
-    # the instance as planned 2026-12-02, on issue 30's analytic constants (floor 0.21 ms, e_max 0.73): what is
-    # tested is the tuner's way out of memory, not the cost model (issue 31 made the eager floor the default)
+    # the instance on the analytic constants floor 0.21 ms, e_max 0.73: what is tested is the tuner's way out of
+    # memory, not the cost model (the default is now the eager floor)
     from megatron_spindle.planner.workload.analytic import FWD_BWD_OPS, DeviceModel
     dev = DeviceModel(max_efficiency=0.73, layer_latency_ms={k: round(0.21 * v / 55, 4) for k, v in FWD_BWD_OPS.items()})
     t = tune_spindle(FixedPasses(g, 16), cl, device=dev, hints=[Execution(passes=16)])

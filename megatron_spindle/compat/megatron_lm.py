@@ -3,9 +3,9 @@
 Megatron-LM's training loop assumes a GPU in a handful of start-up steps; past those, ``train_step``,
 ``evaluate``, checkpointing and logging run on the CPU with our hooks. :func:`apply_cpu_standins` replaces
 exactly those steps, once per process, and **does nothing when CUDA is available**. Each stand-in names
-the function it replaces and why. Steps 1-5 were seen failing at Megatron-LM tag ``core_v0.16.1`` (issue 10);
-with megatron-core 0.19.2's ``megatron.training`` (and a ``core_v0.19.0`` checkout) 1, 2, 6 and 7 were seen
-failing here without their stand-in, and all seven are applied on both lines:
+the function it replaces and why. Steps 1-5 fail without their stand-in at Megatron-LM tag ``core_v0.16.1``;
+with megatron-core 0.19.2's ``megatron.training`` (and a ``core_v0.19.0`` checkout) 1, 2, 6 and 7 fail
+without theirs, and all seven are applied on both lines:
 
 1. ``megatron.training.initialize.initialize_megatron`` asserts ``torch.cuda.is_available()`` unless
    ``allow_no_cuda``: called with ``allow_no_cuda=True``.

@@ -86,10 +86,14 @@ def use_te_backend(backend: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 # megatron configs and specs
 # --------------------------------------------------------------------------------------------------
-#: megatron.core 0.16's default ``cuda_graph_scope="full"`` warns on every config that "full" is deprecated in
-#: favour of the empty list, which means the same; pass the empty list where the field exists.
-_NO_CUDA_GRAPH_SCOPE = ({"cuda_graph_scope": []}
-                        if "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)} else {})
+_HAS_CUDA_GRAPH_SCOPE = "cuda_graph_scope" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def no_cuda_graph_scope() -> dict:
+    """Config keyword arguments for "no CUDA-graph scope": megatron.core 0.16's default ``cuda_graph_scope="full"``
+    warns on every config that "full" is deprecated in favour of the empty list, which means the same; the empty
+    list where the field exists (any config built from ``TransformerConfig``'s fields), nothing otherwise."""
+    return {"cuda_graph_scope": []} if _HAS_CUDA_GRAPH_SCOPE else {}
 
 
 #: MLP activations by the spec's name (``quick_gelu``: CLIP's ``x * sigmoid(1.702 x)``, megatron.core's own)
@@ -118,7 +122,7 @@ def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recomp
         normalization=c.normalization or "LayerNorm", layernorm_epsilon=c.norm_epsilon or 1e-5,
         init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **recompute_fields(recompute), **_NO_CUDA_GRAPH_SCOPE)
+        gradient_accumulation_fusion=False, **recompute_fields(recompute), **no_cuda_graph_scope())
 
 
 def parallel_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:

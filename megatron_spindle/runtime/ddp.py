@@ -16,7 +16,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from ..models.blocks import _NO_CUDA_GRAPH_SCOPE
+from ..models.blocks import no_cuda_graph_scope
 
 
 def driven_by_the_plan(force_all_reduce: bool = False) -> None:
@@ -45,7 +45,7 @@ def ddp_config_for(*, overlap: bool, bucket_size: int | None, grad_reduce_in_fp3
 def sum_config() -> TransformerConfig:
     """The model config DDP reads: only ``calculate_per_token_loss`` matters (sum, no 1/dp scaling)."""
     return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True,
-                             use_cpu_initialization=True, **_NO_CUDA_GRAPH_SCOPE)
+                             use_cpu_initialization=True, **no_cuda_graph_scope())
 
 
 def _noop(*_args) -> None:

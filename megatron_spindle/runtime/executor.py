@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -219,6 +220,11 @@ class SpindleModel(TransferPlumbing, nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The local parameters that train (frozen weights have ``requires_grad=False``)."""
         return [p for p in self.unique_parameters() if p.requires_grad]
+
+    @property
+    def layer_copies(self) -> Mapping[tuple[str, int], list[nn.Module]]:
+        """(param_key, TP shard) -> the local layers holding that weight (read-only view)."""
+        return MappingProxyType(self._copies)
 
     def held_param_keys(self) -> set[tuple[str, int]]:
         """(param_key, TP shard) this rank holds."""

@@ -141,7 +141,7 @@ class GradSync:
 
     Args:
         model: the executor's :class:`~.executor.SpindleModel` (its plan, rank, registry, local copies
-            ``_copies``, trace and timeout are read; built on every rank, in ``__init__`` order).
+            ``layer_copies``, trace and timeout are read; built on every rank, in ``__init__`` order).
         overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
         grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
@@ -164,7 +164,7 @@ class GradSync:
         for g in plan.param_groups:
             if self.rank not in g.ranks:
                 continue
-            mods = model._copies.get((g.param_key, g.tp_rank), [])
+            mods = model.layer_copies.get((g.param_key, g.tp_rank), [])
             if not mods:
                 raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
                                    f"but holds no copy of it")
@@ -213,7 +213,7 @@ class GradSync:
         self._copy_hooks = []
         self._copy_of: list[tuple[nn.Parameter, nn.Parameter]] = []   # (extra copy, parameter in DDP)
         ddp_of = {id(p): inst.ddp for inst in self.instances for p in inst.ddp.module.params}
-        for (key, shard), mods in sorted(model._copies.items()):
+        for (key, shard), mods in sorted(model.layer_copies.items()):
             if len(mods) < 2 or id(next(iter(mods[0].core.parameters()))) not in ddp_of:
                 continue
             main = dict(mods[0].core.named_parameters())

@@ -23,7 +23,7 @@ from ...argtypes import name_list
 from ...atomic import check_output
 from ..trainer.logs import check_log_args
 from ...planner.workload.workloads import build_graph
-from ..job.input_files import _need, check_spindle_inputs
+from ..job.input_files import require, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from ..job.lifeline import report_once
 
@@ -334,7 +334,7 @@ def check_args(args, world: int) -> None:
     instead of rank 0 printing it while the others die in a collective. Pure (no torch): numbers, the curves
     file, the cluster the planner would use, the task schedule, the checkpoint to resume and the save directory.
     """
-    need = _need
+    need = require
     for flag, v, low in (("--train-iters", args.train_iters, 1), ("--log-interval", args.log_interval, 1),
                          ("--micro-batch-size", args.micro_batch_size, 1),
                          ("--global-batch-size", args.global_batch_size, 1),
@@ -383,12 +383,12 @@ def check_spindle_values(args) -> None:
                          ("--spindle-predict-interval", args.spindle_predict_interval, 0),
                          ("--spindle-nonfinite-skips", getattr(args, "spindle_nonfinite_skips", 0), 0),
                          ("--spindle-trace-max-spans", getattr(args, "spindle_trace_max_spans", 1), 1)):
-        _need(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
+        require(v is None or v >= low, f"{flag} {v} must be {'at least 1' if low else 'zero or more'}")
     for flag, v in (("--spindle-timeout", args.spindle_timeout),
                     ("--spindle-startup-timeout", getattr(args, "spindle_startup_timeout", STARTUP_TIMEOUT_S))):
-        _need(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+        require(math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
               f"{flag} {v:g} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a day)")
-    _need(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
+    require(args.spindle_memory_gib is None or (math.isfinite(args.spindle_memory_gib) and args.spindle_memory_gib > 0),
           f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
 
 

@@ -93,7 +93,7 @@ def sharded_state_dict(model, optimizer=None) -> dict:
     tp_of = _tp_of(plan)
     groups = {(g.param_key, g.tp_rank): g.ranks for g in plan.param_groups}
     out = {}
-    for (key, shard), mods in sorted(model._copies.items()):
+    for (key, shard), mods in sorted(model.layer_copies.items()):
         idx = groups[(key, shard)].index(rank)
         for name, p in sorted(mods[0].core.named_parameters()):
             tp = tp_of[key]
@@ -306,7 +306,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
         for k, v in present.items():
             if loaded[k].data_ptr() != v.data.data_ptr():
                 v.data.copy_(loaded[k])
-        for mods in model._copies.values():  # a shard held twice on this rank (two TP groups): same values
+        for mods in model.layer_copies.values():  # a shard held twice on this rank (two TP groups): same values
             first = dict(mods[0].core.named_parameters())
             for other in mods[1:]:
                 for name, p in other.core.named_parameters():

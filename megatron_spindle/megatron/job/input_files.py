@@ -24,7 +24,7 @@ def init_of(args) -> dict[str, str]:
     ``--spindle-init MODULE=DIR`` (a flag wins over the spec for the same module). A MIMO provider's model has
     none: its provider loads what it wants."""
     if getattr(args, "spindle_model_provider", None):
-        _need(not getattr(args, "spindle_init", None), f"--spindle-init {' '.join(args.spindle_init)}: a MIMO "
+        require(not getattr(args, "spindle_init", None), f"--spindle-init {' '.join(args.spindle_init)}: a MIMO "
               f"provider's model (--spindle-model-provider) loads its own pretrained weights in its provider")
         return {}
     init = load_spec(args.spindle_model).init_for(args.spindle_size)
@@ -74,7 +74,7 @@ def check_curves_model(curves, path: str, model: str, size: str) -> None:
                          f"--size ...) or leave --spindle-curves out")
 
 
-def _need(ok: bool, msg: str) -> None:
+def require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
 
@@ -82,7 +82,7 @@ def _need(ok: bool, msg: str) -> None:
 def check_spindle_inputs(args, world: int, graph) -> None:
     """The ``--spindle*`` files and outputs (both loops): curves, cluster, pretrained weights, plan, data, Gantt,
     trace."""
-    need = _need
+    need = require
     curves = CurvesFile.load(args.spindle_curves) if args.spindle_curves else None
     if curves is not None:
         check_curves_model(curves, args.spindle_curves, graph.model, args.spindle_size)

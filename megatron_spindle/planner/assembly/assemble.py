@@ -63,7 +63,7 @@ ANNEAL_WORK = 80_000
 #: ... then ruin and recreate (:func:`..step.anneal.rebuild`): the wave fits its runs try in all, on such a level
 #: (0.02-0.1 s; a fit's cost grows with the level's MetaOps and devices).
 REBUILD_WORK = 72_000
-#: ... spent only while the level keeps the plan more than this over its certified bound (issue 14's 3%):
+#: ... spent only while the level keeps the plan more than this fraction over its certified bound:
 #: a plan already that close keeps its planning time.
 REBUILD_GAP = 0.03
 

@@ -28,7 +28,7 @@ schedules the one-layer moves do not (Multitask-CLIP-10 / 32 GPUs: 83.81 -> 83.4
 its best early or not at all, so :data:`REBUILD_STARTS` short runs with their own seeds start from the
 annealing's best, until one reaches the caller's goal (:mod:`.assemble` asks for the span that certifies
 the plan within 3%, and for none on a plan already that close) or :data:`REBUILD_FRUITLESS` runs in a row
-find nothing shorter than the best so far (issue 21: such a level rarely yields to the next runs either).
+find nothing shorter than the best so far (such a level rarely yields to the next runs either).
 
 Every table found shorter than the input (the annealing's best, each run's best) is returned as waves,
 polished (:mod:`.polish`, which sometimes takes a near-best table below the best), and the shortest is kept.
@@ -59,7 +59,7 @@ R_END = 0.0005
 #: Runs of the ruin-and-recreate search, each from the annealing's best with its own seed (a run mostly
 #: finds its best early or not at all: several short ones reach more than one long one).
 REBUILD_STARTS = 6
-#: ... and no more after this many runs in a row found nothing shorter than the best so far (issue 21: in
+#: ... and no more after this many runs in a row found nothing shorter than the best so far (in
 #: ``make_plan`` on the bench rows that run it, Multitask-CLIP-10 / 64 GPUs and OFASys-7 / 32 went 6 of 6
 #: fruitless, and the rule changed no plan; what it can lose: on Multitask-CLIP-7 / 16 GPUs' encoders, searched
 #: on their own, the sixth seed finds 0.5%, tests/test_solver.py).

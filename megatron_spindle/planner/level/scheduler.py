@@ -55,10 +55,9 @@ from .polish import polish
 from .waves import Wave, copy_waves, schedule_level
 
 SLACKS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
-#: The first local search's steps are half of issue 14's (issue 21, planning time): on the 24 rows of
-#: ``scripts/bench_planner.py`` and 10-task Multitask-CLIP on 256 and 1024 devices the halved searches gave the
-#: same plan's simulated step on every row but one (Multitask-CLIP-10 / 8 GPUs, 0.35% shorter) and moved the
-#: levels' span over its bound by at most 0.001 (Multitask-CLIP-4 / 64 GPUs).
+#: Steps of the first local search. Source: ``scripts/bench_planner.py``'s 24 rows and 10-task Multitask-CLIP on
+#: 256 and 1024 devices, against 60 steps: the same plan's simulated step on every row but one (Multitask-CLIP-10
+#: / 8 GPUs, 0.35% shorter) and the levels' span over its bound moved by at most 0.001.
 LOCAL_SEARCH_STEPS = 30
 #: Levels of at most SMALL_LEVEL MetaOps schedule fast enough to search longer (the larger ones, 14 and 20
 #: encoders in Multitask-CLIP-7 and -10, leave the time to the pattern LP's dives, :mod:`.patterns`).
@@ -66,8 +65,8 @@ SMALL_LEVEL = 12
 #: A level candidate with fewer waves is timed on the whole step when its span is within this of the best.
 ALT_SLACK = 0.03
 LOCAL_SEARCH_STEPS_SMALL = 100
-#: Steps of the second local search, on polished spans (:mod:`.polish`). A sixth of issue 14's since issue 21
-#: (planning time; with the third search's below): on the 24 rows of ``scripts/bench_planner.py`` and 10-task
+#: Steps of the second local search, on polished spans (:mod:`.polish`). Source, with the third search's below,
+#: against 150 steps: on the 24 rows of ``scripts/bench_planner.py`` and 10-task
 #: Multitask-CLIP on 256 and 1024 devices no plan's simulated step got longer (Multitask-CLIP-10 / 8 GPUs' 0.3%
 #: shorter) and a level-by-level makespan moved by at most 0.17% (OFASys-7 / 8 GPUs, longer; 0.6% shorter on
 #: Multitask-CLIP-4 / 16); the same results from 25 to 75 steps here and 10 to 25 on large levels.
@@ -76,8 +75,8 @@ POLISH_SEARCH_STEPS = 25
 POLISH_SEARCH_STEPS_LARGE = 10
 #: The second search's steps are shared among the candidates with the shortest polished waves, at most this many.
 POLISH_STARTS = 4
-#: Steps of a third one, on polished spans with finer moves, from the first one's result (two fifths of issue
-#: 14's since issue 21, measured with the second's above).
+#: Steps of a third one, on polished spans with finer moves, from the first one's result (measured with the
+#: second's above, against 100 steps).
 POLISH_SEARCH_STEPS_2 = 40
 POLISH_SEARCH_STEPS_2_LARGE = 10
 PROPOSE = ("paper", "all")

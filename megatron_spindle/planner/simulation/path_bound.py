@@ -1,4 +1,4 @@
-"""Path terms of the whole-step bound with communication (issue 32, part 2): every path of MetaOps pays its
+"""Path terms of the whole-step bound with communication: every path of MetaOps pays its
 boundary transfers, and its earliest gradients are complete only at the end of the backward.
 
 Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.timeline`, :mod:`.grad_buckets`,

@@ -1,4 +1,4 @@
-"""A certified lower bound on the whole step: compute, transfers and the cheapest gradient sync (issue 32, part 2).
+"""A certified lower bound on the whole step: compute, transfers and the cheapest gradient sync.
 
 ``Σ C*`` bounds the compute of level-by-level wave schedules only; a step also pays the gradient sync, which
 on thin per-device batches decides it. This bound holds for *every* wave plan of the given MetaOps, curves and

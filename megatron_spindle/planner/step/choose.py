@@ -22,7 +22,7 @@ transfer and sync, as the runtime runs them) over these whole-step candidates:
 4. the schedules of the baselines (:mod:`..systems.baselines`): sequential, task-level and intra-task, on the same
    MetaOps, curves and execution; and 5. every module on a fixed block of devices, level after level
    (:mod:`..systems.module_blocks`: its gradients are reduced within the blocks);
-6. Spindle's waves inside task lanes (:mod:`.lanes`, issue 32): each task's MetaOps scheduled by the level
+6. Spindle's waves inside task lanes (:mod:`.lanes`): each task's MetaOps scheduled by the level
    scheduler on a block of its own (no activations move between device sets), the blocks balanced (on any
    sizes or on whole islands), or packed in time so that a task starts on the devices of one that has
    finished; and the better balanced layout with its sizes searched by the simulated step;

@@ -1,5 +1,5 @@
 """Spindle's waves inside task lanes: a whole-step candidate that pays neither the transfers of waves that move a
-MetaOp between device sets nor the idle devices of fixed power-of-two task shares (issue 32, part 1).
+MetaOp between device sets nor the idle devices of fixed power-of-two task shares.
 
 On thin per-device batches the whole step is decided by what Spindle's level-by-level waves pay beyond
 compute: a MetaOp that moves between device sets from wave to wave moves its activations (across islands,
@@ -44,7 +44,8 @@ from ..simulation.simulate import step_time_ms
 from .step_search import critical_tasks
 
 #: Clusters larger than this get no lane candidates: their packing and the two more plans to time cost about
-#: two seconds at 1024 devices, where planning must stay under 3 s (issue 21), and they did not win there.
+#: two seconds at 1024 devices, where planning must stay under 3 s (the paper's planning time), and they did
+#: not win there.
 LANES_MAX_DEVICES = 512
 #: The suffix of the name of a candidate whose lane sizes :func:`size_search` chose.
 SIZED = "sized by step"

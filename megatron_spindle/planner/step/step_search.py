@@ -1,5 +1,5 @@
 """Whole-step local search: devices lent to the task that finishes last, shared weights whose sync is exposed
-moved where it is not (issue 32, part 1).
+moved where it is not.
 
 The whole-step choice (:mod:`.choose`) compares finished candidates; the best of them (task lanes, or a
 baseline's schedule) often keeps each task on a block of its own and idles: the blocks' sizes are valid

@@ -107,7 +107,7 @@ class Lane:
         return sum(seg.left * seg.layer_ms for seg in self.queue)
 
 
-class _Builder:
+class PlanBuilder:
     """Accumulates waves and ranks (keyed by (wave index, slice index)) as the baselines emit them."""
 
     def __init__(self) -> None:
@@ -173,7 +173,7 @@ class _Builder:
             self.wave(parts)
 
 
-def _finish(builder: _Builder, graph: TaskGraph, cluster: Cluster, metaops, curves, system: str,
+def finish_plan(builder: PlanBuilder, graph: TaskGraph, cluster: Cluster, metaops, curves, system: str,
             validate: bool, report: dict | None, *, passes: int = 1, distributed_optimizer: bool = False,
             memory_by: str = "phase") -> Plan:
     if report is not None:
@@ -195,7 +195,7 @@ def _prepare(graph: TaskGraph, cluster: Cluster, curves_file: CurvesFile | None,
     return metaops, curves
 
 
-def _blocks(shares: Sequence[int]) -> list[tuple[int, ...]]:
+def share_blocks(shares: Sequence[int]) -> list[tuple[int, ...]]:
     """Contiguous device blocks for ``shares``, largest first from device 0 (powers of two stay in islands)."""
     order = sorted(range(len(shares)), key=lambda i: (-shares[i], i))
     out: list[tuple[int, ...]] = [()] * len(shares)
@@ -217,12 +217,12 @@ def plan_sequential(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
     a task's activations are freed after its backward)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
-    b = _Builder()
+    b = PlanBuilder()
     for i, task in enumerate(graph.tasks):
         b.phase = i
         for m in task_metaops(metaops, task):
             b.solo(m, curves[m.name], best_count(m, curves[m.name], N, N))
-    return _finish(b, graph, cluster, metaops, curves, "sequential", validate, report, passes=passes,
+    return finish_plan(b, graph, cluster, metaops, curves, "sequential", validate, report, passes=passes,
                    distributed_optimizer=distributed_optimizer)
 
 
@@ -263,9 +263,9 @@ def plan_task_level(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
     lanes_idx = pack_lanes(tasks, curves, N)
     groups = [[m for i in lane for m in tasks[i]] for lane in lanes_idx]
     shares = marginal_gain_shares(groups, curves, N)
-    b = _Builder()
-    b.lanes([Lane.of(r, g, curves, N) for r, g in zip(_blocks(shares), groups)], N)
-    return _finish(b, graph, cluster, metaops, curves, "task-level", validate, report, passes=passes,
+    b = PlanBuilder()
+    b.lanes([Lane.of(r, g, curves, N) for r, g in zip(share_blocks(shares), groups)], N)
+    return finish_plan(b, graph, cluster, metaops, curves, "task-level", validate, report, passes=passes,
                    distributed_optimizer=distributed_optimizer, memory_by="task")
 
 
@@ -316,7 +316,7 @@ def plan_intra_task(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
     phase per task)."""
     metaops, curves = _prepare(graph, cluster, curves_file, device, prepared)
     N = cluster.num_devices
-    b = _Builder()
+    b = PlanBuilder()
     for i, task in enumerate(graph.tasks):
         b.phase = i
         pre, rest = branches(task_metaops(metaops, task))
@@ -324,10 +324,10 @@ def plan_intra_task(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFi
             rest = pre[0] + rest
         elif pre:
             shares = finish_together_shares(pre, curves, N)
-            b.lanes([Lane.of(r, g, curves, N) for r, g in zip(_blocks(shares), pre)], N)
+            b.lanes([Lane.of(r, g, curves, N) for r, g in zip(share_blocks(shares), pre)], N)
         for m in rest:
             b.solo(m, curves[m.name], best_count(m, curves[m.name], N, N))
-    return _finish(b, graph, cluster, metaops, curves, "intra-task", validate, report, passes=passes,
+    return finish_plan(b, graph, cluster, metaops, curves, "intra-task", validate, report, passes=passes,
                    distributed_optimizer=distributed_optimizer)
 
 

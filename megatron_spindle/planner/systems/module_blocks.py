@@ -20,7 +20,7 @@ from typing import Sequence
 from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.metaops import levels
-from .baselines import Lane, _blocks, _Builder, _finish
+from .baselines import Lane, share_blocks, PlanBuilder, finish_plan
 from .shares import finish_together_shares, min_share
 from ..assembly.plan import Plan
 from .static_grids import module_stages
@@ -36,9 +36,9 @@ def plan_module_blocks(graph: TaskGraph, cluster: Cluster, *, prepared, passes: 
     by_module = [[m for m in metaops if m.module == mod] for mod in modules]
     if sum(min_share(g, N) for g in by_module) > N:
         raise ValueError(f"{len(modules)} modules need more than {N} devices on blocks of their own")
-    blocks = dict(zip(modules, _blocks(finish_together_shares(by_module, curves, N))))
+    blocks = dict(zip(modules, share_blocks(finish_together_shares(by_module, curves, N))))
     stages = module_stages(metaops)
-    b = _Builder()
+    b = PlanBuilder()
     for phase, tasks in enumerate(groups or [graph.tasks]):
         b.phase = phase
         here = [m for lv in levels([m for m in metaops if m.task in tasks]) for m in lv]  # level order
@@ -46,5 +46,5 @@ def plan_module_blocks(graph: TaskGraph, cluster: Cluster, *, prepared, passes: 
             lanes = [Lane.of(blocks[mod], [m for m in here if m.module == mod], curves, N)
                      for mod in modules if stages[mod] == stage and any(m.module == mod for m in here)]
             b.lanes(lanes, N)
-    return _finish(b, graph, cluster, metaops, curves, "module-blocks", validate, None, passes=passes,
+    return finish_plan(b, graph, cluster, metaops, curves, "module-blocks", validate, None, passes=passes,
                    distributed_optimizer=distributed_optimizer)

@@ -136,12 +136,12 @@ class Tuned:
         return self.sim.step_ms if self.sim is not None else self.extra.get("step_ms")
 
 
-def _peak(plan: Plan) -> float:
+def plan_peak_bytes(plan: Plan) -> float:
     return max(peak_memory_bytes(plan))  # NCCL communicators included
 
 
-def _fits(plan: Plan, cluster: Cluster) -> bool:
-    return _peak(plan) <= cluster.memory_limit_bytes * (1 + 1e-9)
+def plan_fits(plan: Plan, cluster: Cluster) -> bool:
+    return plan_peak_bytes(plan) <= cluster.memory_limit_bytes * (1 + 1e-9)
 
 
 def note_over_memory(out: Tuned, ex: Execution, sim: StepSimulation, peak: float, cluster: Cluster) -> None:
@@ -151,7 +151,7 @@ def note_over_memory(out: Tuned, ex: Execution, sim: StepSimulation, peak: float
                                  f"GiB usable (its runtime's memory at {ex.label()})")
 
 
-def _first_fit(opts: Sequence[int], fits: Callable[[int], bool], hi: int | None = None) -> int | None:
+def first_fit(opts: Sequence[int], fits: Callable[[int], bool], hi: int | None = None) -> int | None:
     """Index of the smallest pass count in ``opts[:hi]`` that fits, by bisection (memory falls with ``P``)."""
     hi = len(opts) if hi is None else hi
     lo, found = 0, None
@@ -219,7 +219,7 @@ def _search(out: Tuned, wl: Workload, cluster: Cluster, fixed: Execution | None,
         bound = len(opts)
         for rc, z, tp in baseline_options():
             cheap = rc == "none" and not z and tp == 0
-            i = _first_fit(opts, lambda P: fits(Execution(passes=P, recompute=rc, distributed_optimizer=z, tp=tp)),
+            i = first_fit(opts, lambda P: fits(Execution(passes=P, recompute=rc, distributed_optimizer=z, tp=tp)),
                            None if cheap else bound)
             if i is None:
                 continue
@@ -242,7 +242,7 @@ def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: C
     def run(ex: Execution):
         p = plan_system(system, wl.graph(ex.passes), cluster, curves_file=curves_file, device=device,
                         validate=False, execution=ex)
-        return simulate(p, cluster, check_memory=False), _peak(p), p
+        return simulate(p, cluster, check_memory=False), plan_peak_bytes(p), p
 
     return _search(Tuned(system), wl, cluster, fixed, EXTRA_PASSES, run)
 

@@ -34,7 +34,7 @@ from ..assembly.execution import Execution, configure, task_groups
 from ..assembly.plan import Plan
 from ..simulation.simulate import simulate, step_time_ms
 from ..systems.baselines import BASELINES
-from .tune import Trial, Tuned, Workload, _first_fit, _fits, _peak, note_over_memory, tune_baseline
+from .tune import Trial, Tuned, Workload, first_fit, plan_fits, plan_peak_bytes, note_over_memory, tune_baseline
 
 #: Spindle configurations given the full search (the rest are ranked by the paper's pipeline alone).
 FULL_SEARCHES = 2
@@ -161,12 +161,12 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
         for k in counts:
             groups = task_groups(tasks, weights, k) if k > 1 else ()
             for zero1 in (False, True):
-                full = _first_fit(opts, lambda P: fits(Execution(passes=P, recompute="full", groups=groups,
+                full = first_fit(opts, lambda P: fits(Execution(passes=P, recompute="full", groups=groups,
                                                                  distributed_optimizer=zero1)))
                 if full is None:
                     continue
                 found = [least_recompute(opts[full], groups, zero1)]
-                plain = _first_fit(opts, lambda P: fits(Execution(passes=P, groups=groups,
+                plain = first_fit(opts, lambda P: fits(Execution(passes=P, groups=groups,
                                                                   distributed_optimizer=zero1)))
                 if plain is not None:
                     found.append(Execution(passes=opts[plain], groups=groups, distributed_optimizer=zero1))
@@ -178,7 +178,7 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
         p = fast(ex)
         if isinstance(p, Plan):
             t = step_time_ms(p, cluster)
-            out.tried.append(Trial(ex, t, _peak(p) / 2**30, _fits(p, cluster), "paper's pipeline"))
+            out.tried.append(Trial(ex, t, plan_peak_bytes(p) / 2**30, plan_fits(p, cluster), "paper's pipeline"))
             ranked.append((t, ex))
     ranked.sort(key=lambda r: r[0])
     finals = list(dict.fromkeys([ex for _, ex in ranked[:FULL_SEARCHES]] + list(hints)))
@@ -190,14 +190,14 @@ def tune_spindle(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile | No
         except (ValueError, KeyError) as e:
             out.tried.append(Trial(ex, None, None, False, str(e).splitlines()[0]))
             continue
-        ok = _fits(p, cluster)
+        ok = plan_fits(p, cluster)
         sim = simulate(p, cluster, check_memory=False)
-        out.tried.append(Trial(ex, sim.step_ms, _peak(p) / 2**30, ok, "full search"))
+        out.tried.append(Trial(ex, sim.step_ms, plan_peak_bytes(p) / 2**30, ok, "full search"))
         if ok and (out.sim is None or sim.step_ms < out.sim.step_ms * (1 - 1e-9)):
             out.execution, out.plan, out.sim = ex, p, sim
             out.extra["schedule"] = report.get("winner", "spindle")  # the whole-step candidate that won
         elif not ok and fixed is not None:
-            note_over_memory(out, ex, sim, _peak(p), cluster)
+            note_over_memory(out, ex, sim, plan_peak_bytes(p), cluster)
     if out.sim is None:
         notes = [t.note for t in out.tried if not t.fits and t.note not in ("", "paper's pipeline")]
         out.error = notes[0] if notes else "no configuration fits the devices' memory"

@@ -76,7 +76,7 @@ USABLE_MEMORY_FRACTION = 0.9
 #: Device memory one NCCL communicator holds on each member, MiB: NCCL's default buffer for the Simple protocol
 #: (``NCCL_BUFFSIZE``, 4 MiB, the documented default; ``DEFAULT_BUFFSIZE`` in NCCL's ``src/init.cc``) on each
 #: channel's ring connection, on 32 channels (NCCL's ``MAXCHANNELS``; an 8 x H100 node opened all 32 per peer
-#: in NCCL issue 1685's allocation log). The LL and LL128 protocols' buffers, tree connections and NVLink
+#: in the allocation log of NVIDIA/nccl#1685). The LL and LL128 protocols' buffers, tree connections and NVLink
 #: SHARP add to it where NCCL sets them up; fewer channels take less. The GPU check (``scripts/gpu_check.sh``,
 #: step ``runtime``) measures what one ``new_group`` takes on the device.
 NCCL_COMMUNICATOR_MIB = 4.0 * 32

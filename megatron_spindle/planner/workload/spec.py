@@ -44,7 +44,7 @@ from .graph import DATA_PREFIX, Operator, TaskGraph
 from .layer_types import load_plugin
 from .spec_layers import (NO_PARAMS, NO_VALUE, SpecError, check_int, check_module, check_name, check_task_values,
                           module_operators, warn_unused)
-from .spec_tables import _flatten_modules, _flatten_overrides, _init_table, _table
+from .spec_tables import flatten_modules, flatten_overrides, init_table, as_table
 
 log = get_logger(__name__)
 
@@ -267,7 +267,7 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         if k not in ("model", "modules", "tasks", "sizes"):
             raise SpecError(file, k, doc[k] if not isinstance(doc[k], dict) else NO_VALUE,
                             "unknown top-level key; keys: model, modules, tasks, sizes")
-    model = _table(file, "model", doc.get("model", {}))
+    model = as_table(file, "model", doc.get("model", {}))
     for k, v in model.items():
         if k not in _MODEL_KEYS:
             raise SpecError(file, f"model.{k}", v, f"unknown key; keys: {', '.join(sorted(_MODEL_KEYS))}")
@@ -303,7 +303,7 @@ def parse_spec(text: str, file: str) -> ModelSpec:
             log.info(f"layer plugin: ran {ran} (model.layer_plugins of {file}: a spec that names plugins runs "
                      f"their code; use only specs you trust)")
 
-    modules = _flatten_modules(file, doc.get("modules", {}))
+    modules = flatten_modules(file, doc.get("modules", {}))
     if not modules:
         raise SpecError(file, "modules", NO_VALUE, "missing: at least one module")
     if len(modules) > MAX_MODULES:
@@ -329,14 +329,14 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         else:
             check_module(file, f"modules.{m}", mod)
 
-    tasks = _table(file, "tasks", doc.get("tasks", {}))
+    tasks = as_table(file, "tasks", doc.get("tasks", {}))
     if not tasks:
         raise SpecError(file, "tasks", NO_VALUE, "missing: at least one task")
     if len(tasks) > MAX_TASKS:
         raise SpecError(file, "tasks", NO_VALUE, f"{len(tasks)} tasks: the planner accepts 1 to {MAX_TASKS}")
     for t, table in tasks.items():
         check_name(file, f"tasks.{t}", t, "a task name")
-        table = _table(file, f"tasks.{t}", table)
+        table = as_table(file, f"tasks.{t}", table)
         for k, v in table.items():
             if k not in _TASK_KEYS:
                 raise SpecError(file, f"tasks.{t}.{k}", v, f"unknown key; keys: {', '.join(sorted(_TASK_KEYS))}")
@@ -351,27 +351,27 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         raise SpecError(file, "model.task_counts", counts, f"must be increasing task counts between 1 and "
                                                            f"{len(tasks)} (the first K tasks are trained)")
 
-    sizes = _table(file, "sizes", doc.get("sizes", {}))
+    sizes = as_table(file, "sizes", doc.get("sizes", {}))
     for s, over in sizes.items():
-        over = _table(file, f"sizes.{s}", over)
+        over = as_table(file, f"sizes.{s}", over)
         if s == SIZE_FULL:
             raise SpecError(file, f"sizes.{s}", NO_VALUE, "'full' is the spec itself; name the other sizes")
         for k in over:
             if k not in ("model", "modules", "tasks"):
                 raise SpecError(file, f"sizes.{s}.{k}", NO_VALUE, "unknown key; keys: model, modules, tasks")
-        size_model = _table(file, f"sizes.{s}.model", over.get("model", {}))
+        size_model = as_table(file, f"sizes.{s}.model", over.get("model", {}))
         for k, v in size_model.items():
             if k not in _SIZE_MODEL_KEYS:
                 raise SpecError(file, f"sizes.{s}.model.{k}", v, "a size overrides model batch, passes, init")
             if k == "init":
-                size_model[k] = _init_table(file, f"sizes.{s}.model.init", v, modules)
+                size_model[k] = init_table(file, f"sizes.{s}.model.init", v, modules)
             else:
                 check_int(file, f"sizes.{s}.model.{k}", k, v)
-        flat = _flatten_overrides(file, f"sizes.{s}.modules", over.get("modules", {}), modules)
-        for t, keys in _table(file, f"sizes.{s}.tasks", over.get("tasks", {})).items():
+        flat = flatten_overrides(file, f"sizes.{s}.modules", over.get("modules", {}), modules)
+        for t, keys in as_table(file, f"sizes.{s}.tasks", over.get("tasks", {})).items():
             if t not in tasks:
                 raise SpecError(file, f"sizes.{s}.tasks.{t}", NO_VALUE, f"not a task; tasks: {', '.join(tasks)}")
-            keys = _table(file, f"sizes.{s}.tasks.{t}", keys)
+            keys = as_table(file, f"sizes.{s}.tasks.{t}", keys)
             for k, v in keys.items():
                 if k not in _TASK_KEYS - {"flow"}:
                     raise SpecError(file, f"sizes.{s}.tasks.{t}.{k}", v, "a size overrides batch, weight, tokens")
@@ -379,7 +379,7 @@ def parse_spec(text: str, file: str) -> ModelSpec:
         sizes[s] = {"modules": flat, "tasks": over.get("tasks", {}), "model": size_model}
     spec = ModelSpec(file=file, name=name, batch=batch, task_counts=tuple(counts), modules=modules,
                      tasks=tasks, sizes=sizes, passes=passes,
-                     init=_init_table(file, "model.init", model.get("init", {}), modules))
+                     init=init_table(file, "model.init", model.get("init", {}), modules))
     warn_unused(file, modules, tasks)
     for s in (SIZE_FULL, *sizes):  # shapes must chain at every size, for every task
         mods, tables = spec._sized(s)

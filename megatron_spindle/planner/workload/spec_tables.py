@@ -8,17 +8,17 @@ from typing import Any
 from .spec_layers import NO_VALUE, SpecError, check_value
 
 
-def _table(file: str, key: str, v: Any) -> dict:
+def as_table(file: str, key: str, v: Any) -> dict:
     if not isinstance(v, dict):
         raise SpecError(file, key, v, "must be a table")
     return v
 
 
-def _init_table(file: str, key: str, v: Any, modules: dict) -> dict[str, str]:
+def init_table(file: str, key: str, v: Any, modules: dict) -> dict[str, str]:
     """``init = { vision = "hf/clip" }``: module or component names -> model directories, relative paths taken
     from the spec's folder. The directories are read when a run starts (planning does not need them)."""
     out = {}
-    for name, path in _table(file, key, v).items():
+    for name, path in as_table(file, key, v).items():
         if not any(m == name or m.startswith(name + ".") for m in modules):
             raise SpecError(file, f"{key}.{name}", path, f"no module {name!r}; modules: {', '.join(modules)}")
         if not isinstance(path, str) or not path:
@@ -28,23 +28,23 @@ def _init_table(file: str, key: str, v: Any, modules: dict) -> dict[str, str]:
     return out
 
 
-def _flatten_modules(file: str, tree: dict, prefix: str = "modules") -> dict[str, dict]:
+def flatten_modules(file: str, tree: dict, prefix: str = "modules") -> dict[str, dict]:
     """``[modules.vision.layers]`` -> ``{"vision.layers": {...}}``: a table with a ``type`` (or ``share``)
     is a module, any other table groups modules."""
     out = {}
-    for k, v in _table(file, prefix, tree).items():
+    for k, v in as_table(file, prefix, tree).items():
         path = f"{prefix}.{k}"
-        v = _table(file, path, v)
+        v = as_table(file, path, v)
         if "type" in v or "share" in v:
             out[path[len("modules."):]] = v
         else:
             if not v:
                 raise SpecError(file, path, v, "an empty table: a module needs a type")
-            out.update(_flatten_modules(file, v, path))
+            out.update(flatten_modules(file, v, path))
     return out
 
 
-def _flatten_overrides(file: str, key: str, tree: dict, modules: dict[str, dict]) -> dict[str, dict]:
+def flatten_overrides(file: str, key: str, tree: dict, modules: dict[str, dict]) -> dict[str, dict]:
     """``[sizes.tiny.modules.vision.layers] hidden_size = 48`` -> ``{"vision.layers": {...}}``."""
     out: dict[str, dict] = {}
 
@@ -65,5 +65,5 @@ def _flatten_overrides(file: str, key: str, tree: dict, modules: dict[str, dict]
                                 f"{here or k!r} is not a module; modules: {', '.join(modules)}")
             walk(v, path + [k])
 
-    walk(_table(file, key, tree), [])
+    walk(as_table(file, key, tree), [])
     return out
