@@ -149,6 +149,8 @@ def test_mapped_flags_become_constraints_and_leave_megatrons_command_line():
         fc.constraints(["--tensor-model-parallel-size", "0"])
     parser = fc.Constraints(tp=4).provider(argparse.ArgumentParser())
     assert fc.Constraints.of(parser.parse_args([])) == fc.Constraints(tp=4)
+    parsed = build_parser().parse_args(["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])
+    assert fc.Constraints.of(parsed) == fc.Constraints(tp=2, distributed_optimizer=True)  # the loop's own parser
 
 
 def test_fallback_args_judges_every_megatron_flag():

@@ -306,8 +306,16 @@ class Constraints:
 
     @classmethod
     def of(cls, args) -> "Constraints":
-        """The constraints a run's parsed arguments carry (none where no loop put them there)."""
-        return cls(**(getattr(args, "spindle_constraints", None) or {}))
+        """The constraints a run's parsed arguments carry: ``args.spindle_constraints`` where a loop put them,
+        else the mapped flags as a parser that reads them (:func:`add_contract_args`) left them."""
+        given = getattr(args, "spindle_constraints", None)
+        if given is not None:
+            return cls(**given)
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        recompute = getattr(args, "recompute_granularity", None) or (
+            "selective" if getattr(args, "recompute_activations", False) else "none")
+        return cls(tp=tp if tp > 1 else 0, distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                   recompute=recompute)
 
     def flags(self) -> str:
         parts = [f"--tensor-model-parallel-size {self.tp}"] if self.tp > 1 else []
