@@ -138,6 +138,18 @@ def test_accepted(argv, loop):
     fc.check_flags(argv, loop)
 
 
+def test_megatron_lms_loop_needs_its_required_flags_and_refuses_built_in_only_ones():
+    with pytest.raises(ValueError, match="needs --micro-batch-size, --lr and --eval-interval"):
+        fc.check_megatron_command_line(["--spindle"], {})
+    with pytest.raises(ValueError, match="needs --eval-interval \\(it has no default for it"):
+        fc.check_megatron_command_line(["--micro-batch-size", "2"], {"lr": 1e-3})
+    with pytest.raises(ValueError, match="--spindle-data is refused in Megatron-LM's loop.*SPINDLE_BACKEND=loop"):
+        fc.check_megatron_command_line(["--spindle-data", "d", "--micro-batch-size", "2", "--lr", "1",
+                                        "--eval-interval", "9"], {})
+    fc.check_megatron_command_line(["--micro-batch-size", "2", "--lr", "1", "--eval-interval", "9"], {})
+    fc.check_megatron_command_line(["--help", "--pipeline-model-parallel-size", "2"], {})  # Megatron's help
+
+
 def test_mapped_flags_become_constraints_and_leave_megatrons_command_line():
     argv = ["--spindle", "--tensor-model-parallel-size", "2", "--recompute-granularity=full", "--recompute-method",
             "uniform", "--use-distributed-optimizer", "--lr", "1e-4"]

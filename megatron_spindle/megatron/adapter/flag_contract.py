@@ -270,6 +270,14 @@ def check_flags(argv, loop: str) -> None:
 MEGATRON_REQUIRED = (("--micro-batch-size", "micro_batch_size"), ("--lr", "lr"), ("--eval-interval", "eval_interval"))
 
 
+#: ``--spindle*`` flags Megatron-LM's loop cannot run (the built-in loop can): flag -> why.
+BUILT_IN_LOOP_ONLY = {
+    "--spindle-task-schedule": "replanning mid-run needs the built-in trainer (SPINDLE_BACKEND=loop)",
+    "--spindle-data": "energon data is wired into the built-in trainer only so far (Megatron's pretrain would train "
+                      "on synthetic data): SPINDLE_BACKEND=loop",
+}
+
+
 def check_megatron_command_line(argv, defaults: dict) -> None:
     """``argv`` checked for Megatron-LM's loop before Megatron parses it: :func:`check_flags`, and the flags
     Megatron's loop requires (unless ``defaults``, its ``args_defaults``, gives them), each a ``ValueError`` (one
@@ -278,9 +286,13 @@ def check_megatron_command_line(argv, defaults: dict) -> None:
         return
     check_flags(argv, "megatron")
     given = {f for f, _ in given_flags(argv)}
+    loop_only = sorted(given & set(BUILT_IN_LOOP_ONLY))
+    if loop_only:
+        raise ValueError(f"{loop_only[0]} is refused in Megatron-LM's loop: {BUILT_IN_LOOP_ONLY[loop_only[0]]}")
     missing = [flag for flag, key in MEGATRON_REQUIRED if flag not in given and defaults.get(key) is None]
     if missing:
-        raise ValueError(f"Megatron-LM's loop needs {' and '.join(missing)} (it has no default for "
+        named = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+        raise ValueError(f"Megatron-LM's loop needs {named} (it has no default for "
                          f"{'them' if len(missing) > 1 else 'it'}; the launch scripts pass them)")
 
 

@@ -25,7 +25,8 @@ from typing import Callable
 from ...argtypes import name_list
 from ...atomic import check_output
 from ..trainer.logs import check_log_args
-from .flag_contract import add_contract_args, check_flags, check_megatron_command_line, constraints, entries
+from .flag_contract import (BUILT_IN_LOOP_ONLY, add_contract_args, check_flags, check_megatron_command_line,
+                            constraints, entries)
 from ...planner.workload.workloads import build_graph
 from ..job.input_files import _need, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
@@ -257,12 +258,8 @@ def check_megatron_args(args) -> list[str]:
                    f"--dataloader-type external")
     if (get("save", None) or get("load", None)) and get("ckpt_format", "torch_dist") != "torch_dist":
         bad.append(f"--ckpt-format {get('ckpt_format')}: Spindle checkpoints are torch_dist (sharded) only")
-    if get("spindle_task_schedule", None):
-        bad.append("--spindle-task-schedule: replanning mid-run needs the built-in trainer "
-                   "(examples/pretrain_multitask_clip.py on a machine without megatron.training or CUDA)")
-    if get("spindle_data", None):
-        bad.append("--spindle-data: energon data is wired into the built-in trainer only so far "
-                   "(Megatron's pretrain would train on synthetic data)")
+    bad += [f"{flag}: {why}" for flag, why in BUILT_IN_LOOP_ONLY.items()
+            if get(flag[2:].replace("-", "_"), None)]
     if get("micro_batch_size", None) is None:
         bad.append("--micro-batch-size is required (samples of every task per rank per pass)")
     return bad

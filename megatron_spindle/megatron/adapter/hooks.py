@@ -6,8 +6,11 @@ tag ``core_v0.16.1`` (commit 55ac708; the findings are in ``docs/megatron_interf
 
 A run (``pretrain_spindle.py`` from ``patches/``, or :func:`pretrain_spindle` from a user's script):
 
-1. **Flags.** :func:`.flags.chain_args` is the ``extra_args_provider``: it adds the ``--spindle*`` flags
-   (:func:`.flags.add_spindle_args`), runs the user's provider and returns the parser.
+1. **Flags.** Before Megatron parses anything, the command line is checked against the flag contract
+   (:func:`.flag_contract.check_megatron_command_line`: a refused flag is one line, exit 2, on every rank) and
+   the mapped flags (``--tensor-model-parallel-size``, ``--recompute-granularity``) are taken off what Megatron
+   parses and handed to the plan as constraints. :func:`.flags.chain_args` is the ``extra_args_provider``: it adds
+   the ``--spindle*`` flags (:func:`.flags.add_spindle_args`), runs the user's provider and returns the parser.
 2. **Hooks** (:func:`install`). Megatron has no hook for the schedule, so we replace module globals of
    ``megatron.training.training`` (``train`` and ``evaluate`` look them up there at call time):
 
