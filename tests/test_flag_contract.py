@@ -150,6 +150,17 @@ def test_megatron_lms_loop_needs_its_required_flags_and_refuses_built_in_only_on
     fc.check_megatron_command_line(["--help", "--pipeline-model-parallel-size", "2"], {})  # Megatron's help
 
 
+def test_megatron_lms_batch_and_te_asserts_become_one_line(monkeypatch):
+    ok = ["--micro-batch-size", "4", "--lr", "1", "--eval-interval", "9"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--global-batch-size 12 is not a multiple of one pass's 8 samples"):
+        fc.check_megatron_command_line(ok + ["--global-batch-size", "12"], {})
+    fc.check_megatron_command_line(ok + ["--global-batch-size", "16"], {})
+    monkeypatch.setattr(fc, "te_installed", lambda: False)
+    with pytest.raises(ValueError, match="TransformerEngine is not installed here"):
+        fc.check_megatron_command_line(ok + ["--transformer-impl", "transformer_engine"], {})
+
+
 def test_mapped_flags_become_constraints_and_leave_megatrons_command_line():
     argv = ["--spindle", "--tensor-model-parallel-size", "2", "--recompute-granularity=full", "--recompute-method",
             "uniform", "--use-distributed-optimizer", "--lr", "1e-4"]

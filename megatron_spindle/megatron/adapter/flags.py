@@ -25,8 +25,8 @@ from typing import Callable
 from ...argtypes import name_list
 from ...atomic import check_output
 from ..trainer.logs import check_log_args
-from .flag_contract import (BUILT_IN_LOOP_ONLY, add_contract_args, check_flags, check_megatron_command_line,
-                            constraints, entries)
+from .flag_contract import (BUILT_IN_LOOP_ONLY, TE_MISSING, add_contract_args, check_flags, check_megatron_command_line,
+                            constraints, entries, te_installed)
 from ...planner.workload.workloads import build_graph
 from ..job.input_files import _need, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
@@ -360,10 +360,7 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
-    need(getattr(args, "transformer_impl", "local") != "transformer_engine"
-         or importlib.util.find_spec("transformer_engine") is not None,
-         "--transformer-impl transformer_engine: TransformerEngine is not installed here; install it or use "
-         "--transformer-impl local")
+    need(getattr(args, "transformer_impl", "local") != "transformer_engine" or te_installed(), TE_MISSING)
     need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
          "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
          "first plan's layout)")
