@@ -135,6 +135,10 @@ RULES: dict[str, tuple[str, str, str]] = {  # rule: (Megatron-LM's loop, the bui
         'loop (SPINDLE_BACKEND=megatron) or drop the flag'),
     "launcher": (NO_EFFECT, NO_EFFECT,
         "torchrun's (LOCAL_RANK in the environment); nothing for the flag to change"),
+    "mcore": (NO_EFFECT, NO_EFFECT,
+        "Spindle's layers are megatron.core's already: the flag asks for what every Spindle run does"),
+    "one_logger": (HONORED, NO_EFFECT,
+        "turns Megatron-LM's one-logger telemetry off in its loop; the built-in loop has none to turn off"),
     "workers": (NO_EFFECT, NO_EFFECT,
         "Spindle's data comes from its own iterators (--dataloader-type external): there is no DataLoader to "
         'give workers'),

@@ -197,7 +197,7 @@ TABLE: tuple[tuple[str, str], ...] = (  # (rule, its flags)
         "--delay-offload-until-cuda-graph --delta-offload-bytes-across-pp-ranks "
         "--activation-offload-fraction --moe-paged-stash --moe-paged-stash-page-size "
         "--moe-paged-stash-buffer-size-factor-cuda --moe-paged-stash-buffer-size-factor-cpu "
-        "--fine-grained-offloading-max-inflight-offloads --rope-type --use-mcore-models "
+        "--fine-grained-offloading-max-inflight-offloads --rope-type "
         "--warmup --freeze-all-layers --num-experts --moe-layer-freq --moe-use-upcycling "
         "--moe-router-load-balancing-type --moe-aux-loss-coeff --moe-upcycling-granularity "
         "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
@@ -307,8 +307,10 @@ TABLE: tuple[tuple[str, str], ...] = (  # (rule, its flags)
         "--disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace "
         "--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active "
         "--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec "
-        "--start-eval-at-iter --skip-train --test-mode --full-validation --no-one-logger"),
+        "--start-eval-at-iter --skip-train --test-mode --full-validation"),
     ("launcher", "--local-rank"),
+    ("mcore", "--use-mcore-models"),
+    ("one_logger", "--no-one-logger"),
     ("workers", "--num-workers"),
     ("freeze", "--freeze-ViT --freeze-LM"),
     ("eval_batch", "--eval-global-batch-size --eval-micro-batch-size"),
