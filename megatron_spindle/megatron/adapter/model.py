@@ -73,6 +73,9 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     the planner chooses among its candidates by ``passes`` x pass + one gradient sync, the step the run takes.
     Where Spindle's plain plan does not fit memory, the tuner (:mod:`...planner.tuning.tune_spindle`) adds
     recompute, phases and the distributed optimizer where memory binds, at the run's passes.
+    The mapped Megatron flags (:class:`.flag_contract.Constraints`: ``--tensor-model-parallel-size``,
+    ``--recompute-granularity``, ``--use-distributed-optimizer``) are the planner's ``Execution``, without the
+    tuner's fallback; a loaded plan must keep them (:func:`check_constraints`).
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """
     limits = Constraints.of(args)  # the mapped Megatron flags (--tensor-model-parallel-size, ...): the plan keeps them
