@@ -41,12 +41,15 @@ def test_pretrain_spindle_falls_back_to_the_trainer_with_one_notice(monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     caplog.set_level("INFO", logger="megatron_spindle")
-    hooks.pretrain_spindle(argv=["--spindle", "--micro-batch-size", "2", "--num-layers", "2", "--train-iters", "3"])
+    hooks.pretrain_spindle(argv=["--spindle", "--micro-batch-size", "2", "--pipeline-model-parallel-size", "1",
+                                 "--train-iters", "3"])  # a Megatron flag at its default: accepted
     notice = [r.getMessage() for r in caplog.records]
-    assert len(notice) == 1 and "built-in megatron.core trainer" in notice[0] and "--num-layers" in notice[0]
+    assert len(notice) == 1 and "built-in megatron.core trainer" in notice[0]
     args = seen["args"]
     assert args.spindle and args.train_iters == 3
     assert args.micro_batch_size == 2  # per rank, as in Megatron; model.graph_for multiplies by the world size
     with pytest.raises(SystemExit):
         flags.fallback_args(["--spindle-plna", "x"])
+    with pytest.raises(ValueError, match="--num-layers 2 is refused .*--spindle-model"):  # the flag contract
+        hooks.pretrain_spindle(argv=["--spindle", "--num-layers", "2"])
     capsys.readouterr()

@@ -3,15 +3,18 @@
 * :func:`add_spindle_args` is what Megatron-LM's ``pretrain(..., extra_args_provider=...)`` calls with its
   argparse parser (it must return the parser); :func:`chain_args` chains a user's provider after it.
 * :func:`add_training_args` adds, with Megatron's own names and defaults, the training flags the built-in
-  trainer reads when ``megatron.training`` is not used, so one launch command works in both modes;
-  :func:`fallback_args` parses a Megatron command line for it.
-* :func:`check_megatron_args`: Megatron settings a Spindle run cannot honour.
+  trainer reads when ``megatron.training`` is not used (with :func:`.flag_contract.add_contract_args`), so one
+  launch command works in both modes; :func:`fallback_args` parses a Megatron command line for it, judging every
+  other Megatron-LM flag by the contract (:mod:`.flag_contract`).
+* :func:`check_megatron_args`: Megatron settings a Spindle run cannot honour, for a caller of Megatron's
+  ``pretrain`` that did not go through :func:`..hooks.pretrain_spindle` (which checks the command line first).
 
 Pure argparse: no torch import.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -22,6 +25,8 @@ from typing import Callable
 from ...argtypes import name_list
 from ...atomic import check_output
 from ..trainer.logs import check_log_args
+from .flag_contract import (BUILT_IN_LOOP_ONLY, TE_MISSING, add_contract_args, check_flags, check_megatron_command_line,
+                            constraints, entries, te_installed)
 from ...planner.workload.workloads import build_graph
 from ..job.input_files import require, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
@@ -129,7 +134,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--log-interval", type=int, default=1, help="iterations between progress lines")
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory to write")
     g.add_argument("--load", default=None, metavar="DIR", help="checkpoint directory to resume from")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after a checkpoint when --save is given) once the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -165,6 +170,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The built-in trainer's parser: Megatron-named training flags plus the ``--spindle*`` flags."""
     parser = OneLineParser(description=description, allow_abbrev=False)
     add_training_args(parser)
+    add_contract_args(parser)
     return add_spindle_args(parser)
 
 
@@ -191,20 +197,27 @@ def chain_args(*providers: Callable | None) -> Callable:
 
 
 def fallback_args(argv=None, extra_args_provider: Callable | None = None):
-    """Parse ``argv`` for the built-in trainer, keeping Megatron's meaning of the batch flags.
+    """Parse ``argv`` for the built-in trainer, keeping Megatron's meaning of its flags.
 
-    Returns ``(args, ignored)``: flags the trainer does not know (Megatron-only ones such as ``--num-layers``)
-    are ignored and listed, except misspelt ``--spindle*`` flags, which are errors. ``--micro-batch-size``
-    is per rank in both, so a pass carries ``micro_batch_size x world`` samples per task.
+    Every Megatron-LM flag is judged by the contract first (:func:`.flag_contract.check_flags`: a refused one
+    is a ``ValueError``, one line); the mapped ones become ``args.spindle_constraints``
+    (:class:`.flag_contract.Constraints`). Returns ``(args, at_default)``: the Megatron-LM flags this parser does
+    not read because they are given at their default or have no effect here (``--pipeline-model-parallel-size
+    1``, ``--num-workers``). A flag that is neither Megatron-LM's nor Spindle's (a misspelt ``--spindle*``
+    flag included) is an error. ``--micro-batch-size`` is per rank, as in Megatron: a pass carries
+    ``micro_batch_size x world`` samples per task.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser("Spindle pretraining (built-in megatron.core trainer)")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
+    check_flags(argv, "loop")
     args, unknown = parser.parse_known_args(argv)
-    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
-    bad = [f for f in flags if f.startswith("--spindle")]
+    flags = [u.split("=", 1)[0] for u in unknown if u.startswith("--")]
+    bad = [f for f in flags if f.startswith("--spindle") or f not in entries()]
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (neither a Megatron-LM flag nor Spindle's)")
+    args.spindle_constraints = dataclasses.asdict(constraints(argv))
     return args, flags
 
 
@@ -245,12 +258,8 @@ def check_megatron_args(args) -> list[str]:
                    f"--dataloader-type external")
     if (get("save", None) or get("load", None)) and get("ckpt_format", "torch_dist") != "torch_dist":
         bad.append(f"--ckpt-format {get('ckpt_format')}: Spindle checkpoints are torch_dist (sharded) only")
-    if get("spindle_task_schedule", None):
-        bad.append("--spindle-task-schedule: replanning mid-run needs the built-in trainer "
-                   "(examples/pretrain_multitask_clip.py on a machine without megatron.training or CUDA)")
-    if get("spindle_data", None):
-        bad.append("--spindle-data: energon data is wired into the built-in trainer only so far "
-                   "(Megatron's pretrain would train on synthetic data)")
+    bad += [f"{flag}: {why}" for flag, why in BUILT_IN_LOOP_ONLY.items()
+            if get(flag[2:].replace("-", "_"), None)]
     if get("micro_batch_size", None) is None:
         bad.append("--micro-batch-size is required (samples of every task per rank per pass)")
     return bad
@@ -351,10 +360,7 @@ def check_args(args, world: int) -> None:
         need(math.isfinite(v) and 0 <= v < 1, f"{flag} {v:g} must be in [0, 1): the weight of the running "
                                               f"average's past")
     need(args.lr_warmup_iters >= 0, f"--lr-warmup-iters {args.lr_warmup_iters} must be zero or more")
-    need(getattr(args, "transformer_impl", "local") != "transformer_engine"
-         or importlib.util.find_spec("transformer_engine") is not None,
-         "--transformer-impl transformer_engine: TransformerEngine is not installed here; install it or use "
-         "--transformer-impl local")
+    need(getattr(args, "transformer_impl", "local") != "transformer_engine" or te_installed(), TE_MISSING)
     need(not (getattr(args, "spindle_data", None) and args.spindle_task_schedule),
          "--spindle-data cannot be combined with --spindle-task-schedule yet (each rank's samples follow the "
          "first plan's layout)")
@@ -396,14 +402,15 @@ def preflight_main(argv, description: str = "") -> int:
     """The launch scripts' check, in one process before torchrun starts any worker: parse ``argv`` as a
     worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), check
     it, and look at the ``--save`` lock. Where Megatron-LM's loop will run (``SPINDLE_BACKEND=megatron``, or
-    ``megatron.training`` and a GPU driver), Megatron judges its own flags: only the ``--spindle*`` flags and
-    files are checked here. Bad input prints one line; returns the exit status."""
+    ``megatron.training`` and a GPU driver), the flag contract and the ``--spindle*`` flags and files are checked
+    here; Megatron judges the values of its own flags. Bad input prints one line; returns the exit status."""
     try:
         world = world_from_env()
         gpu = os.path.exists("/proc/driver/nvidia/version")
         backend = os.environ.get("SPINDLE_BACKEND") or (
             "megatron" if gpu and importlib.util.find_spec("megatron.training") else "loop")
         if backend == "megatron":
+            check_megatron_command_line(argv, {})  # the contract, and what Megatron-LM's loop requires
             args = spindle_args(argv)
             check_spindle_values(args)
             args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here

@@ -6,8 +6,11 @@ tag ``core_v0.16.1`` (commit 55ac708; the findings are in ``docs/megatron_interf
 
 A run (``pretrain_spindle.py`` from ``patches/``, or :func:`pretrain_spindle` from a user's script):
 
-1. **Flags.** :func:`.flags.chain_args` is the ``extra_args_provider``: it adds the ``--spindle*`` flags
-   (:func:`.flags.add_spindle_args`), runs the user's provider and returns the parser.
+1. **Flags.** Before Megatron parses anything, the command line is checked against the flag contract
+   (:func:`.flag_contract.check_megatron_command_line`: a refused flag is one line, exit 2, on every rank) and
+   the mapped flags (``--tensor-model-parallel-size``, ``--recompute-granularity``) are taken off what Megatron
+   parses and handed to the plan as constraints. :func:`.flags.chain_args` is the ``extra_args_provider``: it adds
+   the ``--spindle*`` flags (:func:`.flags.add_spindle_args`), runs the user's provider and returns the parser.
 2. **Hooks** (:func:`install`). Megatron has no hook for the schedule, so we replace module globals of
    ``megatron.training.training`` (``train`` and ``evaluate`` look them up there at call time):
 
@@ -57,6 +60,7 @@ from ...runtime.trace import gather_chrome_trace
 from ..trainer import loop as trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators
+from .flag_contract import check_megatron_command_line, constraints, megatron_argv
 from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
 from ..checkpoint.directory import latest_iteration
 from ..job.lifeline import LIFE, signal_name
@@ -369,22 +373,22 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     if backend not in ("megatron", "loop"):
         raise ValueError(f"backend {backend!r}: must be 'megatron' or 'loop'")
     if backend == "loop":
-        args, ignored = fallback_args(argv, extra_args_provider)
-        log.info(f"spindle: {why}; training with the built-in megatron.core trainer instead"
-                 + (f" (ignoring Megatron-only flags {' '.join(ignored)})" if ignored else ""))
+        args, _ = fallback_args(argv, extra_args_provider)  # the contract's refusals first, one line
+        log.info(f"spindle: {why}; training with the built-in megatron.core trainer instead")
         try:
             return trainer.pretrain(args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_megatron_command_line(argv, {**MEGATRON_DEFAULTS, **(args_defaults or {})})  # before Megatron parses
+    limits = constraints(argv)  # the mapped flags, as the plan's constraints: Megatron sees its own flags only
     from megatron.training import get_args  # optional: megatron.training
-
 
     apply_wheel_standins()  # a megatron-core wheel: no Makefile for Megatron's `make` of the dataset helpers
     apply_cpu_standins()  # only without CUDA: Megatron-LM's CUDA-only start-up steps
-    if argv is not None:  # Megatron parses sys.argv
-        sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *megatron_argv(argv)]  # Megatron parses sys.argv
     install(always=True)
     early = spindle_args(argv)  # the start-up deadline, before Megatron parses
     LIFE.arm(min(early.spindle_startup_timeout, early.spindle_timeout))
@@ -392,7 +396,8 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     try:
         with cuda_on_cpu():
             run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
-                         forward_step, extra_args_provider=chain_args(local_layers_default, extra_args_provider),
+                         forward_step, extra_args_provider=chain_args(local_layers_default, limits.provider,
+                                                                      extra_args_provider),
                          args_defaults={**MEGATRON_DEFAULTS, **(args_defaults or {})})
     finally:
         LIFE.disarm()

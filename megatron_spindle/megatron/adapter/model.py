@@ -32,9 +32,12 @@ from ...planner.assembly.render import gantt, grid, summary
 from ...planner.tuning.tune_spindle import tune_spindle
 from ...planner.tuning.tune import FixedPasses
 from ...planner.assembly.validate import check_plan
+from ...planner.workload.metaops import tp_divides
+from ...planner.workload.recompute import options as recompute_options
 from ...runtime.executor import SpindleModel
 from .equivalence import check_first_step
 from ..job.input_files import check_plan_fields, init_of, load_plan
+from .flag_contract import Constraints
 from .flags import run_graph
 from ..job.gpu_node import node_cluster
 
@@ -70,22 +73,29 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     the planner chooses among its candidates by ``passes`` x pass + one gradient sync, the step the run takes.
     Where Spindle's plain plan does not fit memory, the tuner (:mod:`...planner.tuning.tune_spindle`) adds
     recompute, phases and the distributed optimizer where memory binds, at the run's passes.
+    The mapped Megatron flags (:class:`.flag_contract.Constraints`: ``--tensor-model-parallel-size``,
+    ``--recompute-granularity``, ``--use-distributed-optimizer``) are the planner's ``Execution``, without the
+    tuner's fallback; a loaded plan must keep them (:func:`check_constraints`).
     Collective. A planning error on rank 0 is raised on every rank with the same message.
     """
+    limits = Constraints.of(args)  # the mapped Megatron flags (--tensor-model-parallel-size, ...): the plan keeps them
     if args.spindle_plan:
         plan = load_plan(args.spindle_plan)
         check_plan(plan, graph_fingerprint=graph.fingerprint(), world_size=world)
         check_plan_fields(plan, graph, args.spindle_plan)
+        check_constraints(plan, limits, args.spindle_plan)
         return plan
+    execution = Execution(passes=passes, tp=limits.tp, distributed_optimizer=limits.distributed_optimizer,
+                          recompute=limits.recompute)
     box = [None]
     if dist.get_rank() == 0:
         try:
             cluster, curves = make_cluster(args, world, say=True)
             try:
                 p = plan_system("spindle" if args.spindle else "sequential", graph, cluster, curves_file=curves,
-                                passes=passes)
+                                execution=execution)
             except PlacementError as e:  # memory binds: recompute, phases, ZeRO-1 where they make it fit
-                if not args.spindle:
+                if not args.spindle or limits.given():  # the user's flags fixed them
                     raise
                 tuned = tune_spindle(FixedPasses(graph, passes), cluster, curves_file=curves,
                                      hints=[Execution(passes=passes)])
@@ -101,6 +111,23 @@ def plan_for(args, graph, world: int, *, passes: int = 1) -> Plan:
     if "error" in box[0]:
         raise ValueError(box[0]["error"])
     return Plan.from_json(box[0])
+
+
+def check_constraints(plan: Plan, limits: Constraints, path: str) -> None:
+    """A loaded plan must keep what the mapped Megatron flags ask (:class:`.flag_contract.Constraints`): one
+    ``ValueError`` naming the plan's choice and the flag otherwise."""
+    fix = "drop the flag, or drop --spindle-plan to plan with it"
+    if limits.distributed_optimizer and not plan.distributed_optimizer:
+        raise ValueError(f"--spindle-plan {path} keeps whole optimizer states in every slice, but "
+                         f"--use-distributed-optimizer asks for ZeRO-1 in every slice: {fix}")
+    for m in plan.metaops:
+        if (limits.tp > m.tp and m.tp_splittable and limits.tp <= plan.gpus_per_node and tp_divides(m.layer, limits.tp)
+                and m.valid_counts(plan.world_size)):
+            raise ValueError(f"--spindle-plan {path} runs MetaOp {m.name} at tensor-parallel {m.tp}, but "
+                             f"--tensor-model-parallel-size {limits.tp} asks for at least {limits.tp}: {fix}")
+        if limits.recompute != "none" and limits.recompute in recompute_options(m) and m.recompute != limits.recompute:
+            raise ValueError(f"--spindle-plan {path} runs MetaOp {m.name} with recompute {m.recompute}, but "
+                             f"--recompute-granularity {limits.recompute} asks for {limits.recompute}: {fix}")
 
 
 def step_passes(plan: Plan, global_batch: int | None, per_pass: int) -> int:
@@ -152,6 +179,12 @@ def log_plan(args, plan: Plan, graph, world: int, passes: int | None = None) -> 
     per = f"batch {graph.operators[0].batch} per task per pass" + (f" x {passes} passes" if passes else "")
     log.info(f"spindle: {what} for {graph.model} ({len(graph.tasks)} tasks, {args.spindle_size}) on {world} "
              f"ranks, {per}")
+    limits = Constraints.of(args)
+    if limits.given():
+        log.info(f"spindle: the plan keeps {limits.flags()} (Megatron's flags as constraints: docs/megatron.md)")
+    if not getattr(args, "spindle_data", None):
+        log.info("spindle: training on synthetic data (seeded random samples of every task's shapes); "
+                 "--spindle-data DIR trains on one megatron-energon dataset per task")
     log.info(grid(plan))
     log.info(summary(plan))
     analytic = [m for m, c in plan.curves if c.source != "measured"]
