@@ -117,6 +117,15 @@ def report_once(line: str, key: str = "error") -> None:
     _write_line(line)
 
 
+def say_per_node(line: str, key: str) -> None:
+    """``line`` on stderr once per node under torchrun (:func:`report_once`: each node's output may be read
+    alone), else on rank 0: the line every rank of a job would print alike, such as a stop that all agreed on."""
+    if under_torchrun():
+        report_once(line, key=key)
+    elif env_rank() == 0:
+        _write_line(line)
+
+
 class Lifeline:
     """The process's watchdog: signals, the start-up deadline, and (without ``prctl``) the launcher's death.
 
@@ -222,8 +231,9 @@ class Lifeline:
         os._exit(status)
 
     def stop_with(self, line: str, status: int) -> None:
-        """Stop the process now: ``line`` on rank 0, then :meth:`exit`."""
-        self._die(line, status)
+        """Stop the process now: ``line`` once per node (:func:`say_per_node`), then :meth:`exit`."""
+        say_per_node(line, "stopped")
+        self.exit(status)
 
     def _die(self, line: str, status: int, *, everyone: bool = False, once: bool = False) -> None:
         if once:
