@@ -406,7 +406,9 @@ def preflight_main(argv, description: str = "") -> int:
         if backend == "megatron":
             args = spindle_args(argv)
             check_spindle_values(args)
-            args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
+            # Megatron judges its own flag; the graph (and a --spindle-plan's fingerprint) is at the run's batch
+            micro = _known(argv, "--micro-batch-size")
+            args.micro_batch_size = int(micro) if micro and micro.isdigit() and int(micro) > 0 else None
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
             if save:
