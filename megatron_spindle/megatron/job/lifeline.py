@@ -117,12 +117,11 @@ def report_once(line: str, key: str = "error") -> None:
     _write_line(line)
 
 
-def say_per_node(line: str, key: str) -> None:
-    """``line`` on stderr once per node under torchrun (:func:`report_once`: each node's output may be read
-    alone), else on rank 0: the line every rank of a job would print alike, such as a stop that all agreed on."""
-    if under_torchrun():
-        report_once(line, key=key)
-    elif env_rank() == 0:
+def say_per_node(line: str) -> None:
+    """``line`` on stderr by local rank 0 under torchrun (once per node: each node's output may be read alone),
+    else by rank 0: a line every rank of a job would print alike, such as a stop that all agreed on."""
+    local = os.environ.get("LOCAL_RANK", "0") if under_torchrun() else str(env_rank())
+    if local.strip() == "0":
         _write_line(line)
 
 
@@ -232,7 +231,7 @@ class Lifeline:
 
     def stop_with(self, line: str, status: int) -> None:
         """Stop the process now: ``line`` once per node (:func:`say_per_node`), then :meth:`exit`."""
-        say_per_node(line, "stopped")
+        say_per_node(line)
         self.exit(status)
 
     def _die(self, line: str, status: int, *, everyone: bool = False, once: bool = False) -> None:

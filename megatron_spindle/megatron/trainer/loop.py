@@ -325,7 +325,7 @@ class Trainer:
                      f"(--exit-signal-handler)")
             return
         say_per_node(f"stopped by {signal_name(sig)} after iteration {it + 1} of {args.train_iters}; "
-                     f"{self.last_checkpoint()}", "stopped")  # each node's output says it
+                     f"{self.last_checkpoint()}")  # each node's output says it
         raise Stopped(sig)
 
     def train(self) -> dict:
