@@ -52,11 +52,20 @@ def test_the_scripts_add_what_megatrons_loop_needs_unless_given():
     assert added_flags(mimo, 2, "loop")[:1] == ["--micro-batch-size"]
 
 
-def _check(tmp: str, plan: str, micro: str) -> subprocess.CompletedProcess:
-    """The launch script's one-process check of ``--spindle-plan`` for a job of 2 ranks under Megatron-LM's loop."""
-    env = base_env(SPINDLE_PREFLIGHT=1, SPINDLE_BACKEND="megatron", WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+def _check(tmp: str, plan: str, micro: str, *more, backend: str = "megatron") -> subprocess.CompletedProcess:
+    """The launch script's one-process check of ``--spindle-plan`` for a job of 2 ranks (Megatron-LM's loop unless
+    told)."""
+    env = base_env(SPINDLE_PREFLIGHT=1, SPINDLE_BACKEND=backend, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
     return subprocess.run([sys.executable, EXAMPLE, *TINY_CLIP, "--spindle", "--spindle-plan", plan,
-                           "--micro-batch-size", micro], env=env, cwd=tmp, capture_output=True, text=True, timeout=120)
+                           "--micro-batch-size", micro, *more], env=env, cwd=tmp, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _one_line(r: subprocess.CompletedProcess, *words) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +79,19 @@ def plan8(tmp_path_factory):
     return path
 
 
-def test_the_scripts_check_takes_a_plan_at_the_runs_batch(tmp_path, plan8):
-    ok = _check(str(tmp_path), plan8, "4")
+@pytest.mark.parametrize("backend", ["megatron", "loop"])
+def test_the_scripts_check_takes_a_plan_at_the_runs_batch(tmp_path, plan8, backend):
+    """A plan made for the run's batch passes; one for another batch, another global batch or another world size
+    is one line before any worker starts, in both loops."""
+    ok = _check(str(tmp_path), plan8, "4", "--global-batch-size", "8", backend=backend)
     assert ok.returncode == 0 and ok.stderr.strip() == "", ok.stderr
-    other = _check(str(tmp_path), plan8, "2")
-    lines = other.stderr.strip().splitlines()
-    assert other.returncode == 2 and len(lines) == 1, other.stderr
-    assert "plan was made for model 'multitask-clip'" in lines[0] and "re-plan" in lines[0]
+    _one_line(_check(str(tmp_path), plan8, "2", backend=backend), "plan was made for model 'multitask-clip'", "re-plan")
+    _one_line(_check(str(tmp_path), plan8, "4", "--global-batch-size", "16", backend=backend),
+              "--global-batch-size 16 is not the plan's 1 pass per step x 8 samples per pass")
+    four = os.path.join(str(tmp_path), "plan4.json")
+    assert spindle(["plan", "--model", "multitask-clip", "--size", "tiny", "--tasks", "4", "--gpus", "4", "--batch",
+                    "8", "--passes", "1", "--out", four], str(tmp_path)).rc == 0
+    _one_line(_check(str(tmp_path), four, "4", backend=backend), "plan is for 4 devices but the job has 2")
 
 
 @needs_training

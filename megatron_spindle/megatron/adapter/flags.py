@@ -407,8 +407,9 @@ def preflight_main(argv, description: str = "") -> int:
             args = spindle_args(argv)
             check_spindle_values(args)
             # Megatron judges its own flag; the graph (and a --spindle-plan's fingerprint) is at the run's batch
-            micro = _known(argv, "--micro-batch-size")
-            args.micro_batch_size = int(micro) if micro and micro.isdigit() and int(micro) > 0 else None
+            for name in ("micro_batch_size", "global_batch_size"):
+                v = _known(argv, "--" + name.replace("_", "-"))
+                setattr(args, name, int(v) if v and v.isdigit() and int(v) > 0 else None)
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
             if save:
