@@ -5,8 +5,9 @@
 #   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29517]
 #   GPUS_PER_NODE [all GPUs torch sees; 4 CPU ranks with gloo when it sees none; more than it sees: refused]
 #   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30]
-#   MICRO_BATCH [model default on GPU; CPU_MICRO_BATCH (4) on CPU]: samples per task per rank in one pass (as in Megatron);
-#     a pass of the plan carries MICRO_BATCH x ranks samples of every task
+#   MICRO_BATCH [on GPU: the model's smallest per-task batch of one pass over the ranks, at least 1; CPU_MICRO_BATCH (4)
+#     on CPU]: samples per task per rank in one pass (as in Megatron); a pass of the plan carries MICRO_BATCH x ranks
+#     samples of every task
 #   OUT [out/multitask_clip in the checkout]: plan.png and trace.json go here; a relative OUT, like every relative
 #     path in the flags, is relative to the directory the script is started from
 #   SPINDLE [1]: 0 runs every task over all ranks one after another (Megatron's way) for comparison
@@ -14,7 +15,10 @@
 #     from the last checkpoint in --save)
 #   SHUTDOWN_TIMEOUT [120]: seconds torchrun gives the workers after forwarding SIGINT/SIGTERM (finish the step,
 #     and with --exit-signal-handler save) before it kills them; torchrun's own default is 30
-# Extra arguments pass through to examples/pretrain_multitask_clip.py (see its --help).
+# Extra arguments pass through to examples/pretrain_multitask_clip.py (see its --help). Where they leave out a training
+# flag Megatron-LM's loop cannot start without (--micro-batch-size on GPU; under Megatron-LM's loop --lr: the built-in
+# loop's default, --eval-interval 1000 --eval-iters 10), the script adds it and says so in its second line
+# (megatron_spindle/megatron/job/launch_defaults.py).
 #
 # Every flag and input file is checked first, in this one process (exit status 2 and one line, no worker
 # started); then torchrun runs through megatron_spindle.launch, which ends as the workers say (one line each,
@@ -24,6 +28,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 SCRIPT=${SCRIPT:-$REPO/examples/pretrain_multitask_clip.py}
+SCRIPT_MODEL=${SCRIPT_MODEL:-multitask-clip}  # the model SCRIPT trains unless --spindle-model names another
 OUT=${OUT:-$REPO/out/multitask_clip}
 PY=${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3 )}
 # The device is what torch sees (not a driver file); one line says what was chosen. GPUS_PER_NODE asking for
@@ -50,6 +55,7 @@ else
   BACKEND=${SPINDLE_BACKEND:-loop}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 fi
+export SPINDLE_BACKEND=$BACKEND  # the check below and every worker run the loop this line names
 echo "spindle launch: backend $BACKEND ($([ "$BACKEND" = megatron ] && echo "Megatron-LM's pretrain" || echo "built-in megatron.core loop")), device $DEVICE, model size $MODEL_SIZE, ranks $(( ${NNODES:-1} * GPUS_PER_NODE )) (${NNODES:-1} node(s) x $GPUS_PER_NODE)"
 ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"
       --spindle-trace "$OUT")
@@ -62,6 +68,13 @@ fi
 for a in "$@"; do
   if [ "$a" = "--help" ] || [ "$a" = "-h" ]; then exec "$PY" "$SCRIPT" --help; fi
 done
+ADDED=$(WORLD_SIZE=$(( ${NNODES:-1} * GPUS_PER_NODE )) "$PY" -m megatron_spindle.megatron.job.launch_defaults \
+  "$SCRIPT_MODEL" "${ARGS[@]}" "$@") || exit $?
+if [ -n "$ADDED" ]; then
+  mapfile -t MORE <<<"$ADDED"
+  ARGS+=("${MORE[@]}")
+  echo "spindle launch: added ${MORE[*]} (your flags leave them out; docs/training.md)"
+fi
 mkdir -p "$OUT"
 SPINDLE_PREFLIGHT=1 WORLD_SIZE=$(( ${NNODES:-1} * GPUS_PER_NODE )) LOCAL_WORLD_SIZE=$GPUS_PER_NODE \
   "$PY" "$SCRIPT" "${ARGS[@]}" "$@" || exit $?

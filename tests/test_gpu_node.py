@@ -185,6 +185,7 @@ FAKE_PY = """#!/usr/bin/env bash
 case "$*" in
   *device_count*) echo "1 NVIDIA_H200";;
   *megatron.training*) exit 1;;
+  *launch_defaults*) echo "--micro-batch-size"; echo "4";;
   *) echo "worker started: $*"; exit 7;;
 esac
 """
@@ -215,6 +216,8 @@ def test_launch_says_what_it_chose(tmp_path, script):
     line = proc.stdout.splitlines()[0]
     assert line == ("spindle launch: backend loop (built-in megatron.core loop), device 1 x NVIDIA H200 per node "
                     "(NCCL), model size full, ranks 1 (1 node(s) x 1)"), proc.stdout
+    assert ("spindle launch: added --micro-batch-size 4 (your flags leave them out; docs/training.md)"
+            in proc.stdout.splitlines()), proc.stdout  # the stand-in's answer for the model's batch per rank
     assert proc.returncode == 7  # then the one-process check ran (the stand-in interpreter stops there)
 
 

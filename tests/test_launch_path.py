@@ -12,6 +12,7 @@ the kills it recovers from.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from launch_path import (BAD_INPUTS, base_env, bare_torchrun, fill_disk, free_port, launch, make_inputs,
+from launch_path import (BAD_INPUTS, base_env, bare_torchrun, fill_disk, free_port, launch, losses, make_inputs,
                          run_processes, spindle, start, substitute)
 
 
@@ -245,3 +246,62 @@ def test_seven_tasks_on_four_ranks_hold_nccls_rules(tmp_path):
     events = [pickle.loads((rules / f"rank{k}.pkl").read_bytes()) for k in range(4)]
     assert comm_check.check(events) == []
     assert any(len(e[1]) > 1 for evs in events for e in evs if e[0] == "p2p")  # batches of several messages
+
+
+# --------------------------------------------------------------------------------------------------
+# Two nodes on one machine: two launchers (NODE_RANK 0 and 1), as on two hosts
+# --------------------------------------------------------------------------------------------------
+def _loss_numbers(out: str) -> dict[int, list[float]]:
+    """{iteration: the mean loss and every task's loss of rank 0's progress line}"""
+    return {it: [float(x) for x in re.findall(r"-?\d+\.\d+(?:e[-+]?\d+)?", text)] for it, text in losses(out).items()}
+
+
+def _two_nodes(tmp: str, iters: int, args=(), **env) -> list:
+    port = free_port()
+    return [launch(list(args), tmp, NNODES=2, NODE_RANK=n, GPUS_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   TRAIN_ITERS=iters, OUT=os.path.join(tmp, f"out{n}"), **env) for n in (0, 1)]
+
+
+def test_two_nodes_of_two_ranks_train_as_one_node_of_four(tmp_path):
+    """``NNODES=2`` with ``NODE_RANK`` 0 and 1 on one machine (two launchers, 2 ranks each, a static rendezvous
+    at ``MASTER_ADDR=127.0.0.1``) trains with the losses of one node of 4 ranks (the planner sees islands of 2
+    there, of 4 here: another plan, the same model, within float32 rounding)."""
+    one = launch([], str(tmp_path), GPUS_PER_NODE=4, TRAIN_ITERS=3).wait(600)
+    assert one.rc == 0, one.err[-5:]
+    nodes = [r.wait(600) for r in _two_nodes(str(tmp_path), 3)]
+    for r in nodes:
+        assert r.rc == 0 and not r.errors and not r.left, (r.rc, r.err[-5:])
+    assert "ranks 4 (2 node(s) x 2)" in nodes[0].out
+    want, got = _loss_numbers(one.out), _loss_numbers(nodes[0].out)
+    assert sorted(want) == sorted(got) == [1, 2, 3], (want, got)
+    for it in want:
+        assert len(got[it]) == len(want[it]) == 5
+        for a, b in zip(got[it], want[it]):
+            assert abs(a - b) <= 1e-5 * abs(b) + 1.5e-4, (it, got[it], want[it])  # printed to 4 decimals
+    final = [json.loads(r.out.strip().splitlines()[-1])["final_loss"] for r in (one, nodes[0])]
+    assert abs(final[0] - final[1]) <= 1e-5 * abs(final[0]), final  # the summary line: full precision
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_node_stopped_mid_run_ends_both_nodes(tmp_path, how):
+    """Node 1 ends mid-run. ``SIGKILL`` to every process of it (the host went away): node 0 ends with status 3,
+    each of its ranks in one line naming the operation that failed. ``SIGTERM`` to its launcher (a scheduler ending the job there): the
+    launcher forwards it, every rank of both nodes agrees to stop after the step, and each node ends with status
+    143 and one line. No process of either node is left."""
+    runs = _two_nodes(str(tmp_path), 300, args=["--spindle-timeout", "60"])
+    runs[0].wait_for(r"iteration\s+2/300", timeout=600)
+    if how == "SIGKILL":
+        os.killpg(runs[1].proc.pid, signal.SIGKILL)
+    else:
+        runs[1].proc.send_signal(signal.SIGTERM)
+    node0, node1 = runs[0].wait(300), runs[1].wait(300)
+    for r in (node0, node1):
+        assert "Traceback" not in r.out + "\n".join(r.err)
+        assert not r.left, r.left
+    if how == "SIGKILL":
+        assert node0.rc == 3 and 1 <= len(node0.err) <= 2, (node0.rc, node0.err)  # one line per rank at most
+        assert all(re.match(r"error: rank [01]: .*(failed|timed out)", line) for line in node0.err), node0.err
+        assert node1.rc == -signal.SIGKILL
+    else:
+        for r in (node0, node1):
+            assert r.rc == 143 and len(r.err) == 1 and "SIGTERM" in r.err[0], (r.rc, r.err)

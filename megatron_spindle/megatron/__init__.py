@@ -9,5 +9,6 @@
 * :mod:`.checkpoint`: distributed checkpoints (``save_load``), their files and manifest (``files``) and the
   save directory (``directory``, torch-free);
 * :mod:`.job`: the launch checks: exit statuses and signals (``lifeline``), the ranks' agreement and the save
-  lock (``preflight``), the files the flags name (``input_files``), the GPU node (``gpu_node``).
+  lock (``preflight``), the files the flags name (``input_files``), the GPU node (``gpu_node``), the training flags the launch scripts
+  add (``launch_defaults``).
 """

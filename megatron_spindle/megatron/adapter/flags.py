@@ -413,7 +413,10 @@ def preflight_main(argv, description: str = "") -> int:
             check_megatron_command_line(argv, {})  # the contract, and what Megatron-LM's loop requires
             args = spindle_args(argv)
             check_spindle_values(args)
-            args.micro_batch_size = None  # Megatron's flag, judged by Megatron; the spec's batch here
+            # Megatron judges its own flag; the graph (and a --spindle-plan's fingerprint) is at the run's batch
+            for name in ("micro_batch_size", "global_batch_size"):
+                v = _known(argv, "--" + name.replace("_", "-"))
+                setattr(args, name, int(v) if v and v.isdigit() and int(v) > 0 else None)
             check_spindle_inputs(args, world, run_graph(args, world))
             save = _known(argv, "--save")
             if save:

@@ -36,7 +36,7 @@ from ...planner.workload.metaops import tp_divides
 from ...planner.workload.recompute import options as recompute_options
 from ...runtime.executor import SpindleModel
 from .equivalence import check_first_step
-from ..job.input_files import check_plan_fields, init_of, load_plan
+from ..job.input_files import check_plan_fields, check_plan_passes, init_of, load_plan
 from .flag_contract import Constraints
 from .flags import run_graph
 from ..job.gpu_node import node_cluster
@@ -134,13 +134,7 @@ def step_passes(plan: Plan, global_batch: int | None, per_pass: int) -> int:
     """Passes of the plan per optimizer step: ``plan.passes``. ``--global-batch-size`` (samples of every task per
     step; Megatron's ``num_microbatches`` is it over ``per_pass = --micro-batch-size x ranks``), when given, must
     say the same: one line naming the values otherwise."""
-    if global_batch is not None and global_batch != plan.passes * per_pass:
-        want = plan.passes * per_pass
-        raise ValueError(f"--global-batch-size {global_batch} is not the plan's {plan.passes} pass"
-                         f"{'es' if plan.passes > 1 else ''} per step x {per_pass} samples per pass "
-                         f"(--micro-batch-size x ranks) = {want}: give --global-batch-size {want} or a plan made "
-                         f"for {global_batch / per_pass:g} passes")
-    return plan.passes
+    return check_plan_passes(plan.passes, global_batch, per_pass)
 
 
 def layer_backend(args) -> str:

@@ -64,6 +64,19 @@ def check_plan_fields(plan: Plan, graph, path: str, world: int | None = None) ->
                              f"re-plan (spindle plan ... --out) instead of editing the plan")
 
 
+def check_plan_passes(passes: int, global_batch: int | None, per_pass: int) -> int:
+    """A plan's ``passes`` per optimizer step against ``--global-batch-size`` (samples of every task per step;
+    ``per_pass``: ``--micro-batch-size`` x ranks): one line naming the values where they differ. Returns
+    ``passes``."""
+    if global_batch is not None and global_batch != passes * per_pass:
+        want = passes * per_pass
+        raise ValueError(f"--global-batch-size {global_batch} is not the plan's {passes} pass"
+                         f"{'es' if passes > 1 else ''} per step x {per_pass} samples per pass "
+                         f"(--micro-batch-size x ranks) = {want}: give --global-batch-size {want} or a plan made "
+                         f"for {global_batch / per_pass:g} passes")
+    return passes
+
+
 def check_curves_model(curves, path: str, model: str, size: str) -> None:
     """Refuse a profile of another model or size: its times would plan this one (a file without a
     ``measured`` record, written by hand, is taken as it is)."""
@@ -103,7 +116,9 @@ def check_spindle_inputs(args, world: int, graph) -> None:
             except ValueError as e:
                 raise ValueError(f"pretrained weights of {module} ({path}): {e}") from None
     if args.spindle_plan:
-        check_plan_fields(load_plan(args.spindle_plan), graph, args.spindle_plan, world)
+        plan = load_plan(args.spindle_plan)
+        check_plan_fields(plan, graph, args.spindle_plan, world)
+        check_plan_passes(plan.passes, getattr(args, "global_batch_size", None), graph.operators[0].batch)
     if getattr(args, "spindle_data", None):
         need(os.path.isdir(args.spindle_data), f"--spindle-data {args.spindle_data!r} is not a directory")
         missing = [t for t in graph.tasks if not os.path.isdir(os.path.join(args.spindle_data, t, ".nv-meta"))]

@@ -117,6 +117,14 @@ def report_once(line: str, key: str = "error") -> None:
     _write_line(line)
 
 
+def say_per_node(line: str) -> None:
+    """``line`` on stderr by local rank 0 under torchrun (once per node: each node's output may be read alone),
+    else by rank 0: a line every rank of a job would print alike, such as a stop that all agreed on."""
+    local = os.environ.get("LOCAL_RANK", "0") if under_torchrun() else str(env_rank())
+    if local.strip() == "0":
+        _write_line(line)
+
+
 class Lifeline:
     """The process's watchdog: signals, the start-up deadline, and (without ``prctl``) the launcher's death.
 
@@ -222,8 +230,9 @@ class Lifeline:
         os._exit(status)
 
     def stop_with(self, line: str, status: int) -> None:
-        """Stop the process now: ``line`` on rank 0, then :meth:`exit`."""
-        self._die(line, status)
+        """Stop the process now: ``line`` once per node (:func:`say_per_node`), then :meth:`exit`."""
+        say_per_node(line)
+        self.exit(status)
 
     def _die(self, line: str, status: int, *, everyone: bool = False, once: bool = False) -> None:
         if once:

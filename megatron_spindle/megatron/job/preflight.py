@@ -27,6 +27,9 @@ log = get_logger(__name__)
 
 #: Flags whose files are compared by content as well as by name.
 _FILE_FLAGS = ("spindle_plan", "spindle_curves", "spindle_tasks_file")
+#: Outputs only rank 0 writes: the ranks agree on whether each is given, not on its path (a node's default
+#: ``OUT`` is under its own checkout, which another host may keep elsewhere).
+RANK0_OUTPUTS = ("spindle_trace", "spindle_gantt", "tensorboard_dir", "wandb_save_dir")
 
 
 def _digest(path: str) -> str:
@@ -41,10 +44,12 @@ def _digest(path: str) -> str:
 
 
 def input_fingerprint(args, names=None) -> dict[str, str]:
-    """``{what: value}`` that every rank of a job must share: the flags (``names``, default all of ``args``),
-    the content of the model spec, plan and curves files, and each energon dataset's prepared metadata."""
+    """``{what: value}`` that every rank of a job must share: the flags (``names``, default all of ``args``; of
+    :data:`RANK0_OUTPUTS` only whether each is given), the content of the model spec, plan and curves files, and
+    each energon dataset's prepared metadata."""
     flags = vars(args)
-    out = {f"--{k.replace('_', '-')}": repr(flags[k]) for k in sorted(names or flags) if k in flags}
+    out = {f"--{k.replace('_', '-')}": ("(a path on rank 0's host)" if k in RANK0_OUTPUTS and flags[k] else repr(flags[k]))
+           for k in sorted(names or flags) if k in flags}
     model = flags.get("spindle_model")
     if model:
         try:

@@ -41,7 +41,7 @@ from ..adapter.data import train_batches
 from ..adapter.flags import build_parser, check_args, parse_task_schedule, world_from_env
 from ..checkpoint.directory import latest_iteration
 from .guard import NumericGuard
-from ..job.lifeline import LIFE, SAVE_SIGNALS, signal_name
+from ..job.lifeline import LIFE, SAVE_SIGNALS, say_per_node, signal_name
 from .logs import TrainLogs
 from ..adapter.model import (build_model, graph_for, layer_backend, log_plan, make_cluster, plan_for, run_device,
                     step_passes)
@@ -324,9 +324,8 @@ class Trainer:
             log.info(f"{signal_name(sig)}: finished iteration {it + 1} of {args.train_iters} and {where}; exiting "
                      f"(--exit-signal-handler)")
             return
-        if self.rank == 0:
-            print(f"stopped by {signal_name(sig)} after iteration {it + 1} of {args.train_iters}; "
-                  f"{self.last_checkpoint()}", file=sys.stderr, flush=True)
+        say_per_node(f"stopped by {signal_name(sig)} after iteration {it + 1} of {args.train_iters}; "
+                     f"{self.last_checkpoint()}")  # each node's output says it
         raise Stopped(sig)
 
     def train(self) -> dict:
