@@ -345,9 +345,12 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
 def local_layers_default(parser):
     """``extra_args_provider`` of :func:`pretrain_spindle`: Megatron-LM's ``--transformer-impl`` defaults to
     ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
-    path is chosen with the flag, never by Megatron's default meeting a container that has TE)."""
-    if any(a.dest == "transformer_impl" for a in parser._actions):
-        parser.set_defaults(transformer_impl="local")
+    path is chosen with the flag, never by Megatron's default meeting a container that has TE). Likewise
+    ``--hidden-dropout`` and ``--attention-dropout`` default to 0 as in the built-in loop (a value given is
+    honoured: :class:`...models.blocks.LayerSettings`)."""
+    dests = {a.dest for a in parser._actions}
+    parser.set_defaults(**{k: v for k, v in (("transformer_impl", "local"), ("hidden_dropout", 0.0),
+                                             ("attention_dropout", 0.0)) if k in dests})
     return parser
 
 
