@@ -53,8 +53,9 @@ class LayerSettings:
     @classmethod
     def from_args(cls, args) -> "LayerSettings":
         """From Megatron's parsed arguments (or the built-in loop's); an absent flag keeps the default."""
-        get = lambda name, default: default if getattr(args, name, None) is None else float(getattr(args, name))  # noqa: E731
-        return cls(get("init_method_std", INIT_STD), get("hidden_dropout", 0.0), get("attention_dropout", 0.0))
+        given = {f.name: getattr(args, name, None) for f, name in
+                 zip(dataclasses.fields(cls), ("init_method_std", "hidden_dropout", "attention_dropout"))}
+        return cls(**{k: float(v) for k, v in given.items() if v is not None})
 
     @property
     def dropout(self) -> bool:

@@ -231,7 +231,7 @@ _LOCKS: list = []  # the --save lock of the current run (rank 0), released when 
 
 #: Megatron flags every rank must share besides the ``--spindle*`` ones (others, such as ``rank``, differ).
 AGREED = ("micro_batch_size", "global_batch_size", "seed", "train_iters", "save", "load", "lr", "min_lr",
-          "bf16", "exit_signal_handler")
+          "bf16", "exit_signal_handler", "init_method_std", "hidden_dropout", "attention_dropout")
 
 
 def _megatron_stops(args) -> None:
