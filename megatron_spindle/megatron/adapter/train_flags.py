@@ -5,7 +5,7 @@ defaults and checks, so one command means the same in both loops.
   iterations or samples, ``--min-lr``, WSD, ``--lr-warmup-init``), weight decay and its increment style, Adam's
   betas and epsilon, ``--clip-grad``;
 * :func:`add_model_args`: ``--init-method-std``, ``--hidden-dropout``, ``--attention-dropout``,
-  ``--calculate-per-token-loss``, ``--fp16`` (refused by the built-in trainer: :func:`check_training_values`);
+  ``--calculate-per-token-loss``, ``--fp16`` (refused: :func:`check_training_values`);
 * :func:`add_eval_args`: ``--eval-interval``, ``--eval-iters``;
 * :func:`resolve_iterations`: ``--train-samples`` to iterations as Megatron converts them (samples over the
   global batch), and the built-in trainer's default of :data:`DEFAULT_TRAIN_ITERS` iterations;
@@ -71,7 +71,7 @@ def add_model_args(g) -> None:
                    help="average the loss over tokens rather than microbatches (every pass of a task carries "
                         "the same number of loss tokens here, so both give the same loss)")
     g.add_argument("--fp16", action="store_true",
-                   help="fp16 with dynamic loss scaling: Megatron-LM's loop only (the built-in trainer refuses it)")
+                   help="refused (one line, exit 2): no dynamic loss scaling in the wave executor; use --bf16")
 
 
 def add_eval_args(g) -> None:
@@ -120,8 +120,7 @@ def check_training_values(args) -> None:
             raise ValueError(msg)
 
     need(not getattr(args, "fp16", False),
-         "--fp16: the built-in trainer has no dynamic loss scaling; use --bf16, or Megatron-LM's loop "
-         "(SPINDLE_BACKEND=megatron) for fp16")
+         "--fp16: Spindle's wave executor applies no dynamic loss scaling; use --bf16")
     frac = args.lr_warmup_fraction
     need(frac is None or (math.isfinite(frac) and 0 <= frac < 1),
          f"--lr-warmup-fraction {frac} must be in [0, 1): the share of the decay span spent warming up")
