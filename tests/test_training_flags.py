@@ -7,7 +7,7 @@ does not import); Megatron-LM's own loop: ``test_megatron_flags.py``.
 * ``--eval-interval/--eval-iters`` log Megatron's validation line during and after training (validation and
   test sets), forward only: the training losses are those of the same run without evaluation;
 * ``--init-method-std`` and ``--hidden-dropout/--attention-dropout`` change the losses; dropout 0 (the
-  default) leaves them as they were;
+  default) leaves them as they were; ``--seed`` fixes the dropout masks (the same run twice, the same losses);
 * weight decay spares biases and 1-D weights (Megatron's rule), ``--adam-eps`` reaches AdamW, and ``--fp16``
   is refused in one line (exit 2).
 """
@@ -66,6 +66,7 @@ def _rank(rank: int, world: int) -> dict:
         "zero_dropout": _run(["--train-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]),
         "std": _run(["--train-iters", "2", "--init-method-std", "0.5"]),
         "dropout": _run(["--train-iters", "2", "--hidden-dropout", "0.5", "--attention-dropout", "0.5"]),
+        "dropout_again": _run(["--train-iters", "2", "--hidden-dropout", "0.5", "--attention-dropout", "0.5"]),
     }
 
 
@@ -104,6 +105,7 @@ def test_init_std_and_dropout_change_losses(runs):
         first = runs[name]["losses"][0]
         assert all(math.isfinite(v) for v in first.values())
         assert any(abs(first[t] - plain[0][t]) > 1e-3 * abs(plain[0][t]) for t in first), (name, first, plain[0])
+    assert runs["dropout_again"]["losses"] == runs["dropout"]["losses"], "--seed does not fix the dropout masks"
 
 
 def test_init_std_sets_weights():

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ... import comm
 from ...log import get_logger, setup_logging
+from ...models.megatron_state import seed_rng
 from ...planner.assembly.render import grid
 from ...planner.workload.flops import mfu, step_model_flops, tflops_per_device
 from ...runtime.host_sync import HostSyncCounter
@@ -102,6 +103,7 @@ class Trainer:
     def _build(self, args) -> None:
         """Everything after the rendezvous: graph, plan, data, model, optimizer, a resumed checkpoint."""
         self.device = run_device()
+        seed_rng(args.seed)  # as Megatron's --seed: the dropout masks follow it
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.graph = graph_for(args, self.world)
         self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks, args.train_iters)
