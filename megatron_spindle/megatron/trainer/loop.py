@@ -6,7 +6,8 @@ plan and model, :mod:`..adapter.schedule` for the forward-backward contract, :mo
 ``__init__`` (``torch.distributed``, the plan, this rank's slices, AdamW under megatron.core's learning-rate
 schedule, a resumed checkpoint), then :meth:`Trainer.train_step` per iteration (accumulated passes,
 group-wise gradient sync, global-norm clip, optimizer step) and :meth:`Trainer.train` around it (task-mix
-changes, progress lines, predictions, checkpoints, the trace). Without ``--spindle`` the plan is the
+changes, progress lines, predictions, validation (:mod:`.evaluate`), checkpoints, the trace). The optimizer and
+its schedule are Megatron-LM's, from its flags (:mod:`.optim`). Without ``--spindle`` the plan is the
 ``sequential`` baseline: every task over all ranks, one after another, as Megatron runs multi-task models.
 
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
