@@ -60,7 +60,7 @@ $(MLM_VENV)/.installed: requirements-mlm.txt setup.py
 # tests that involve megatron.core directly, so the newest megatron-core line runs them too (a user's MIMO model:
 # its API differs between the lines).
 test-megatron-lm: $(MLM_VENV)/.installed
-	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_frozen_megatron_lm.py tests/test_megatron_hooks.py \
+	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_megatron_flags.py tests/test_frozen_megatron_lm.py tests/test_megatron_hooks.py \
 		tests/test_megatron_backend.py tests/test_layers.py tests/test_comm_discipline.py tests/test_bf16.py tests/test_gpu_check_script.py \
 		tests/test_gpu_node.py tests/test_launch_megatron_lm.py tests/test_mimo_megatron_lm.py tests/test_mimo_runtime.py tests/test_mimo_model.py \
 		tests/test_flag_contract.py

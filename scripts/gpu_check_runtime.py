@@ -100,7 +100,7 @@ def replan_with_adamw() -> dict:
     from megatron_spindle.runtime.executor import SpindleModel
 
     class Args:
-        lr, adam_beta1, adam_beta2, weight_decay = 1e-3, 0.9, 0.999, 0.01
+        lr, adam_beta1, adam_beta2, adam_eps, weight_decay = 1e-3, 0.9, 0.999, 1e-8, 0.01
 
     run_device()  # the CPU stand-ins of megatron.core where there is no GPU
     g = build_graph("multitask-clip", tasks=4, size="tiny", batch=4)

@@ -190,7 +190,9 @@ def _reference(g, *, adam=False, seed=0):
     ref = ReferenceModel(g, seed=seed)
     init = {(k, n): p.detach().clone().numpy() for k, n, p in ref.keyed_parameters()}
     params = [p for p in ref.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01) if adam else
+    decayed = [{"params": [p for p in params if p.dim() > 1]},  # Megatron's rule: no decay on 1-D weights
+               {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    opt = (torch.optim.AdamW(decayed, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01) if adam else
            torch.optim.SGD(params, lr=LR, momentum=MOMENTUM))
     data = SyntheticData(g, seed=seed)
     losses = []

@@ -34,7 +34,35 @@ from ..planner.workload.graph import Operator
 from .recompute import config_kwargs as recompute_fields
 
 INIT_STD = 0.02
+"""Megatron-LM's default ``--init-method-std`` (``TransformerConfig.init_method_std``)."""
 _BACKENDS = ("auto", "local", "te")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSettings:
+    """Megatron's model flags every layer honours: ``--init-method-std`` (the std of every weight drawn from a
+    normal: megatron's layers through ``TransformerConfig.init_method_std``, the parameter modules below
+    directly), ``--hidden-dropout`` and ``--attention-dropout`` (``TransformerConfig``'s, applied by
+    megatron.core's transformer layers in training mode). Dropout defaults to 0 for Spindle's models: a mask
+    is drawn per rank, so a plan's step equals the single-process reference only without it."""
+
+    init_std: float = INIT_STD
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    @classmethod
+    def from_args(cls, args) -> "LayerSettings":
+        """From Megatron's parsed arguments (or the built-in loop's); an absent flag keeps the default."""
+        given = {f.name: getattr(args, name, None) for f, name in
+                 zip(dataclasses.fields(cls), ("init_method_std", "hidden_dropout", "attention_dropout"))}
+        return cls(**{k: float(v) for k, v in given.items() if v is not None})
+
+    @property
+    def dropout(self) -> bool:
+        return bool(self.hidden_dropout or self.attention_dropout)
+
+
+DEFAULT_SETTINGS = LayerSettings()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,8 +128,9 @@ def no_cuda_graph_scope() -> dict:
 ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
 
 
-def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recompute: str = "none") -> TransformerConfig:
-    """One layer's TransformerConfig: no dropout, no fusions, CPU initialisation; megatron's selective recompute
+def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recompute: str = "none",
+                       settings: LayerSettings = DEFAULT_SETTINGS) -> TransformerConfig:
+    """One layer's TransformerConfig: init std and dropout from ``settings``, no fusions, CPU initialisation; megatron's selective recompute
     fields for ``recompute="selective"`` (:mod:`.recompute`).
 
     Defaults: GELU MLP with biases and LayerNorm (ViT/CLIP); ``swiglu`` layers (Qwen) use a gated SiLU MLP
@@ -116,11 +145,12 @@ def transformer_config(op: Operator, tp_size: int, dtype: torch.dtype, *, recomp
         num_query_groups=c.num_query_groups or None,
         ffn_hidden_size=c.ffn_hidden or 4 * c.hidden, tensor_model_parallel_size=tp_size,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
+        fp16=dtype == torch.float16, hidden_dropout=settings.hidden_dropout,
+        attention_dropout=settings.attention_dropout,
         gated_linear_unit=c.swiglu, activation_func=ACTIVATIONS[c.activation or ("silu" if c.swiglu else "gelu")],
         add_bias_linear=bias, add_qkv_bias=(c.swiglu or bias) if c.add_qkv_bias is None else c.add_qkv_bias,
         normalization=c.normalization or "LayerNorm", layernorm_epsilon=c.norm_epsilon or 1e-5,
-        init_method_std=INIT_STD, bias_activation_fusion=False, masked_softmax_fusion=False,
+        init_method_std=settings.init_std, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **recompute_fields(recompute), **no_cuda_graph_scope())
 
@@ -163,8 +193,8 @@ def layer_spec(op: Operator, tp_group, use_te: bool):
 # --------------------------------------------------------------------------------------------------
 # Parameter holders ("cores") that are not megatron blocks
 # --------------------------------------------------------------------------------------------------
-def _normal_(t: Tensor) -> Tensor:
-    return nn.init.normal_(t, mean=0.0, std=INIT_STD)
+def _normal_(t: Tensor, std: float = INIT_STD) -> Tensor:
+    return nn.init.normal_(t, mean=0.0, std=std)
 
 
 def make_norm(c, hidden: int | None = None) -> nn.Module:
@@ -185,15 +215,16 @@ def rotary_embedding(seq_len: int, kv_channels: int, base: float, device=None) -
 class PatchEmbedding(nn.Module):
     """Linear projection of pre-cut patches, a class token and learned positions (ViT)."""
 
-    def __init__(self, input_dim: int, hidden: int, positions: int, norm: nn.Module | None = None) -> None:
+    def __init__(self, input_dim: int, hidden: int, positions: int, norm: nn.Module | None = None, *,
+                 std: float = INIT_STD) -> None:
         super().__init__()
         self.proj = nn.Linear(input_dim, hidden)
         self.cls_token = nn.Parameter(torch.empty(hidden))
         self.positions = nn.Parameter(torch.empty(positions, hidden))
-        _normal_(self.proj.weight)
+        _normal_(self.proj.weight, std)
         nn.init.zeros_(self.proj.bias)
-        _normal_(self.cls_token)
-        _normal_(self.positions)
+        _normal_(self.cls_token, std)
+        _normal_(self.positions, std)
         if norm is not None:  # CLIP's pre_layrnorm, over the embedded tokens
             self.norm = norm
 
@@ -201,23 +232,23 @@ class PatchEmbedding(nn.Module):
 class TokenEmbedding(nn.Module):
     """Vocabulary-parallel token embedding and learned positions (replicated over tp)."""
 
-    def __init__(self, vocab: int, hidden: int, positions: int, *, config, tp_group) -> None:
+    def __init__(self, vocab: int, hidden: int, positions: int, *, config, tp_group, std: float = INIT_STD) -> None:
         """``positions`` 0: no table (RoPE models position in attention)."""
         super().__init__()
-        self.word = VocabParallelEmbedding(vocab, hidden, init_method=init_method_normal(INIT_STD),
+        self.word = VocabParallelEmbedding(vocab, hidden, init_method=init_method_normal(std),
                                            config=config, tp_group=tp_group)
         if positions:
-            self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden)))
+            self.positions = nn.Parameter(_normal_(torch.empty(positions, hidden), std))
 
 
 class PoolHead(nn.Module):
     """Final norm and bias-free projection to the contrastive space."""
 
-    def __init__(self, hidden: int, proj_dim: int, norm: nn.Module | None = None) -> None:
+    def __init__(self, hidden: int, proj_dim: int, norm: nn.Module | None = None, *, std: float = INIT_STD) -> None:
         super().__init__()
         self.norm = norm if norm is not None else nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, proj_dim, bias=False)
-        _normal_(self.proj.weight)
+        _normal_(self.proj.weight, std)
 
 
 class CrossAttentionAdapter(nn.Module):
@@ -230,7 +261,7 @@ class CrossAttentionAdapter(nn.Module):
     def __init__(self, op: Operator, queries: int, *, config: TransformerConfig, tp_group, one=None) -> None:
         super().__init__()
         c = op.layer
-        self.queries = nn.Parameter(_normal_(torch.empty(queries, c.hidden)))
+        self.queries = nn.Parameter(_normal_(torch.empty(queries, c.hidden), config.init_method_std))
         self.kv_proj = ColumnParallelLinear(c.input_dim, c.hidden, config=config,
                                             init_method=config.init_method, bias=False,
                                             gather_output=True, tp_group=tp_group)
@@ -247,21 +278,22 @@ class CrossAttentionAdapter(nn.Module):
 class LinearAdapter(nn.Module):
     """Column-parallel projection (gathered output) after average pooling."""
 
-    def __init__(self, input_dim: int, hidden: int, *, config, tp_group) -> None:
+    def __init__(self, input_dim: int, hidden: int, *, config, tp_group, std: float = INIT_STD) -> None:
         super().__init__()
         self.proj = ColumnParallelLinear(input_dim, hidden, config=config,
-                                         init_method=init_method_normal(INIT_STD), bias=True,
+                                         init_method=init_method_normal(std), bias=True,
                                          gather_output=True, tp_group=tp_group)
 
 
 class LMHead(nn.Module):
     """Final norm (replicated) and a bias-free vocabulary projection split over tp by vocabulary."""
 
-    def __init__(self, hidden: int, vocab: int, *, config, tp_group, norm: nn.Module | None = None) -> None:
+    def __init__(self, hidden: int, vocab: int, *, config, tp_group, norm: nn.Module | None = None,
+                 std: float = INIT_STD) -> None:
         super().__init__()
         self.norm = norm if norm is not None else nn.LayerNorm(hidden)
         self.output = ColumnParallelLinear(hidden, vocab, config=config,
-                                           init_method=init_method_normal(INIT_STD), bias=False,
+                                           init_method=init_method_normal(std), bias=False,
                                            gather_output=False, tp_group=tp_group)
 
 

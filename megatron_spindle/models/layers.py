@@ -58,8 +58,8 @@ from ..planner.workload.layer_types import OP_TYPES
 from . import recompute
 from .megatron_state import ensure_megatron_globals
 from .custom import build_custom_core, custom_forward, custom_supports_tp, torch_layer
-from .blocks import (CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LinearAdapter, LMHead, PatchEmbedding,
-                     PoolHead, TokenEmbedding, layer_spec, make_norm, parallel_config, pg_collection,
+from .blocks import (DEFAULT_SETTINGS, CrossAttentionAdapter, GroupVocabParallelCrossEntropy, LayerSettings,
+                     LinearAdapter, LMHead, PatchEmbedding, PoolHead, TokenEmbedding, layer_spec, make_norm, parallel_config, pg_collection,
                      rotary_embedding, LocalGroup, transformer_config, use_te_backend)
 
 #: Operator types whose layers accept tp > 1.
@@ -311,30 +311,31 @@ def _check_tp(op: Operator, tp_group, tp_rank: int, tp_size: int) -> None:
 
 
 def _build_core(op: Operator, *, tp_group, tp_size: int, dtype: torch.dtype, rows: int,
-                use_te: bool, recompute_mode: str = "none", one=None) -> nn.Module:
-    c, t = op.layer, op.op_type
+                use_te: bool, recompute_mode: str = "none", one=None,
+                settings: LayerSettings = DEFAULT_SETTINGS) -> nn.Module:
+    c, t, std = op.layer, op.op_type, settings.init_std
     if t not in OP_TYPES:
         return build_custom_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype)
     if t in ("transformer_layer", "decoder_layer"):
-        config = transformer_config(op, tp_size, dtype, recompute=recompute_mode)
+        config = transformer_config(op, tp_size, dtype, recompute=recompute_mode, settings=settings)
         spec = layer_spec(op, tp_group, use_te)
         return recompute.prepare_core(TransformerLayer(config, spec.submodules, layer_number=1,
                                                        pg_collection=pg_collection(tp_group, one)))
     if t == "cross_attn_adapter":
-        return CrossAttentionAdapter(op, rows, config=transformer_config(op, tp_size, dtype),
+        return CrossAttentionAdapter(op, rows, config=transformer_config(op, tp_size, dtype, settings=settings),
                                      tp_group=tp_group, one=one)
     pconfig = parallel_config(tp_size, dtype)
     if t == "patch_embed":
-        return PatchEmbedding(c.input_dim, c.hidden, rows, make_norm(c) if c.embed_norm else None)
+        return PatchEmbedding(c.input_dim, c.hidden, rows, make_norm(c) if c.embed_norm else None, std=std)
     if t == "token_embed":
         return TokenEmbedding(c.vocab_size, c.hidden, 0 if c.position_embedding_type == "none" else rows,
-                              config=pconfig, tp_group=tp_group)
+                              config=pconfig, tp_group=tp_group, std=std)
     if t == "pool_head":
-        return PoolHead(c.hidden, c.proj_dim, make_norm(c))
+        return PoolHead(c.hidden, c.proj_dim, make_norm(c), std=std)
     if t == "linear_adapter":
-        return LinearAdapter(c.input_dim, c.hidden, config=pconfig, tp_group=tp_group)
+        return LinearAdapter(c.input_dim, c.hidden, config=pconfig, tp_group=tp_group, std=std)
     if t == "lm_head":
-        return LMHead(c.hidden, c.vocab_size, config=pconfig, tp_group=tp_group, norm=make_norm(c))
+        return LMHead(c.hidden, c.vocab_size, config=pconfig, tp_group=tp_group, norm=make_norm(c), std=std)
     return nn.Module()  # contrastive_loss: no parameters
 
 
@@ -342,7 +343,8 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
                 graph: TaskGraph | None = None, task_weight: float | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                 share_with: OperatorLayer | None = None, backend: str = "local",
-                recompute_mode: str = "none", one_group=None) -> OperatorLayer:
+                recompute_mode: str = "none", one_group=None,
+                settings: LayerSettings = DEFAULT_SETTINGS) -> OperatorLayer:
     """The layer of one operator, on this rank's tensor-parallel shard.
 
     Args:
@@ -360,6 +362,8 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         recompute_mode: the operator's activation recompute (the plan's ``MetaOp.recompute``, :mod:`.recompute`).
         one_group: a one-rank process group for the layer's size-1 dimensions (the runtime's, created with its
             other groups); None: a :class:`.blocks.LocalGroup` stand-in (layers never create groups).
+        settings: Megatron's ``--init-method-std``, ``--hidden-dropout``, ``--attention-dropout``
+            (:class:`.blocks.LayerSettings`).
     """
     own = torch_layer(op.op_type)
     layer_class = _LAYER_CLASSES.get(op.op_type) or (own.layer_class if own is not None else CustomOpLayer)
@@ -383,7 +387,8 @@ def build_layer(op: Operator, *, tp_group=None, tp_rank: int = 0, tp_size: int =
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, op.param_key or op.name))
             core = _build_core(op, tp_group=tp_group, tp_size=tp_size, dtype=dtype,
-                               rows=table_rows(op, graph), use_te=use_te, recompute_mode=recompute_mode, one=one)
+                               rows=table_rows(op, graph), use_te=use_te, recompute_mode=recompute_mode, one=one,
+                               settings=settings)
         core = core.to(dtype=dtype, device=device).requires_grad_(op.trainable)  # frozen: no gradient
         if share_with is not None:  # megatron's config decides selective recompute: one layer per mode, one weight
             core = recompute.tie_parameters(core, share_with.core)

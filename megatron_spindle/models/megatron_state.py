@@ -61,7 +61,7 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0, memory_buffer
     * the global memory buffer (``parallel_state._set_global_memory_buffer()``): the local
       ``DotProductAttention`` takes its score buffer from it;
     * the RNG tracker states (``model_parallel_cuda_manual_seed``): attention forks ``model-parallel-rng``.
-      Our layers use no dropout, so the seed only has to exist; ``tp_rank`` follows megatron's offsets.
+      Attention dropout (``--attention-dropout``) draws from it; ``tp_rank`` follows megatron's offsets.
 
     ``memory_buffer=False``: not the buffer (a process whose ``initialize_model_parallel`` comes later, and
     refuses a buffer made before it). Idempotent. Without CUDA, :func:`megatron_spindle.compat.apply_cpu_patches` must have run first (entry
@@ -77,3 +77,12 @@ def ensure_megatron_globals(*, seed: int = 1234, tp_rank: int = 0, memory_buffer
     tracker = mtp.get_cuda_rng_tracker()
     if _MODEL_PARALLEL_RNG not in tracker.get_states():
         mtp.random.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+
+
+def seed_rng(seed: int) -> None:
+    """``--seed`` for a run, as Megatron-LM's ``_set_random_seed``: torch's generator (hidden dropout) and
+    megatron's RNG tracker (attention dropout), reset, at the global tensor-parallel rank 0 (Spindle's global
+    TP is 1), so a run's dropout masks depend on the seed alone. Needs :func:`ensure_megatron_globals`'s
+    conditions (CUDA, or the CPU stand-ins)."""
+    torch.manual_seed(seed)
+    mtp.random.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)

@@ -21,6 +21,7 @@ from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from .data import parse_data_input
 from ..planner.workload.recompute import RECOMPUTABLE
 from .shapes import LOSS_OP_TYPES
+from .blocks import DEFAULT_SETTINGS, LayerSettings
 from .layers import OperatorLayer, build_layer
 from .pretrained import load_pretrained
 
@@ -53,10 +54,11 @@ class ReferenceModel(nn.Module):
 
     def __init__(self, graph: TaskGraph, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init: Mapping[str, str] | None = None,
-                 recompute: str = "none", backend: str = "local") -> None:
+                 recompute: str = "none", backend: str = "local",
+                 settings: LayerSettings = DEFAULT_SETTINGS) -> None:
         """``init``: module name -> Hugging Face directory to load (as ``SpindleModel``'s); ``recompute``: the
         activation recompute of every transformer and decoder layer (:mod:`.recompute`; the other layers never
-        recompute); ``backend``: the layers' implementation (``local`` or ``te``, as :func:`.layers.build_layer`)."""
+        recompute); ``backend``: the layers' implementation (``local`` or ``te``, as :func:`.layers.build_layer`); ``settings``: init std and dropout (:class:`.blocks.LayerSettings`)."""
         super().__init__()
         self.graph = graph
         self.seed = seed
@@ -67,7 +69,7 @@ class ReferenceModel(nn.Module):
             share = by_key.get(op.param_key) if op.param_key else None
             mode = recompute if op.op_type in RECOMPUTABLE else "none"
             layer = build_layer(op, seed=seed, graph=graph, dtype=dtype, device=device, share_with=share,
-                                recompute_mode=mode, backend=backend)
+                                recompute_mode=mode, backend=backend, settings=settings)
             self._layers[op.name] = layer
             if op.param_key and share is None:
                 by_key[op.param_key] = layer

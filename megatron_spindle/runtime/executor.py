@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import comm
+from ..models.blocks import DEFAULT_SETTINGS, LayerSettings
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
 from ..planner.assembly.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
@@ -111,7 +112,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
                  overlap_grad_reduce: bool = True, bucket_size: int | None = None,
                  grad_reduce_in_fp32: bool = False, param_dtype_grads: bool = False,
                  distributed_optimizer: bool | None = None,
-                 init: Mapping[str, str] | None = None, registry: ProcessGroupRegistry | None = None) -> None:
+                 init: Mapping[str, str] | None = None, registry: ProcessGroupRegistry | None = None,
+                 settings: LayerSettings = DEFAULT_SETTINGS) -> None:
         """``layer_graph``: the full model graph when ``graph`` is a subset of its tasks (tables are sized
         and tasks weighted by the full model, so parameters keep their shapes when tasks come and go).
         ``reuse``: existing layers keyed by ``(param_key, tensor-parallel ranks)`` whose parameters this
@@ -122,7 +124,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
         must say the same. ``init``: module name -> Hugging Face directory whose weights the layers built
         here (not reused) load, each rank reading only its shards (:mod:`..models.pretrained`). ``registry``:
         the process groups of a model this one replaces (:mod:`.replan`), updated to this plan's rank sets:
-        the groups both plans use are kept, not created again."""
+        the groups both plans use are kept, not created again. ``settings``: Megatron's init std and dropout
+        (:class:`..models.blocks.LayerSettings`)."""
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("SpindleModel needs torch.distributed initialised (torchrun or init_process_group)")
@@ -134,7 +137,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
                              f"estimate assumes it); re-plan to change it")
         self.plan, self.graph = plan, graph
         self.options = dict(backend=backend, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads)
+                            grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads,
+                            settings=settings)
         """How the layers and the gradient sync were built (a replanned model is built the same way)."""
         self.phases = plan.phases
         """Wave indices of each phase, in execution order (``plan.phases``)."""
@@ -181,7 +185,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                     mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
                                       graph=layer_graph or graph,
                                       dtype=dtype, device=self.device, share_with=share, backend=backend,
-                                      recompute_mode=m.recompute, one_group=self.registry.one)
+                                      recompute_mode=m.recompute, one_group=self.registry.one, settings=settings)
                     self.layers[_module_key(m.name, layer)] = mod
                     if share is None and op.param_key:
                         fresh.append(mod)

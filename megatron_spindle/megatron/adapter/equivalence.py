@@ -44,7 +44,9 @@ def check_first_step(model, graph, batch, seed: int, *, backend: str = "local") 
     if dist.get_rank() == 0:
         # fp32 reference on the run's device: a bf16 run is measured against full precision
         reference = MimoReference if is_mimo_graph(graph) else ReferenceModel  # a MIMO plan: the user's MimoModel
-        ref = reference(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init, backend=backend)
+        same = {} if reference is MimoReference else {"settings": model.options["settings"]}  # the run's init std
+        ref = reference(graph, seed=seed, dtype=torch.float32, device=model.device, init=model.init, backend=backend,
+                        **same)
         out = ref({t: {k: v.to(model.device) for k, v in streams.items()} for t, streams in batch.items()})
         sum(out.values()).backward()
         ref_loss = {t: v.item() for t, v in out.items()}

@@ -268,23 +268,6 @@ def add_contract_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     with Megatron-LM's names and defaults, so that its parser reads them; the contract refuses the others."""
     g = parser.add_argument_group("megatron-lm", "more Megatron-LM flags the built-in loop honours or maps "
                                   "(docs/megatron.md)")
-    g.add_argument("--train-samples", type=int, default=None, help="samples of every task to train on")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=("exponential", "linear", "cosine", "minus_sqrt"))
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
-    g.add_argument("--adam-eps", type=float, default=1e-08)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=None, help="default: the model's (0 in the shipped specs)")
-    g.add_argument("--attention-dropout", type=float, default=None, help="default: the model's (0 in the shipped specs)")
-    g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default: none)")
-    g.add_argument("--eval-iters", type=int, default=100, help="batches of every task per evaluation")
-    g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist only (the contract refuses others)")
     g.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --spindle-data)")

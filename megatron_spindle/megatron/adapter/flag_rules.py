@@ -42,14 +42,13 @@ RULES: dict[str, tuple[str, str, str]] = {  # rule: (Megatron-LM's loop, the bui
     "bf16": (HONORED, HONORED,
         'bf16 parameters and activations, fp32 master weights, losses, gradient reductions and optimizer '
         "(Megatron's mixed precision)"),
-    "fp16": (HONORED, HONORED,
-        "fp16 parameters and activations with Megatron's dynamic loss scaling, fp32 master weights and "
-        'optimizer'),
+    "fp16": (REFUSED, REFUSED,
+        "the wave executor applies no dynamic loss scaling (fp16 would overflow silently): use --bf16, with "
+        'fp32 master weights, losses and gradient reductions as Megatron-LM'),
     "fp32_grads": (HONORED, HONORED,
         'gradients accumulated and reduced in fp32 (always so under --bf16)'),
-    "loss_scale": (HONORED, REFUSED,
-        "Megatron-LM's loss scaler takes them; the built-in loop scales with its defaults: run Megatron-LM's "
-        'loop (SPINDLE_BACKEND=megatron) or drop the flag'),
+    "loss_scale": (REFUSED, REFUSED,
+        'the wave executor scales no loss (--fp16 is refused; --bf16 needs no scaling): drop the flag'),
     "ckpt": (HONORED, HONORED,
         "sharded torch_dist checkpoints of every rank's slices, resumable under another plan "
         '(docs/training.md)'),

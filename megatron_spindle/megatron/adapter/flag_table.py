@@ -14,12 +14,13 @@ TABLE: tuple[tuple[str, str], ...] = (  # (rule, its flags)
     ("batch", "--micro-batch-size --global-batch-size"),
     ("length", "--train-iters --train-samples"),
     ("lr", "--lr-decay-style --lr-wsd-decay-style --lr-decay-iters --lr-decay-samples --lr-wsd-decay-iters "
-        "--lr-wsd-decay-samples --lr-warmup-fraction --lr-warmup-iters --lr-warmup-samples --lr --min-lr"),
-    ("lr_mlm", "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type --lr-warmup-init "
+        "--lr-wsd-decay-samples --lr-warmup-fraction --lr-warmup-iters --lr-warmup-samples --lr-warmup-init "
+        "--lr --min-lr"),
+    ("lr_mlm", "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type "
         "--override-opt_param-scheduler --override-opt-param-scheduler "
-        "--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler --start-weight-decay "
-        "--end-weight-decay --weight-decay-incr-style --decoupled-lr --decoupled-min-lr"),
-    ("optim", "--weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps"),
+        "--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler --decoupled-lr --decoupled-min-lr"),
+    ("optim", "--weight-decay --start-weight-decay --end-weight-decay --weight-decay-incr-style --clip-grad "
+        "--adam-beta1 --adam-beta2 --adam-eps"),
     ("optimizer", "--sgd-momentum --muon-momentum --muon-no-split-qkv --muon-nesterov --muon-scale-mode "
         "--muon-fp32-matmul-prec --muon-coefficient-type --muon-num-ns-steps --muon-tp-mode "
         "--muon-extra-scale-factor --muon-scalar-optimizer --lion-beta1 --lion-beta2 "

@@ -31,6 +31,7 @@ from ...planner.workload.workloads import build_graph
 from ..job.input_files import require, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from ..job.lifeline import report_once
+from .train_flags import add_eval_args, add_iteration_args, add_model_args, add_optimizer_args, resolve_iterations
 
 STARTUP_TIMEOUT_S = 120.0
 """Default of ``--spindle-startup-timeout``: the slowest rank's imports on a busy machine take tens of seconds."""
@@ -114,22 +115,14 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-named training flags for the CPU loop (a subset with Megatron's meanings)."""
     g = parser.add_argument_group("training", "Megatron-LM training flags read by the built-in loop")
-    g.add_argument("--train-iters", type=int, default=30, help="optimizer steps")
+    for add in (add_iteration_args, add_optimizer_args, add_model_args, add_eval_args):  # Megatron's own
+        add(g)
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples per task per rank in one pass, as in Megatron: a pass of the plan carries "
                         "this x world size samples of every task (default: the model's batch per pass)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per task per optimizer step; a multiple of micro batch x world size "
                         "(passes are accumulated)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
-    g.add_argument("--lr-decay-style", default="cosine", choices=("constant", "linear", "cosine"),
-                   help="learning-rate decay after warm-up")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     g.add_argument("--seed", type=int, default=1234, help="model and data seed")
     g.add_argument("--log-interval", type=int, default=1, help="iterations between progress lines")
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory to write")
@@ -164,6 +157,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         report_once(f"error: {' '.join(message.split())} (see --help)")
         raise SystemExit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        if hasattr(ns, "train_samples"):  # the built-in trainer's flags: --train-samples to iterations, as Megatron
+            try:
+                resolve_iterations(ns, lambda: run_graph(ns, world_from_env()).operators[0].batch)
+            except ValueError as e:
+                self.error(str(e))
+        return ns, rest
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:

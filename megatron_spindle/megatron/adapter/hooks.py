@@ -235,7 +235,7 @@ _LOCKS: list = []  # the --save lock of the current run (rank 0), released when 
 
 #: Megatron flags every rank must share besides the ``--spindle*`` ones (others, such as ``rank``, differ).
 AGREED = ("micro_batch_size", "global_batch_size", "seed", "train_iters", "save", "load", "lr", "min_lr",
-          "bf16", "exit_signal_handler")
+          "bf16", "exit_signal_handler", "init_method_std", "hidden_dropout", "attention_dropout")
 
 
 def _megatron_stops(args) -> None:
@@ -349,10 +349,20 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
 def local_layers_default(parser):
     """``extra_args_provider`` of :func:`pretrain_spindle`: Megatron-LM's ``--transformer-impl`` defaults to
     ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
-    path is chosen with the flag, never by Megatron's default meeting a container that has TE)."""
-    if any(a.dest == "transformer_impl" for a in parser._actions):
-        parser.set_defaults(transformer_impl="local")
+    path is chosen with the flag, never by Megatron's default meeting a container that has TE). Likewise
+    ``--hidden-dropout`` and ``--attention-dropout`` default to 0 as in the built-in loop (a value given is
+    honoured: :class:`...models.blocks.LayerSettings`). ``--eval-interval`` without a default (megatron-core
+    0.17 and later, whose loop then fails dividing by it) gets :data:`EVAL_INTERVAL`, the 0.16 line's default."""
+    acts = {a.dest: a for a in parser._actions}
+    parser.set_defaults(**{k: v for k, v in (("transformer_impl", "local"), ("hidden_dropout", 0.0),
+                                             ("attention_dropout", 0.0)) if k in acts})
+    if "eval_interval" in acts and acts["eval_interval"].default is None:
+        parser.set_defaults(eval_interval=EVAL_INTERVAL)
     return parser
+
+
+EVAL_INTERVAL = 1000
+"""``--eval-interval``'s default in Megatron-LM ``core_v0.16.1`` (``megatron/training/arguments.py``)."""
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,

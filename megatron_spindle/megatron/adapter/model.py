@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ... import comm
 from ...compat.cpu import apply_cpu_patches
 from ...log import get_logger
+from ...models.blocks import LayerSettings
 from ...models.data import SyntheticData
 from ...planner.workload.analytic import CurvesFile
 from ...planner.step.build import plan_system
@@ -202,6 +203,11 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     if plan.distributed_optimizer and args.spindle_check_equivalence:
         raise ValueError("--spindle-check-equivalence compares whole gradients, but the plan shards them "
                          "(distributed_optimizer): drop the flag or use a plan without the distributed optimizer")
+    settings = LayerSettings.from_args(args)  # Megatron's --init-method-std, --hidden-dropout, --attention-dropout
+    if settings.dropout and args.spindle_check_equivalence:
+        raise ValueError(f"--spindle-check-equivalence compares one step with the single-process reference, which "
+                         f"draws other dropout masks: use --hidden-dropout 0 --attention-dropout 0 with it (given "
+                         f"{settings.hidden_dropout:g} and {settings.attention_dropout:g})")
     bf16 = bool(getattr(args, "bf16", False))
     dtype = torch.bfloat16 if bf16 else torch.float32
     init = init_of(args)
@@ -210,7 +216,7 @@ def build_model(args, plan: Plan, graph, *, layer_graph=None, device=None, first
     fp32_grads = bf16 or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
     model = SpindleModel(plan, graph, seed=args.seed, timeout_s=args.spindle_timeout, dtype=dtype, device=device,
                          backend=backend, layer_graph=layer_graph, bucket_size=getattr(args, "ddp_bucket_size", None),
-                         grad_reduce_in_fp32=fp32_grads, init=init)
+                         grad_reduce_in_fp32=fp32_grads, init=init, settings=settings)
     if init:
         log.info("pretrained weights: " + ", ".join(f"{m} <- {d}" for m, d in init.items())
                  + " (each rank read its own shards)"

@@ -6,7 +6,8 @@ plan and model, :mod:`..adapter.schedule` for the forward-backward contract, :mo
 ``__init__`` (``torch.distributed``, the plan, this rank's slices, AdamW under megatron.core's learning-rate
 schedule, a resumed checkpoint), then :meth:`Trainer.train_step` per iteration (accumulated passes,
 group-wise gradient sync, global-norm clip, optimizer step) and :meth:`Trainer.train` around it (task-mix
-changes, progress lines, predictions, checkpoints, the trace). Without ``--spindle`` the plan is the
+changes, progress lines, predictions, validation (:mod:`.evaluate`), checkpoints, the trace). The optimizer and
+its schedule are Megatron-LM's, from its flags (:mod:`.optim`). Without ``--spindle`` the plan is the
 ``sequential`` baseline: every task over all ranks, one after another, as Megatron runs multi-task models.
 
 Rank 0 logs the plan grid, a progress line per ``--log-interval`` (iteration, loss per task, step time,
@@ -26,21 +27,23 @@ import time
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ... import comm
 from ...log import get_logger, setup_logging
+from ...models.megatron_state import seed_rng
 from ...planner.assembly.render import grid
 from ...planner.workload.flops import mfu, step_model_flops, tflops_per_device
 from ...runtime.host_sync import HostSyncCounter
-from ...runtime.mixed_precision import MasterWeightsOptimizer
 from ...runtime.replan import replan
 from ...runtime.trace import gather_chrome_trace
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..adapter.data import train_batches
 from ..adapter.flags import build_parser, check_args, parse_task_schedule, world_from_env
 from ..checkpoint.directory import latest_iteration
+from .evaluate import Evaluation
 from .guard import NumericGuard
+from .optim import make_optimizer, make_scheduler
+from ..adapter.train_flags import check_training_values
 from ..job.lifeline import LIFE, SAVE_SIGNALS, say_per_node, signal_name
 from .logs import TrainLogs
 from ..adapter.model import (build_model, graph_for, layer_backend, log_plan, make_cluster, plan_for, run_device,
@@ -51,27 +54,6 @@ from .session import Stopped, join_job, restart_source, run_entry
 from ..adapter.schedule import forward_step, reduce_reports, spindle_forward_backward
 
 log = get_logger(__name__)
-
-
-def make_optimizer(params, args):
-    """AdamW over ``params``; over fp32 master copies when they are bf16 (Megatron's mixed precision)."""
-    params = list(params)
-    if any(p.dtype != torch.float32 for p in params):
-        return MasterWeightsOptimizer(params, lambda ps: make_optimizer(ps, args))
-    return torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             weight_decay=args.weight_decay)
-
-
-def make_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    """megatron.core's OptimizerParamScheduler over the torch optimizer's parameter groups."""
-    for g in optimizer.param_groups:
-        g.setdefault("max_lr", args.lr)
-        g.setdefault("min_lr", args.min_lr)
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1),
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
 
 def metaop_errors(model, steps, runtime=None, *, passes: int = 1,
@@ -107,6 +89,7 @@ class Trainer:
     def __init__(self, args, *, extra_json: dict | None = None) -> None:
         self.args = args
         self.extra_json = dict(extra_json or {})
+        check_training_values(args)  # Megatron's own checks of its optimizer, schedule and model flags
         check_args(args, world_from_env())  # every rank, before any collective: the same one line everywhere
         layer_backend(args)  # --transformer-impl transformer_engine where TE cannot run: the same line, before joining
         join_job(args)
@@ -121,6 +104,7 @@ class Trainer:
     def _build(self, args) -> None:
         """Everything after the rendezvous: graph, plan, data, model, optimizer, a resumed checkpoint."""
         self.device = run_device()
+        seed_rng(args.seed)  # as Megatron's --seed: the dropout masks follow it
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.graph = graph_for(args, self.world)
         self.schedule = parse_task_schedule(args.spindle_task_schedule, self.graph.tasks, args.train_iters)
@@ -138,6 +122,10 @@ class Trainer:
         LIFE.stage = "planning (rank 0) and sharing the plan; a rank stopped or planning takes long"
         self.plan = plan_for(args, sub, self.world, passes=glob // self.micro if glob else 1)
         self.accum = step_passes(self.plan, glob, self.micro)  # the plan's passes (a loaded plan decides)
+        self.glob = self.accum * self.micro  # Megatron's global batch: what its scheduler steps by per iteration
+        if getattr(args, "spindle_data", None) and args.eval_iters:
+            raise ValueError(f"--eval-iters {args.eval_iters} with --spindle-data: the energon datasets hold a "
+                             f"training split only; use --eval-iters 0")
         if self.plan.distributed_optimizer and (args.save or args.load or len(self.schedule) > 1):
             raise ValueError("the plan shards the optimizer state (distributed_optimizer), but the built-in "
                              "trainer's checkpoints and task-mix changes keep it per parameter: drop "
@@ -151,8 +139,8 @@ class Trainer:
                                  first_batch=self.data.peek())
         self.model.trace.max_spans = args.spindle_trace_max_spans
         self.trace_full = 0  # the iteration at which the trace reached its cap (0: not yet)
-        self.optimizer = make_optimizer(self.model.optimizer_parameters(), args)  # ZeRO-1: this rank's shards; frozen: none
-        self.scheduler = make_scheduler(self.optimizer, args)
+        self.optimizer = self._optimizer(self.model.optimizer_parameters())  # ZeRO-1: this rank's shards; frozen: none
+        self.scheduler = make_scheduler(self.optimizer, args, self.glob)
         LIFE.disarm()  # start-up is done; loading a checkpoint takes what it takes (bounded by --spindle-timeout)
         self.phase = 0
         self.load, attempt = restart_source(args)
@@ -163,10 +151,13 @@ class Trainer:
             log.info((f"torchrun restart {attempt}: " if self.load != args.load else "")
                      + f"resumed from {self.load} at iteration {self.start}"
                      + (f"; fresh weights for {', '.join(missing)}" if missing else ""))
-            self.scheduler = make_scheduler(self.optimizer, args)
+            self.scheduler = make_scheduler(self.optimizer, args, self.glob)
             if self.start:
-                self.scheduler.step(self.start)
+                self.scheduler.step(self.start * self.glob)
         self.data.position = self.start * self.accum
+        self.evaluation = Evaluation(self.graph, args.seed, self.plan.tasks, self.accum, args.eval_iters,
+                                     consumed=(self.start // args.eval_interval) * args.eval_iters
+                                     if args.eval_interval else 0)
         if args.save:
             check_save_space(args.save, self.model, self.optimizer)
         self.guard = NumericGuard(args.spindle_nonfinite_skips)
@@ -176,6 +167,9 @@ class Trainer:
         self.syncs = HostSyncCounter(self.device)  # the host's waits for the device, per iteration
         self.last: dict[str, float] = {}
         self._prediction = None  # (cluster, compute scale, step costs) of the prediction line
+
+    def _optimizer(self, params):
+        return make_optimizer(params, self.args, flat=self.plan.distributed_optimizer)
 
     def _phase_of(self, it: int) -> int:
         return max(i for i, (s0, _) in enumerate(self.schedule) if s0 <= it)
@@ -188,14 +182,14 @@ class Trainer:
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.model, self.optimizer = replan(self.model, self.optimizer, self.plan, sub, layer_graph=self.graph,
                                             seed=self.args.seed,
-                                            make_optimizer=lambda ps: make_optimizer(ps, self.args))
+                                            make_optimizer=self._optimizer)
         self.model.trace.max_spans = self.args.spindle_trace_max_spans
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
-        self.scheduler = make_scheduler(self.optimizer, self.args)
+        self.scheduler = make_scheduler(self.optimizer, self.args, self.glob)
         if it:
-            self.scheduler.step(it)
-        self.data.tasks = self.plan.tasks
+            self.scheduler.step(it * self.glob)
+        self.data.tasks = self.evaluation.valid.tasks = self.evaluation.test.tasks = self.plan.tasks
         self._prediction = None  # this rank's parameters changed
         log.info(f"iteration {it}: tasks now {', '.join(self.plan.tasks)}; replanned ({len(self.plan.waves)} "
                  f"waves), weights and optimizer state kept")
@@ -216,7 +210,7 @@ class Trainer:
         if self.guard.check(it, losses, norm, model):  # a non-finite loss or norm never reaches the optimizer
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step(1)
+        self.scheduler.step(self.glob)  # Megatron's increment: the iteration's samples
         model.trace.span("optimizer", "optimizer step", m_opt)
         dt = time.perf_counter() - t0
         model.trace.span("step", "step", m0)
@@ -354,6 +348,9 @@ class Trainer:
                             f"more prediction lines); raise the cap with --spindle-trace-max-spans")
             if args.spindle_predict_interval and (it + 1) % args.spindle_predict_interval == 0 and not self.trace_full:
                 self._log_prediction(it)
+            if args.eval_iters and args.eval_interval and (it + 1) % args.eval_interval == 0:
+                with comm.during(f"iteration {it + 1}: evaluating"):
+                    self.evaluation.log(self.model, f"iteration {it + 1}")
             stop = bool(args.exit_interval) and (it + 1) % args.exit_interval == 0 and it + 1 < args.train_iters
             saved = bool(args.save) and ((args.save_interval and (it + 1) % args.save_interval == 0) or stop
                                          or it + 1 == args.train_iters)
@@ -370,6 +367,11 @@ class Trainer:
             if stop:
                 log.info(f"exiting at iteration {it + 1} (--exit-interval {args.exit_interval})")
                 break
+        if args.eval_iters and here[0] == args.train_iters:  # Megatron's end of training (not after an exit):
+            with comm.during("evaluating after training"):  # the validation, then the test set
+                for test in (False, True):
+                    self.evaluation.log(self.model, f"iteration {here[0]} on {'test' if test else 'validation'} set",
+                                        test=test)
         if args.spindle_trace:
             try:
                 path = gather_chrome_trace(self.model.trace, args.spindle_trace)
