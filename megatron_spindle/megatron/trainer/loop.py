@@ -38,7 +38,7 @@ from ...runtime.replan import replan
 from ...runtime.trace import gather_chrome_trace
 from ..checkpoint.save_load import load_checkpoint, save_checkpoint
 from ..adapter.data import train_batches
-from ..adapter.flags import build_parser, check_args, parse_task_schedule, world_from_env
+from ..adapter.flags import check_args, fallback_args, parse_task_schedule, spindle_args, world_from_env
 from ..checkpoint.directory import latest_iteration
 from .evaluate import Evaluation
 from .guard import NumericGuard
@@ -414,8 +414,9 @@ def main(argv=None, description: str = "") -> int:
     """``python -m megatron_spindle.megatron.trainer.loop``: exit statuses and lines as :func:`run_entry` says."""
     LIFE.start()
     setup_logging()
-    args = build_parser(description).parse_args(argv)
-    status = run_entry(lambda: pretrain(args), args.spindle_plan)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plan = spindle_args(argv).spindle_plan
+    status = run_entry(lambda: pretrain(fallback_args(argv)[0]), plan)  # the flag contract first, one line
     if status or LIFE.signal:  # a stop on a signal races the launcher's grace period: no interpreter teardown
         LIFE.exit(status)
     return status
