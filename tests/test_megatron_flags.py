@@ -25,7 +25,8 @@ from test_megatron_lm import _close, _megatron_run  # noqa: E402
 FLAGS = ["--spindle", "--spindle-model", "multitask-clip", "--spindle-tasks", "4", "--spindle-size", "tiny",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--seed", "1234",
          "--log-interval", "1", "--train-iters", "4", "--lr-warmup-fraction", "0.5", "--lr-decay-iters", "6",
-         "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--weight-decay", "0.1", "--spindle-predict-interval", "0"]
+         "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--weight-decay", "0.1", "--spindle-predict-interval", "0",
+         "--eval-interval", "1000", "--eval-iters", "0"]
 EVAL = ["--eval-interval", "2", "--eval-iters", "1"]
 
 

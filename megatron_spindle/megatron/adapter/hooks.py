@@ -351,18 +351,13 @@ def local_layers_default(parser):
     ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
     path is chosen with the flag, never by Megatron's default meeting a container that has TE). Likewise
     ``--hidden-dropout`` and ``--attention-dropout`` default to 0 as in the built-in loop (a value given is
-    honoured: :class:`...models.blocks.LayerSettings`). ``--eval-interval`` without a default (megatron-core
-    0.17 and later, whose loop then fails dividing by it) gets :data:`EVAL_INTERVAL`, the 0.16 line's default."""
+    honoured: :class:`...models.blocks.LayerSettings`). ``--eval-interval`` has no default in Megatron-LM (its
+    loop divides by it): the flag contract refuses a command without it in one line, and the launch scripts add
+    it where a command leaves it out."""
     acts = {a.dest: a for a in parser._actions}
     parser.set_defaults(**{k: v for k, v in (("transformer_impl", "local"), ("hidden_dropout", 0.0),
                                              ("attention_dropout", 0.0)) if k in acts})
-    if "eval_interval" in acts and acts["eval_interval"].default is None:
-        parser.set_defaults(eval_interval=EVAL_INTERVAL)
     return parser
-
-
-EVAL_INTERVAL = 1000
-"""``--eval-interval``'s default in Megatron-LM ``core_v0.16.1`` (``megatron/training/arguments.py``)."""
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,
