@@ -31,7 +31,8 @@ from ...planner.workload.workloads import build_graph
 from ..job.input_files import require, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
 from ..job.lifeline import report_once
-from .train_flags import add_eval_args, add_iteration_args, add_model_args, add_optimizer_args, resolve_iterations
+from .train_flags import (add_eval_args, add_iteration_args, add_model_args, add_optimizer_args, check_training_values,
+                          resolve_iterations)
 
 STARTUP_TIMEOUT_S = 120.0
 """Default of ``--spindle-startup-timeout``: the slowest rank's imports on a busy machine take tens of seconds."""
@@ -426,6 +427,7 @@ def preflight_main(argv, description: str = "") -> int:
                 check_save_reuse(save, _known(argv, "--load"), args.spindle_overwrite_save)
         else:
             args, _ = fallback_args(argv)
+            check_training_values(args)  # Megatron's checks of its optimizer, schedule and model flags
             check_args(args, world)
             save = args.save
         if save:
