@@ -287,7 +287,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     graph = graph_for(args, dist.get_world_size())
     tasks = _BUILT[0].plan.tasks if _BUILT else graph.tasks
-    return data_iterators(graph, args.seed, tasks, consumed_train=getattr(args, "consumed_train_samples", 0) or 0,
+    # resumed at the loaded checkpoint's iteration: its sample counts are its writer's (SPINDLE=0 adds up the tasks)
+    consumed = (getattr(args, "iteration", 0) or 0) * args.global_batch_size
+    return data_iterators(graph, args.seed, tasks, consumed_train=consumed,
                           consumed_valid=getattr(args, "consumed_valid_samples", 0) or 0)
 
 

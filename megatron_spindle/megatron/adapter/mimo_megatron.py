@@ -88,8 +88,7 @@ class MicroBatches:
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """``(train, valid, test)`` iterators for ``--dataloader-type external``, resumed at the consumed samples."""
     args = megatron_args()
-    per_step = args.global_batch_size
-    start = (getattr(args, "consumed_train_samples", 0) or 0) // per_step
+    start = getattr(args, "iteration", 0) or 0  # a step per iteration (a --spindle checkpoint counts samples its way)
     g = _RUN["graph"]
     return (MicroBatches(g, args.seed, args.micro_batch_size, start),
             MicroBatches(g, args.seed, args.micro_batch_size, VALID_OFFSET),
