@@ -44,10 +44,29 @@ def is_mimo(model) -> bool:
 def _layout(key: str) -> tuple[str, str, tuple]:
     """``(dict prefix, key prefix, sharded offsets)`` of the part behind parameter key ``key``."""
     owner, sep, index = key.rpartition(".layers.")
-    if sep and index.isdigit():
+    if sep and index.isdigit() and _stacked(owner):
         n = len(mimo_model()[0].get_submodule(f"{owner}.layers"))
         return f"{key}.", f"{owner}.layers.", ((0, int(index), n),)
     return f"{key}.", f"{key}.", ()
+
+
+_STACKED: dict = {}
+
+
+def _stacked(owner: str) -> bool:
+    """Whether the block ``owner`` of the user's model stacks its layers on one axis in its checkpoint (megatron.core
+    keys layers by number instead for blocks it deems heterogeneous, by its own rules and version): asked of the
+    block itself, on the meta device, once."""
+    mimo = mimo_model()[0]
+    if (id(mimo), owner) not in _STACKED:
+        block = mimo.get_submodule(owner)
+        one = LocalGroup()
+        with _tp_group_everywhere(block, one):
+            sd = block.sharded_state_dict(prefix=f"{owner}.", metadata={"dp_cp_group": one})
+        first = f"{owner}.layers.{block.layers[0].layer_number - 1}." if len(block.layers) else None
+        _STACKED[(id(mimo), owner)] = first is not None and not any(
+            getattr(v, "key", "").startswith(first) for v in sd.values())
+    return _STACKED[(id(mimo), owner)]
 
 
 @contextlib.contextmanager

@@ -309,7 +309,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     ensure_adam_state(optimizer)
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta and not is_object(v)}  # no tensor in an object
-    mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
+    mine = {k.split("/")[1] for k, v in want.items() if k not in present and k.startswith("model/") and not is_object(v)}
     found = sum(1 for k in present if k.startswith("model/"))
     every = comm.all_gather_object((mine, found))  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*(m for m, _ in every)))
