@@ -43,11 +43,12 @@ def grids_lines(static, spindle_step_ms: float | None) -> str:
     if static.step_ms is None or not static.extra.get("grids"):
         return f"MIMO grids: no static per-module layout fits ({static.error})"
     gm = grid_map(static.extra["grids"])
+    mb = static.extra.get("micro_batches")
     used = max(g["rank_offset"] + g["tp"] * g["dp"] + g["idle"] for g in gm.values())
     gain = f"; Spindle's plan {spindle_step_ms:.2f} ms, {static.step_ms / spindle_step_ms:.2f}x faster" \
         if spindle_step_ms else ""
     lines = [f"MIMO's module_to_grid_map, the best static per-module layout ({static.execution.label()}, "
-             f"{static.extra.get('micro_batches')} micro-batches, ranks 0-{used - 1}): step {static.step_ms:.2f} ms{gain}",
+             f"{mb} micro-batch{'' if mb == 1 else 'es'}, ranks 0-{used - 1}): step {static.step_ms:.2f} ms{gain}",
              "from megatron.core.hyper_comm_grid import HyperCommGrid", "module_to_grid_map = {"]
     for module, g in gm.items():
         shape = ", ".join(str(g[d]) for d in DIMS)

@@ -1,5 +1,7 @@
 """Checkpoints through megatron.core's distributed checkpointing, independent of the plan.
 
+A MIMO model's parameters and moments are saved under its ``MimoModel``'s own keys (:mod:`.mimo_keys`), which
+Megatron-LM's MIMO training reads; a spec model's as follows.
 Every parameter is saved under a plan-independent key, ``model/<param_key>/<name>``, as a
 ``ShardedTensor`` of its full (unsharded) shape: a tensor-parallel shard declares its offset, and the copies
 that data-parallel replicas and other slices hold declare a non-zero ``replica_id`` so exactly one copy is
