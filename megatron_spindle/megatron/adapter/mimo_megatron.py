@@ -38,7 +38,7 @@ from ...models.mimo_source import load_source
 from .data import TEST_OFFSET, VALID_OFFSET
 from .flags import add_spindle_args, spindle_args
 from ..trainer.session import run_entry
-from .hooks import MEGATRON_DEFAULTS, megatron_args
+from .hooks import MEGATRON_DEFAULTS, megatron_args, resumed_counters
 
 log = get_logger(__name__)
 
@@ -174,7 +174,7 @@ def pretrain_mimo(argv: list[str]) -> None:
     apply_cpu_standins()
     apply_megatron_ddp_standins()
     sys.argv = [sys.argv[0], *setup(argv)]
-    with cuda_on_cpu():
+    with cuda_on_cpu(), resumed_counters():
         run_pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                      extra_args_provider=add_spindle_args, args_defaults=DEFAULTS)
 
