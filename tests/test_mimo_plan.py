@@ -169,8 +169,8 @@ def test_the_planner_side_runs_without_torch():
 
 
 def test_the_best_static_grids_are_mimos_module_to_grid_map(desc):
-    """``spindle plan --mimo-grids``: the tuned static grids as one ``HyperCommGrid`` per module of the model, contiguous
-    disjoint rank ranges from 0 that hold each grid's share, and printed as Python that builds exactly that map."""
+    """``spindle plan --mimo-grids``: the tuned static grids as one ``HyperCommGrid`` per module of the model,
+    contiguous disjoint rank ranges from 0 that hold each grid's share, printed as Python that builds that map."""
     from megatron_spindle.mimo.grids import DIMS, grid_map, grids_json, grids_lines
     from megatron_spindle.planner.tuning.tune import tune_static_grids
 

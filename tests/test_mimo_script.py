@@ -1,4 +1,5 @@
-"""Megatron-LM's ``examples/mimo/train.py`` with ``--spindle`` (``patches/megatron-lm-core_v0.19.0-mimo-train-spindle.patch``):
+"""Megatron-LM's ``examples/mimo/train.py`` with ``--spindle``
+(``patches/megatron-lm-core_v0.19.0-mimo-train-spindle.patch``):
 :mod:`megatron_spindle.megatron.adapter.mimo_script` takes the script's provider table and flags.
 
 The tag's script imports TransformerEngine specs, megatron-energon, ``soundfile`` and Hugging Face at its top, none

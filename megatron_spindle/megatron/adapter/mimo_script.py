@@ -1,4 +1,4 @@
-"""Megatron-LM's own MIMO script, ``examples/mimo/train.py``, with ``--spindle``: that script's provider, trained by Spindle.
+"""Megatron-LM's own MIMO script, ``examples/mimo/train.py``, with ``--spindle``: its provider, trained by Spindle.
 
 The patch in ``patches/`` makes the script call :func:`main` with its table of model providers (``_MODEL_PROVIDERS``)
 and its own flags (``add_mimo_args``) when ``--spindle`` is on its command line. ``--model-provider NAME`` (the

@@ -311,7 +311,8 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
     ensure_adam_state(optimizer)
     want = sharded_state_dict(model, optimizer)
     present = {k: v for k, v in want.items() if v.key in meta and not is_object(v)}  # no tensor in an object
-    mine = {k.split("/")[1] for k, v in want.items() if k not in present and k.startswith("model/") and not is_object(v)}
+    mine = {k.split("/")[1] for k, v in want.items()
+            if k not in present and k.startswith("model/") and not is_object(v)}
     found = sum(1 for k in present if k.startswith("model/"))
     every = comm.all_gather_object((mine, found))  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*(m for m, _ in every)))
@@ -323,7 +324,8 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
                               f"another model or of renamed modules? --load the checkpoint of this model, or start "
                               f"without --load")
     wrong = sorted(f"{v.key} has shape {list(meta[v.key].global_shape)}, this model needs {list(v.global_shape)}"
-                   for u in present.values() for v in tensors(u) if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
+                   for u in present.values() for v in tensors(u)
+                   if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
     wrong = sorted(w for ws in comm.all_gather_object(wrong) for w in ws)  # the same line on every rank
     if wrong:
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
