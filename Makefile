@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 # Whole runs as a user starts them, with faults: their own target, so each suite stays well under 15 minutes
 # on 2 cores (their times: tests/README.md).
 FAULT_TESTS := tests/test_launch_path.py tests/test_faults_kill.py tests/test_faults_checkpoint.py tests/test_bad_input.py \
-	tests/test_faults_files.py tests/test_mimo_launch.py
+	tests/test_faults_files.py tests/test_mimo_launch.py tests/test_mimo_script.py
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q tests $(addprefix --ignore=,$(FAULT_TESTS))
@@ -63,7 +63,7 @@ test-megatron-lm: $(MLM_VENV)/.installed
 	$(MLM_PY) -m pytest -q tests/test_megatron_lm.py tests/test_megatron_flags.py tests/test_frozen_megatron_lm.py tests/test_megatron_hooks.py \
 		tests/test_megatron_backend.py tests/test_layers.py tests/test_comm_discipline.py tests/test_bf16.py tests/test_gpu_check_script.py \
 		tests/test_gpu_node.py tests/test_launch_megatron_lm.py tests/test_mimo_megatron_lm.py tests/test_mimo_runtime.py tests/test_mimo_model.py \
-		tests/test_flag_contract.py
+		tests/test_flag_contract.py tests/test_mimo_checkpoint.py
 
 clean:
 	rm -rf $(VENV) $(MLM_VENV) out

@@ -17,10 +17,11 @@ from .compare import cli as compare
 from .argtypes import add_workload_args, positive_int, workload_of
 from .atomic import check_output
 from .log import setup_logging
+from .mimo.grids import grids_json, grids_lines
 from .planner.workload.analytic import CurvesFile, DeviceModel
 from .planner.step.build import make_plan
 from .planner.tuning.tune_spindle import tune_with_baselines
-from .planner.tuning.tune import Workload
+from .planner.tuning.tune import Workload, tune_static_grids
 from .planner.workload.cluster import load_cluster
 from .planner.simulation.simulate import simulate
 from .planner.simulation.step_bound import plan_step_bound
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--gantt", default=None, metavar="PLAN.png", help="draw the waves per device as a PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--mimo-grids", action="store_true",
+                   help="with --model-provider: also the best static per-module layout as MIMO's module_to_grid_map "
+                        "(each module's HyperCommGrid), beside Spindle's plan (docs/mimo.md)")
     p.add_argument("--progress-interval", type=float, default=10.0, metavar="S",
                    help="while planning, a 'planning: N s so far' line every S seconds (0: none; on stderr with "
                         "--json)")
@@ -69,6 +73,8 @@ def cmd_plan(args) -> int:
     given = args.passes not in (None, "auto")  # a user's --passes wins over the tuned configuration
     workload = workload_of(args)
     workload.graph(args.passes if given else 1)  # bad model, tasks, size, batch or passes: fail before planning
+    if args.mimo_grids and not args.model_provider:
+        raise ValueError("--mimo-grids: MIMO's grids are of a MimoModel; give --model-provider MODULE:FUNCTION")
     curves = CurvesFile.load(args.curves) if args.curves else None
     cluster = load_cluster(None, num_devices=args.gpus, gpus_per_node=args.gpus_per_node,
                            memory_gib=args.memory_gib if args.memory_gib is not None else
@@ -96,9 +102,13 @@ def cmd_plan(args) -> int:
         print(idle, file=sys.stderr)
     if not highs_available():
         print(HIGHS_NOTE, file=sys.stderr)
+    static = tune_static_grids(workload, cluster, curves_file=curves, device=device) if args.mimo_grids else None
     if args.json:
-        print(json.dumps(plan_json(plan, sim, whole, cluster, configured, planning_s=planning_s,
-                                   files={"plan": args.out, "gantt": args.gantt})))
+        out = plan_json(plan, sim, whole, cluster, configured, planning_s=planning_s,
+                        files={"plan": args.out, "gantt": args.gantt})
+        if static is not None:
+            out["mimo_grids"] = grids_json(static, sim.step_ms)
+        print(json.dumps(out))
         return 0
     if curves is not None:
         uncovered = [m for m, c in plan.curves if c.source == "analytic"]
@@ -112,6 +122,9 @@ def cmd_plan(args) -> int:
     print()
     print(summary(plan, planning_s, configuration=configured.line(), schedule=configured.schedule))
     print(step_lines(sim, whole, cluster))
+    if static is not None:
+        print()
+        print(grids_lines(static, sim.step_ms))
     if args.out:
         print(f"plan written to {args.out}")
     if args.gantt:

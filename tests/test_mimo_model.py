@@ -204,3 +204,24 @@ def test_spindle_plan_takes_a_provider_and_says_what_runs_whole(tmp_path, capsys
     assert main(["plan", "--model-provider", OPAQUE, "--gpus", "4"]) == 2
     assert capsys.readouterr().err.strip() == (f"spindle plan: error: --model-provider {OPAQUE} needs --tasks-file "
                                                f"TASKS.toml (docs/mimo.md)")
+
+
+def test_spindle_plan_prints_the_best_static_grids_as_mimos_map(capsys):
+    import json
+
+    from megatron_spindle.cli import main
+
+    tasks = str(pathlib.Path(__file__).resolve().parent.parent / "examples" / "mimo" / "tiny_tasks.toml")
+    flags = ["plan", "--model-provider", "examples.mimo.tiny_avlm:tiny_avlm", "--tasks-file", tasks, "--gpus", "8",
+             "--progress-interval", "0", "--mimo-grids"]
+    assert main([*flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    grids = out["mimo_grids"]
+    assert set(grids["module_to_grid_map"]) == {"images", "audio", "language"}
+    assert grids["spindle_step_ms"] == out["step_ms"]
+    assert grids["spindle_speedup"] == pytest.approx(grids["step_ms"] / grids["spindle_step_ms"])
+    assert main(flags) == 0
+    text = capsys.readouterr().out
+    assert "module_to_grid_map = {" in text and '"language": HyperCommGrid(shape=[' in text
+    assert main(["plan", "--model", "multitask-clip", "--gpus", "8", "--mimo-grids"]) == 2
+    assert "--mimo-grids: MIMO's grids are of a MimoModel" in capsys.readouterr().err

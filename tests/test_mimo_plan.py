@@ -166,3 +166,33 @@ def test_the_planner_side_runs_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "planned" in out.stdout
+
+
+def test_the_best_static_grids_are_mimos_module_to_grid_map(desc):
+    """``spindle plan --mimo-grids``: the tuned static grids as one ``HyperCommGrid`` per module of the model,
+    contiguous disjoint rank ranges from 0 that hold each grid's share, printed as Python that builds that map."""
+    from megatron_spindle.mimo.grids import DIMS, grid_map, grids_json, grids_lines
+    from megatron_spindle.planner.tuning.tune import tune_static_grids
+
+    static = tune_static_grids(MimoWorkload(desc, load_tasks(str(TASKS))), load_cluster(None, num_devices=8,
+                                                                                          gpus_per_node=8))
+    gm = grid_map(static.extra["grids"])
+    assert set(gm) == {"images", "audio", "language"}
+    spans = sorted((g["rank_offset"], g["rank_offset"] + g["tp"] * g["dp"] + g["idle"]) for g in gm.values())
+    assert spans[0][0] == 0 and spans[-1][1] <= 8 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for module, g in gm.items():
+        assert g["cp"] == g["pp"] == 1 and g["tp"] * g["dp"] + g["idle"] == static.extra["grids"][module]["ranks"]
+    made = {}
+
+    class HyperCommGrid:  # stands in for megatron.core's: records what the printed map passes
+        def __init__(self, shape, dim_names, rank_offset):
+            self.args = dict(zip(dim_names, shape), rank_offset=rank_offset)
+
+    text = grids_lines(static, static.step_ms / 2)
+    exec("\n".join(text.splitlines()[2:]), {"HyperCommGrid": HyperCommGrid}, made)
+    assert {m: g.args for m, g in made["module_to_grid_map"].items()} == \
+        {m: {**{d: g[d] for d in DIMS}, "rank_offset": g["rank_offset"]} for m, g in gm.items()}
+    assert "2.00x faster" in text.splitlines()[0]
+    out = grids_json(static, static.step_ms / 2)
+    assert out["module_to_grid_map"] == gm and out["spindle_speedup"] == pytest.approx(2.0)
+    assert out["dim_names"] == list(DIMS) and out["step_ms"] == static.step_ms

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.distributed import DistributedDataParallelConfig
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..checkpoint.save_load import sharded_state_dict
+from ..checkpoint.mimo_keys import is_mimo, is_object
+from ..checkpoint.save_load import holder_state, local_holders, sharded_state_dict
 from .schedule import spindle_forward_backward
 
 
@@ -98,6 +99,8 @@ class MegatronModelChunk(torch.nn.Module):
         (one per tensor-parallel group it serves) gets its own entry with the same key and a non-main
         replica id: Megatron's optimizer needs every parameter it steps to appear in the model's dict.
         """
+        if is_mimo(self.module):
+            return self._mimo_entries()
         base = sharded_state_dict(self.module)
         by_storage = {(p.data_ptr(), p.numel()): p for p in self.module.unique_parameters()}
         out, main_of = [], {}
@@ -117,6 +120,15 @@ class MegatronModelChunk(torch.nn.Module):
                             replace(sh, data=p.data.view(sh.local_shape), replica_id=(*rid, n))))
         return out
 
+    def _mimo_entries(self) -> list[tuple[str, torch.nn.Parameter | None, object]]:
+        """Under a MIMO model: megatron.core's own entries of every local holder (:mod:`..checkpoint.mimo_keys`),
+        whose data are the parameters themselves; an ``_extra_state`` object has no parameter."""
+        out = []
+        for key, shard, tp, idx, copy, layer in local_holders(self.module):
+            for name, entry in holder_state(layer, key, shard, tp, idx, None, True, copy=copy).items():
+                out.append((name + (f"#copy{copy}" if copy else ""), None if is_object(entry) else entry.data, entry))
+        return out
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron's ``MegatronModule.sharded_state_dict`` contract, keys prefixed with ``prefix``.
 
@@ -129,6 +141,9 @@ class MegatronModelChunk(torch.nn.Module):
             raise ValueError(f"Spindle chunks take no pipeline offsets, got sharded_offsets={sharded_offsets!r}")
         out = {}
         for key, p, sh in self._entries():
+            if p is None or not isinstance(sh, ShardedTensor) or sh.data is p:  # megatron.core's own entry
+                out[prefix + key] = replace(sh, key=prefix + sh.key)
+                continue
             if tuple(sh.local_shape) == tuple(p.shape):
                 out[prefix + key] = replace(sh, key=prefix + sh.key, data=p)
                 continue
@@ -145,9 +160,11 @@ class MegatronModelChunk(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Copy loaded tensors (keys as :meth:`sharded_state_dict` with no prefix) into the parameters."""
-        entries = {key: p for key, p, _ in self._entries()}
+        every = self._entries()
+        entries = {key: p for key, p, _ in every if p is not None}
+        objects = {key for key, p, _ in every if p is None}  # an ``_extra_state``: nothing to copy
         missing = [k for k in entries if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in entries]
+        unexpected = [k for k in state_dict if k not in entries and k not in objects]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Spindle chunk state dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")

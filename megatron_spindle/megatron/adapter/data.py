@@ -57,3 +57,22 @@ def train_batches(args, graph, plan, rank: int):
                          "samples follow the first plan's layout)")
     from ...data.energon import EnergonData  # optional dependency: megatron-energon
     return EnergonData(args.spindle_data, graph, plan, rank, seed=args.seed)
+
+
+def resume_counters(args, scheduler) -> bool:
+    """After Megatron-LM loaded a checkpoint at ``args.iteration``: its sample counters in this run's units.
+
+    Megatron counts a step's samples, and ``SPINDLE=0`` counts all tasks' (its ``--global-batch-size`` is their sum)
+    where ``--spindle`` counts every task's; a checkpoint of the one read by the other would leave the schedule
+    (``scheduler.num_steps``) and ``consumed_train_samples`` in the writer's units. Both become ``iteration x
+    global_batch_size`` (this run's, no batch-size ramp-up) and the learning rate follows; a checkpoint of the
+    same kind of run already counts so (nothing changes). Returns whether anything changed."""
+    iteration = getattr(args, "iteration", 0) or 0
+    want = iteration * args.global_batch_size
+    if not iteration or scheduler is None or scheduler.num_steps == want:
+        return False
+    args.consumed_train_samples = want
+    scheduler.num_steps = 0
+    scheduler.step(increment=want)
+    return True
+

@@ -43,6 +43,7 @@ A run (``pretrain_spindle.py`` from ``patches/``, or :func:`pretrain_spindle` fr
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -59,7 +60,7 @@ from ...log import get_logger, setup_logging
 from ...runtime.trace import gather_chrome_trace
 from ..trainer import loop as trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
-from .data import data_iterators
+from .data import data_iterators, resume_counters
 from .flag_contract import check_megatron_command_line, constraints, megatron_argv
 from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
 from ..checkpoint.directory import latest_iteration
@@ -276,6 +277,29 @@ def spindle_model_provider(pre_process: bool = True, post_process: bool = True, 
     return chunk
 
 
+@contextlib.contextmanager
+def resumed_counters():
+    """While Megatron-LM's ``pretrain`` runs: after it loads a checkpoint, its sample counters are this run's
+    (:func:`.data.resume_counters`; a checkpoint of ``SPINDLE=0`` under ``--spindle`` and the reverse)."""
+    import megatron.training.training as mt  # optional: megatron.training
+
+    original = mt.setup_model_and_optimizer
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*a, **kw):
+        model, optimizer, scheduler = original(*a, **kw)
+        if resume_counters(mt.get_args(), scheduler):
+            log.info(f"checkpoint of iteration {mt.get_args().iteration}: its schedule and consumed samples "
+                     f"counted in this run's units ({mt.get_args().global_batch_size} samples per step)")
+        return model, optimizer, scheduler
+
+    mt.setup_model_and_optimizer = setup_model_and_optimizer
+    try:
+        yield
+    finally:
+        mt.setup_model_and_optimizer = original
+
+
 def megatron_args():
     """Megatron's parsed arguments (``megatron.training.get_args``), for the adapter's modules that must not import
     ``megatron.training`` themselves (the MIMO loop without Spindle, :mod:`.mimo_megatron`)."""
@@ -291,7 +315,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     graph = graph_for(args, dist.get_world_size())
     tasks = _BUILT[0].plan.tasks if _BUILT else graph.tasks
-    return data_iterators(graph, args.seed, tasks, consumed_train=getattr(args, "consumed_train_samples", 0) or 0,
+    # resumed at the loaded checkpoint's iteration: its sample counts are its writer's (SPINDLE=0 adds up the tasks)
+    consumed = (getattr(args, "iteration", 0) or 0) * args.global_batch_size
+    return data_iterators(graph, args.seed, tasks, consumed_train=consumed,
                           consumed_valid=getattr(args, "consumed_valid_samples", 0) or 0)
 
 
@@ -399,7 +425,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
     LIFE.arm(min(early.spindle_startup_timeout, early.spindle_timeout))
     LIFE.stage = "starting Megatron-LM (initialize_megatron: the rendezvous of every rank)"
     try:
-        with cuda_on_cpu():
+        with cuda_on_cpu(), resumed_counters():
             run_pretrain(train_valid_test_datasets_provider, spindle_model_provider, ModelType.encoder_or_decoder,
                          forward_step, extra_args_provider=chain_args(local_layers_default, limits.provider,
                                                                       extra_args_provider),

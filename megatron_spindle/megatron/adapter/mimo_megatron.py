@@ -38,7 +38,7 @@ from ...models.mimo_source import load_source
 from .data import TEST_OFFSET, VALID_OFFSET
 from .flags import add_spindle_args, spindle_args
 from ..trainer.session import run_entry
-from .hooks import MEGATRON_DEFAULTS, megatron_args
+from .hooks import MEGATRON_DEFAULTS, megatron_args, resumed_counters
 
 log = get_logger(__name__)
 
@@ -88,8 +88,7 @@ class MicroBatches:
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """``(train, valid, test)`` iterators for ``--dataloader-type external``, resumed at the consumed samples."""
     args = megatron_args()
-    per_step = args.global_batch_size
-    start = (getattr(args, "consumed_train_samples", 0) or 0) // per_step
+    start = getattr(args, "iteration", 0) or 0  # a step per iteration (a --spindle checkpoint counts samples its way)
     g = _RUN["graph"]
     return (MicroBatches(g, args.seed, args.micro_batch_size, start),
             MicroBatches(g, args.seed, args.micro_batch_size, VALID_OFFSET),
@@ -175,7 +174,7 @@ def pretrain_mimo(argv: list[str]) -> None:
     apply_cpu_standins()
     apply_megatron_ddp_standins()
     sys.argv = [sys.argv[0], *setup(argv)]
-    with cuda_on_cpu():
+    with cuda_on_cpu(), resumed_counters():
         run_pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                      extra_args_provider=add_spindle_args, args_defaults=DEFAULTS)
 

@@ -1,5 +1,7 @@
 """Checkpoints through megatron.core's distributed checkpointing, independent of the plan.
 
+A MIMO model's parameters and moments are saved under its ``MimoModel``'s own keys (:mod:`.mimo_keys`), which
+Megatron-LM's MIMO training reads; a spec model's as follows.
 Every parameter is saved under a plan-independent key, ``model/<param_key>/<name>``, as a
 ``ShardedTensor`` of its full (unsharded) shape: a tensor-parallel shard declares its offset, and the copies
 that data-parallel replicas and other slices hold declare a non-zero ``replica_id`` so exactly one copy is
@@ -38,6 +40,7 @@ from ...models.layer_state import shard_spec
 from .directory import TRACKER, CheckpointFileError, describe_save_error, latest_iteration
 from .files import (deferred_common_save_error, in_process_writes, restrict_metadata_unpickling, verify_checkpoint,
                     write_manifest)
+from .mimo_keys import OPTIMIZER_PREFIX, is_mimo, is_object, optimizer_entry, part_state, tensors
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -89,24 +92,56 @@ def ensure_adam_state(optimizer) -> None:
 
 def sharded_state_dict(model, optimizer=None) -> dict:
     """This rank's plan-independent sharded state: parameters and (optionally) AdamW state."""
-    plan, rank = model.plan, model.rank
-    tp_of = _tp_of(plan)
-    groups = {(g.param_key, g.tp_rank): g.ranks for g in plan.param_groups}
+    mimo = is_mimo(model)
+    state = (lambda name, p: optimizer.state[p]) if optimizer is not None else None
     out = {}
-    for (key, shard), mods in sorted(model.layer_copies.items()):
-        idx = groups[(key, shard)].index(rank)
-        for name, p in sorted(mods[0].core.named_parameters()):
-            tp = tp_of[key]
-            replica = (0, idx) if shard_spec(p) is not None else (shard, idx)  # a replicated tensor of a TP
-            base = f"{key}/{name}"                                              # layer: one main copy in all
-            out[f"model/{base}"] = _sharded(f"model/{base}", p.data, p, shard, tp, replica)
-            if optimizer is not None and p.requires_grad:  # a frozen weight has no optimizer state
-                st = optimizer.state[p]
-                for k in ADAM_KEYS:
-                    out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)
-                out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1,
-                                                     (shard, idx))
+    for key, shard, tp, idx, copy, layer in local_holders(model):
+        if copy == 0:
+            out.update(holder_state(layer, key, shard, tp, idx, state, mimo))
     out.update(_parked_state_dict(model, optimizer is not None))
+    return out
+
+
+def local_holders(model):
+    """``(key, shard, tensor-parallel size, index in the shard's ranks, copy on this rank, layer)`` of every local
+    holder of a parameter key's shard (a shard held for two tensor-parallel groups has copies 0 and 1)."""
+    tp_of = _tp_of(model.plan)
+    groups = {(g.param_key, g.tp_rank): g.ranks for g in model.plan.param_groups}
+    for (key, shard), mods in sorted(model.layer_copies.items()):
+        idx = groups[(key, shard)].index(model.rank)
+        for copy, layer in enumerate(mods):
+            yield key, shard, tp_of[key], idx, copy, layer
+
+
+def holder_state(layer, key: str, shard: int, tp: int, idx: int, state, mimo: bool, copy: int = 0) -> dict:
+    """The entries of one local holder of ``key``'s shard ``shard`` (the ``idx``-th rank of its rank list; the
+    ``copy``-th holder on this rank): ``model/<key>/<name>`` for every parameter (and, under a MIMO model, every
+    ``_extra_state`` object), and with ``state(name, param)`` (its AdamW state) ``optim/<key>/<name>/<state>``.
+    The entries' keys: plan-independent ``model/<key>/<name>``, or the ``MimoModel``'s own (:mod:`.mimo_keys`)."""
+    out = {}
+    if mimo:
+        entries = part_state(layer, key, shard, idx, copy)
+    else:
+        entries = {}
+        for name, p in sorted(layer.core.named_parameters()):
+            replica = (0, idx) if shard_spec(p) is not None else (shard, idx)  # a replicated tensor of a TP
+            if copy:                                                            # layer: one main copy in all
+                replica = (*replica, copy)
+            entries[name] = _sharded(f"model/{key}/{name}", p.data, p, shard, tp, replica)
+    params = dict(layer.core.named_parameters())
+    for name, entry in sorted(entries.items()):
+        base = f"{key}/{name}"
+        out[f"model/{base}"] = entry
+        p = params.get(name)
+        if state is None or p is None or not p.requires_grad:  # a frozen weight has no optimizer state
+            continue
+        st = state(name, p)
+        for k in ADAM_KEYS:
+            out[f"optim/{base}/{k}"] = optimizer_entry(entry, st[k], k) if mimo else \
+                _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, entry.replica_id)
+        step_key = f"{OPTIMIZER_PREFIX}.step.{key}.{name}" if mimo else f"optim/{base}/step"
+        rid = (shard, idx, copy) if copy else (shard, idx)
+        out[f"optim/{base}/step"] = _sharded(step_key, st["step"].view(1), None, 0, 1, rid)
     return out
 
 
@@ -133,23 +168,21 @@ def _parked_state_dict(model, with_optimizer: bool) -> dict:
         for k in have:
             holders.setdefault(k, []).append(r)
     out = {}
+    mimo = is_mimo(model)
     for (key, shard, tp), copies in mine.items():
         idx = holders[(key, shard, tp)].index(model.rank)
         layer, states = copies[0]
-        for name, p in sorted(layer.core.named_parameters()):
-            replica = (0, idx) if shard_spec(p) is not None else (shard, idx)
-            base = f"{key}/{name}"
-            out[f"model/{base}"] = _sharded(f"model/{base}", p.data, p, shard, tp, replica)
-            if not with_optimizer or not p.requires_grad:
-                continue
-            st = states.setdefault(name, {})
-            if not all(k in st for k in ADAM_KEYS + ("step",)):  # parked before its first step: empty state
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                          exp_avg_sq=torch.zeros_like(p))
-            for k in ADAM_KEYS:
-                out[f"optim/{base}/{k}"] = _sharded(f"optim/{base}/{k}", st[k], p, shard, tp, replica)
-            out[f"optim/{base}/step"] = _sharded(f"optim/{base}/step", st["step"].view(1), None, 0, 1, (shard, idx))
+        out.update(holder_state(layer, key, shard, tp, idx, (lambda name, p, _s=states: _parked_adam(_s, name, p))
+                                if with_optimizer else None, mimo))
     return out
+
+
+def _parked_adam(states: dict, name: str, p) -> dict:
+    st = states.setdefault(name, {})
+    if not all(k in st for k in ADAM_KEYS + ("step",)):  # parked before its first step: empty state
+        st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                  exp_avg_sq=torch.zeros_like(p))
+    return st
 
 
 def _copy_parked_duplicates(model) -> None:
@@ -168,8 +201,8 @@ def _copy_parked_duplicates(model) -> None:
 def checkpoint_bytes(model, optimizer) -> int:
     """Bytes a checkpoint of ``model`` and ``optimizer`` writes (every main copy once); collective."""
     ensure_adam_state(optimizer)
-    mine = sum(v.data.numel() * v.data.element_size() for v in sharded_state_dict(model, optimizer).values()
-               if is_main_replica(v.replica_id))
+    mine = sum(t.data.numel() * t.data.element_size() for v in sharded_state_dict(model, optimizer).values()
+               for t in tensors(v) if is_main_replica(t.replica_id))
     return int(comm.all_reduce(torch.tensor([mine], dtype=torch.float64)).item())
 
 
@@ -277,19 +310,22 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, dict, list[str]]:
         raise CheckpointError(f"checkpoint {path} is for model {saved_model!r}, not {model.graph.model!r}")
     ensure_adam_state(optimizer)
     want = sharded_state_dict(model, optimizer)
-    present = {k: v for k, v in want.items() if v.key in meta}
-    mine = {k.split("/")[1] for k in want if k not in present and k.startswith("model/")}
+    present = {k: v for k, v in want.items() if v.key in meta and not is_object(v)}  # no tensor in an object
+    mine = {k.split("/")[1] for k, v in want.items()
+            if k not in present and k.startswith("model/") and not is_object(v)}
     found = sum(1 for k in present if k.startswith("model/"))
     every = comm.all_gather_object((mine, found))  # report the weights no rank found, wherever they live
     missing = sorted(set().union(*(m for m, _ in every)))
     if missing and not any(n for _, n in every):  # nothing would load: another model's (renamed) checkpoint
-        theirs = sorted({k.split("/")[1] for k in meta if k.startswith("model/")})
+        theirs = sorted({k.split("/")[1] if k.startswith("model/") else k for k in meta
+                         if not k.startswith(("optim/", OPTIMIZER_PREFIX))})
         raise CheckpointError(f"checkpoint {path} holds none of this model's weights (it has {len(theirs)} such as "
                               f"{', '.join(theirs[:2])}; this model needs {', '.join(missing[:2])}...): a checkpoint of "
                               f"another model or of renamed modules? --load the checkpoint of this model, or start "
                               f"without --load")
     wrong = sorted(f"{v.key} has shape {list(meta[v.key].global_shape)}, this model needs {list(v.global_shape)}"
-                   for v in present.values() if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
+                   for u in present.values() for v in tensors(u)
+                   if tuple(meta[v.key].global_shape) != tuple(v.global_shape))
     wrong = sorted(w for ws in comm.all_gather_object(wrong) for w in ws)  # the same line on every rank
     if wrong:
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""

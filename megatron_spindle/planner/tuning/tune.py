@@ -257,7 +257,8 @@ def tune_static_grids(wl: Workload, cluster: Cluster, *, curves_file: CurvesFile
         sim, grids = simulate_grids(metaops, curves, cluster, micro_batches=ex.passes,
                                     distributed_optimizer=ex.distributed_optimizer)
         return sim, max(sim.peak_memory_bytes), {
-            "grids": {g.module: {"ranks": len(g.ranks), "stage": g.stage, "micro_batch_ms": g.time_ms}
+            "grids": {g.module: {"ranks": len(g.ranks), "rank_offset": g.ranks[0], "stage": g.stage,
+                                 "tp": max(m.tp for m in g.metaops), "micro_batch_ms": g.time_ms}
                       for g in grids}, "micro_batches": ex.passes}
 
     return _search(Tuned("static-grids"), wl, cluster, fixed, EXTRA_MICRO_BATCHES, run)
