@@ -240,7 +240,7 @@ def test_megatron_loop_defaults_to_local_layers_and_the_flag_wins():
     pretrain_spindle defaults it to local, as the built-in loop, and an explicit value is kept."""
     import argparse
 
-    from megatron_spindle.megatron.adapter.hooks import local_layers_default
+    from megatron_spindle.megatron.adapter.train_flags import local_layers_default
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--transformer-impl", default="transformer_engine",

@@ -62,6 +62,7 @@ from ..trainer import loop as trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators, resume_counters
 from .flag_contract import check_megatron_command_line, constraints, megatron_argv
+from .train_flags import local_layers_default
 from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
 from ..checkpoint.directory import latest_iteration
 from ..job.lifeline import LIFE, signal_name
@@ -370,20 +371,6 @@ def choose_backend(*, has_training: bool | None = None, has_cuda: bool | None = 
     if not has_cuda:
         return "loop", "no CUDA device (SPINDLE_BACKEND=megatron runs Megatron-LM's loop on CPU ranks anyway)"
     return "megatron", ""
-
-
-def local_layers_default(parser):
-    """``extra_args_provider`` of :func:`pretrain_spindle`: Megatron-LM's ``--transformer-impl`` defaults to
-    ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
-    path is chosen with the flag, never by Megatron's default meeting a container that has TE). Likewise
-    ``--hidden-dropout`` and ``--attention-dropout`` default to 0 as in the built-in loop (a value given is
-    honoured: :class:`...models.blocks.LayerSettings`). ``--eval-interval`` has no default in Megatron-LM (its
-    loop divides by it): the flag contract refuses a command without it in one line, and the launch scripts add
-    it where a command leaves it out."""
-    acts = {a.dest: a for a in parser._actions}
-    parser.set_defaults(**{k: v for k, v in (("transformer_impl", "local"), ("hidden_dropout", 0.0),
-                                             ("attention_dropout", 0.0)) if k in acts})
-    return parser
 
 
 def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaults: dict | None = None,

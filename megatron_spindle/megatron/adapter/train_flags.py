@@ -5,11 +5,12 @@ defaults and checks, so one command means the same in both loops.
   iterations or samples, ``--min-lr``, WSD, ``--lr-warmup-init``), weight decay and its increment style, Adam's
   betas and epsilon, ``--clip-grad``;
 * :func:`add_model_args`: ``--init-method-std``, ``--hidden-dropout``, ``--attention-dropout``,
-  ``--calculate-per-token-loss``, ``--fp16`` (refused: :func:`check_training_values`);
+  ``--calculate-per-token-loss`` (``--fp16`` is refused by the flag contract; :func:`check_training_values` too);
 * :func:`add_eval_args`: ``--eval-interval``, ``--eval-iters``;
 * :func:`resolve_iterations`: ``--train-samples`` to iterations as Megatron converts them (samples over the
   global batch), and the built-in trainer's default of :data:`DEFAULT_TRAIN_ITERS` iterations;
-* :func:`check_training_values`: the checks Megatron's ``validate_args`` makes on these, one line each.
+* :func:`check_training_values`: the checks Megatron's ``validate_args`` makes on these, one line each;
+* :func:`local_layers_default`: the defaults Megatron-LM's parser takes for a Spindle model (its loop).
 
 Megatron-LM's loop parses these itself (``megatron.training.arguments``). Pure argparse: no torch import.
 """
@@ -149,3 +150,17 @@ def check_training_values(args) -> None:
              f"--end-weight-decay, 0 <= start <= end (given {s} and {e})")
     need(args.lr_decay_style != "WSD" or args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
          "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)")
+
+
+def local_layers_default(parser):
+    """``extra_args_provider`` of :func:`.hooks.pretrain_spindle`: Megatron-LM's ``--transformer-impl`` defaults to
+    ``local`` for a Spindle model, as in the built-in loop (one command, the same layers in both loops; the TE
+    path is chosen with the flag, never by Megatron's default meeting a container that has TE). Likewise
+    ``--hidden-dropout`` and ``--attention-dropout`` default to 0 as in the built-in loop (a value given is
+    honoured: :class:`...models.blocks.LayerSettings`). ``--eval-interval`` has no default in Megatron-LM (its
+    loop divides by it): the flag contract refuses a command without it in one line, and the launch scripts add
+    it where a command leaves it out."""
+    acts = {a.dest: a for a in parser._actions}
+    parser.set_defaults(**{k: v for k, v in (("transformer_impl", "local"), ("hidden_dropout", 0.0),
+                                             ("attention_dropout", 0.0)) if k in acts})
+    return parser
