@@ -69,7 +69,7 @@ if ROOT not in sys.path:
 from megatron_spindle.planner.workload.graph import TaskGraph  # noqa: E402  (pure Python)
 from bench_cpu_predict import (best_passes, planned_peak, planned_task_by_task, predict,  # noqa: E402
                                recomputed, sequential_passes)  # (this folder)
-from bench_cpu_report import format_report, seq_name, summarize  # noqa: E402  (this folder)
+from bench_cpu_report import BOUNDARY, format_overlap, format_report, seq_name, summarize  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +318,10 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
         [SyntheticData(graph, seed=opts["seed"]).batch(i) for i in range(n_steps)]
     systems = {seq_name(p): MegatronSequential(g, seed=opts["seed"]) for p, g in graphs.items()}
     systems["spindle"] = SpindleRunner(pred["spindle_plan"], graph, seed=opts["seed"], overlap=opts.get("overlap", True))
+    if opts.get("waves"):  # the same waves, transfers posted at the consumer's wave boundary
+        systems[BOUNDARY] = SpindleRunner(pred["boundary_plan"], graph, seed=opts["seed"],
+                                          overlap=opts.get("overlap", True))
+        batches[BOUNDARY] = batches["spindle"]
     opt = {k: torch.optim.SGD(list(s.parameters()), lr=opts["lr"]) for k, s in systems.items()}
     times = {k: {"step": [], "optimizer": []} for k in systems}
     losses = {k: [] for k in systems}
@@ -326,7 +330,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     for i in range(n_steps):
         for name in (order if i % 2 == 0 else order[::-1]):
             sysm = systems[name]
-            if name == "spindle":
+            if name in ("spindle", BOUNDARY):
                 sysm.model.trace.step = i
             comm.barrier()
             a = time.perf_counter()
@@ -344,7 +348,12 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     for i in range(opts["warmup"], n_steps):
         spans.append(tr.totals(i))
         waves.append(tr.wave_times(i))
-    gathered = comm.all_gather_object({"times": times, "spans": spans, "waves": waves})
+    mine = {"times": times, "spans": spans, "waves": waves}
+    if BOUNDARY in systems:
+        bt = systems[BOUNDARY].model.trace
+        mine["boundary_waves"] = [bt.wave_times(i) for i in range(opts["warmup"], n_steps)]
+        systems[BOUNDARY].model.destroy()
+    gathered = comm.all_gather_object(mine)
     systems["spindle"].model.destroy()
     # the activation memory of the best sequential pass count and of the Spindle plan, with each recompute mode
     best = best_passes(gathered, opts["sequential_passes"])
@@ -360,7 +369,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     memory = comm.all_gather_object(memory)
     if rank != 0:
         return None
-    return {"pred": {k: v for k, v in pred.items() if k != "spindle_plan"}, "ranks": gathered,
+    return {"pred": {k: v for k, v in pred.items() if k not in ("spindle_plan", "boundary_plan")}, "ranks": gathered,
             "losses": losses, "profile_s": profile_s, "curves_doc": doc, "memory": memory,
             "plan_summary": pred["plan_summary"], "threads": torch.get_num_threads()}
 
@@ -393,7 +402,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=10, help="profile repeats per point (at least)")
     p.add_argument("--min-time", type=float, default=0.3, help="profile seconds per point (at least)")
     p.add_argument("--plan", action="store_true", help="print the Spindle plan (MetaOps and wave grid)")
-    p.add_argument("--waves", action="store_true", help="print predicted and measured times of every Spindle wave")
+    p.add_argument("--waves", action="store_true", help="print predicted and measured times of every Spindle wave, "
+                   "and train the same waves with their transfers posted at the consumer's wave boundary too: "
+                   "transfer exposed per step with and without overlap")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     p.add_argument("--sequential-passes", default=None, metavar="P,P,...",
                    help="pass counts to run the sequential baseline at (default: every count whose micro-batch "
@@ -414,6 +425,7 @@ def main(argv=None) -> int:
             "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "seed": args.seed,
             "curves_out": args.curves_out, "cache": args.cache or default_cache_path(), "fresh": args.fresh,
             "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True, "overlap": not args.no_overlap,
+            "waves": args.waves,
             "sequential_passes": sequential_passes(args)}
     if args.curves:
         with open(args.curves) as fh:
@@ -429,6 +441,8 @@ def main(argv=None) -> int:
             print(f"w{w['wave']:<5}{w['predicted_compute_s'] * 1e3:>13.2f}{w['measured_compute_s'] * 1e3:>9.2f}"
                   f"{w['predicted_transfer_s'] * 1e3:>15.2f}{w['measured_transfer_s'] * 1e3:>9.2f}   "
                   f"{' '.join(w['slices'])}")
+        print()
+        print(format_overlap(s["overlap"]))
         print()
     print(format_report(s))
     if args.json:

@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 
 from megatron_spindle.planner.workload.graph import TaskGraph
-from bench_cpu_report import _step_series, seq_name
+from bench_cpu_report import BOUNDARY, _step_series, seq_name
 
 
 def valid_passes(batch: int, world: int) -> list[int]:
@@ -68,6 +68,8 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
     cf = CurvesFile.parse(doc)
     plans = {"spindle": make_plan(graph, cluster, curves_file=cf),
              "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
+    # the same waves with every transfer posted at its consumer's wave boundary (no overlap across waves)
+    plans[BOUNDARY] = dataclasses.replace(plans["spindle"], transfer_posting="boundary")
     # the executor posts each boundary's sends with its receives, on gloo as under NCCL; the runtime's own
     # costs (posting each batch) where the profile measured them
     runtime = RuntimeCosts.from_measured(doc.get("measured", {}).get("runtime"))
@@ -77,7 +79,7 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
                   "transfer_s": (t.transfer_fwd_ms + t.transfer_bwd_ms) / 1e3,
                   "slices": [(sl.name, list(sl.ranks)) for sl in w.slices]}
                  for w, t in zip(plans["spindle"].waves, sp.waves)]
-    return {"spindle_plan": plans["spindle"], "cluster": cluster.to_json(), "wave_pred": wave_pred,
+    return {"spindle_plan": plans["spindle"], "boundary_plan": plans[BOUNDARY], "cluster": cluster.to_json(), "wave_pred": wave_pred,
             "sims": {k: s.to_json() for k, s in sims.items()},
             "waves": {k: len(p.waves) for k, p in plans.items()},
             "plan_summary": metaop_table(plans["spindle"]) + "\n\n" + grid(plans["spindle"])}

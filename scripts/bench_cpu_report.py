@@ -14,6 +14,10 @@ FP32_OVER_BF16 = 2.0
 EXPOSED_TRANSFER = re.compile(r"^w\d+ (fwd|bwd) transfer$")
 
 
+#: The Spindle plan with its transfers posted at the consumer's wave boundary (``--waves``: no overlap).
+BOUNDARY = "spindle-boundary"
+
+
 def seq_name(passes: int) -> str:
     """The sequential baseline at ``passes`` passes per step (``sequential`` for one, as before)."""
     return "sequential" if passes == 1 else f"sequential/{passes}"
@@ -85,7 +89,53 @@ def summarize(res: dict, opts: dict) -> dict:
         "sequential_best_micro_batch": opts["batch"] // best, "sequential_best_measured_step_s": sweep[best],
         "measured_ratio_vs_best_sequential": meas["spindle"] / sweep[best],
         "activation_memory": memory,
+        **({"overlap": overlap_table(res, ranks)} if BOUNDARY in ranks[0]["times"] else {}),
     }
+
+
+def _exposed_transfer(ranks: list[dict], key: str = "waves") -> float:
+    """Transfer exposed per step: each rank's per-wave posting and blocked-waiting spans summed, the median over
+    steps, the mean over ranks."""
+    return statistics.mean(statistics.median(sum(v for k, v in w.items() if EXPOSED_TRANSFER.match(k))
+                                             for w in r[key]) for r in ranks)
+
+
+def overlap_table(res: dict, ranks: list[dict]) -> dict:
+    """``--waves``: the Spindle plan with producer-posted transfers (``spindle``) and the same waves posted at
+    the consumer's wave boundary (``spindle-boundary``), measured in the same run: step, transfer exposed per
+    step, both predicted, and each one's speedup over sequential (one pass)."""
+    seq = statistics.median(_step_series(ranks, "sequential", "step"))
+    sims = res["pred"]["sims"]
+    out = {}
+    for name, waves in (("spindle", "waves"), (BOUNDARY, "boundary_waves")):
+        step = statistics.median(_step_series(ranks, name, "step"))
+        exposed = _exposed_transfer(ranks, waves)
+        pred = sims[name]["breakdown"]["transfer_ms"] / 1e3
+        out[name] = {"measured_step_s": step, "predicted_step_s": sims[name]["step_ms"] / 1e3,
+                     "measured_exposed_transfer_s": exposed, "predicted_exposed_transfer_s": pred,
+                     "exposed_transfer_error": pred / exposed - 1 if exposed > 0 else math.nan,
+                     "measured_speedup_vs_sequential": seq / step,
+                     "predicted_speedup_vs_sequential": sims["sequential"]["step_ms"] / sims[name]["step_ms"]}
+    worst = 0.0
+    for a, b in zip(res["losses"]["spindle"], res["losses"][BOUNDARY]):
+        for t in a:
+            worst = max(worst, abs(a[t] - b[t]) / max(abs(b[t]), 1e-12))
+    out["max_loss_rel_diff"] = worst
+    return out
+
+
+def format_overlap(o: dict) -> str:
+    """The ``--waves`` comparison of producer-posted and boundary-posted transfers, one line each."""
+    lines = [f"{'transfers posted':<34}{'step meas':>12}{'pred':>12}{'exposed transfer meas':>24}{'pred':>12}"
+             f"{'error':>9}{'speedup vs sequential meas':>29}{'pred':>8}"]
+    for name, label in (("spindle", "at the producer's end (overlap)"), (BOUNDARY, "at the consumer's wave")):
+        r = o[name]
+        lines.append(f"{label:<34}{r['measured_step_s'] * 1e3:>9.2f} ms{r['predicted_step_s'] * 1e3:>9.2f} ms"
+                     f"{r['measured_exposed_transfer_s'] * 1e3:>21.2f} ms{r['predicted_exposed_transfer_s'] * 1e3:>9.2f} ms"
+                     f"{r['exposed_transfer_error']:>+9.1%}{r['measured_speedup_vs_sequential']:>28.2f}x"
+                     f"{r['predicted_speedup_vs_sequential']:>7.2f}x")
+    lines.append(f"losses of the two postings agree within {o['max_loss_rel_diff']:.1e} (relative, every step and task)")
+    return "\n".join(lines)
 
 
 def wave_table(res: dict) -> list[dict]:

@@ -34,6 +34,14 @@ def test_bench_cpu_json_last_line_and_both_systems_train_the_same_model(tmp_path
     out = r.stdout
     assert "sequential (Megatron DDP, task by task)" in out and "Spindle / sequential step time: measured" in out
     assert "w0 " in out  # the per-wave table
+    # --waves: the same waves with boundary-posted transfers, trained in the same run on the same data
+    o = s["overlap"]
+    assert o["max_loss_rel_diff"] < 1e-5
+    for name in ("spindle", "spindle-boundary"):
+        assert o[name]["measured_step_s"] > 0 and o[name]["measured_exposed_transfer_s"] >= 0, o
+        assert o[name]["predicted_exposed_transfer_s"] >= 0, o
+    assert o["spindle"]["measured_step_s"] == s["measured_step_s"]
+    assert "at the consumer's wave" in out
     # the sequential baseline at every pass count whose micro-batch splits over 2 processes (batch 8: 1, 2, 4)
     sweep = {int(p): t for p, t in s["sequential_sweep_step_s"].items()}
     assert sorted(sweep) == [1, 2, 4] and all(t > 0 for t in sweep.values())

@@ -41,6 +41,20 @@ def test_plan_json_round_trips_exactly(tmp_path):
     assert Plan.load(str(path)) == p
 
 
+def test_transfer_posting_round_trips_and_old_plans_post_at_the_producer():
+    p = clip_plan()
+    assert p.transfer_posting == "producer" and "transfer_posting" not in p.to_json()
+    b = dataclasses.replace(p, transfer_posting="boundary")
+    assert b.to_json()["transfer_posting"] == "boundary"
+    assert Plan.from_json(json.loads(json.dumps(b.to_json()))) == b
+    d = b.to_json()
+    del d["transfer_posting"]  # a plan written before the field: its transfers run producer-posted
+    assert Plan.from_json(d) == p
+    d["transfer_posting"] = "early"
+    with pytest.raises(ValueError, match="transfer_posting 'early' must be one of producer, boundary"):
+        Plan.from_json(d)
+
+
 def test_plan_refuses_other_schema_and_garbage(tmp_path):
     d = clip_plan().to_json()
     d["schema_version"] = 99

@@ -359,38 +359,37 @@ def test_executor_posts_exactly_the_plans_messages(results):
     assert all(any(out[r][c]["posted"] for r in range(WORLD)) for c in cases)  # every plan sends something
 
 
-def test_each_boundary_is_one_batch_of_its_sends_and_receives(results):
+def test_each_posting_point_is_one_batch_and_sends_leave_when_their_producer_ends(results):
     """NCCL matches a pair's sends and receives in posting order and runs a rank's point-to-point calls in
-    order: every rank posts each boundary's sends together with its receives, in one batch at the boundary,
-    on every backend. So per pass a rank posts exactly one batch per boundary and direction where it has a
-    message to or from another rank, and (in the plan whose encoders share a wave) every forward send of the
-    boundary before wave ``w`` starts after this rank's compute of wave ``w - 1`` and its producer's ended."""
-    from megatron_spindle.planner.assembly.dataflow import boundaries, rank_messages
+    order: every rank walks the same posting points (each slice of each wave in plan order, backward in
+    reverse) and posts a point's sends together with its receives, in one batch, on every backend. So per pass
+    a rank posts exactly one batch per point and direction where it has a message to or from another rank;
+    and (producer posting, the plans' default) a forward send is posted after its producer's forward and
+    before this rank computes anything else (not held back to the consumer's wave)."""
+    from megatron_spindle.planner.assembly.dataflow import rank_posts
 
     cases, out, _, _ = results
     for name, plan in cases.items():
+        assert plan.transfer_posting == "producer", name
         for r in range(WORLD):
-            remote = [any(m.src != m.dst for _, _, m in rank_messages(b, r, backward=bwd))
-                      for b in boundaries(plan) for bwd in (False, True)]
+            remote = [any(m.src != m.dst for _, _, m in items)
+                      for bwd in (False, True) for items in rank_posts(plan, r, backward=bwd).values()]
             assert len(out[r][name]["posted"]) == STEPS * sum(remote), (name, r)
     checked = 0
-    for r in range(WORLD):
-        spans = [e for e in out[r]["b-concurrent-encoders"]["events"]
-                 if e.get("ph") == "X" and e["args"]["step"] == 0]
-        fwd_end = {e["name"][:-len(" fwd")]: e["ts"] + e["dur"] for e in spans if e["cat"] == "forward"}
-        wave_end: dict[int, float] = {}
-        for name, end in fwd_end.items():
-            w = int(re.match(r"w(\d+):", name).group(1))
-            wave_end[w] = max(wave_end.get(w, 0.0), end)
-        for e in spans:
-            m = re.fullmatch(r"w(\d+) fwd send (\S+) -> (\S+) to rank (\d+)", e["name"])
-            if not m:
-                continue
-            w, src = int(m.group(1)), m.group(2)
-            assert e["ts"] >= fwd_end[src], (r, e["name"])  # never before its data exists
-            assert e["cat"] == "transfer" and e["dur"] >= 0
-            assert e["ts"] >= max((end for v, end in wave_end.items() if v < w), default=0.0), (r, e["name"])
-            checked += 1
+    for name in cases:
+        for r in range(WORLD):
+            spans = [e for e in out[r][name]["events"] if e.get("ph") == "X" and e["args"]["step"] == 0]
+            fwd = {e["name"][:-len(" fwd")]: (e["ts"], e["ts"] + e["dur"]) for e in spans if e["cat"] == "forward"}
+            for e in spans:
+                m = re.fullmatch(r"w(\d+) fwd send (\S+) -> (\S+) to rank (\d+)", e["name"])
+                if not m:
+                    continue
+                end = fwd[m.group(2)][1]
+                assert e["ts"] >= end, (name, r, e["name"])  # never before its data exists
+                assert e["cat"] == "transfer" and e["dur"] >= 0
+                later = [a for a, _ in fwd.values() if a >= end]
+                assert e["ts"] <= min(later, default=e["ts"]), (name, r, e["name"])  # before the next slice
+                checked += 1
     assert checked > 0
 
 

@@ -373,3 +373,41 @@ def test_presets_and_cluster_files(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_cluster(str(tmp_path / "missing.json"), num_devices=8)
     assert math.isinf(a800.link(3, 3)[0]) and a800.link(0, 9) == (40.0, 20.0)
+
+
+def test_producer_posted_transfers_travel_while_the_receiver_computes():
+    """Rank 0 runs the vision encoder's layers (short), rank 1 the text encoder's (long), in one wave; the next
+    wave swaps them (vision's head on rank 1, text's on rank 0). Posted at the producer's end (the default), the
+    vision activations travel while rank 1 still computes text: its head starts when rank 1 is free, nothing
+    exposed. Posted at the consumer's wave boundary, they leave only once rank 1 has reached the boundary, and
+    the whole transfer is exposed. Text's head waits for its input in both (its producer ends last)."""
+    from megatron_spindle.planner.assembly.manual import plan_from_waves
+    from megatron_spindle.planner.simulation.timeline import dataflow_pass
+
+    g = build_graph("multitask-clip", tasks=1, size="tiny")
+    V, T = "vision-text.vision", "vision-text.text"
+    plan = plan_from_waves(g, 2, [
+        [(f"{V}.embed", 0, 1, (0,)), (f"{T}.embed", 0, 1, (1,))],
+        [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
+        [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
+        [("vision-text.loss", 0, 1, (0,))]])
+    cluster = Cluster(name="slow", num_devices=2, gpus_per_node=2, intra_bandwidth_gbps=0.01, intra_latency_us=10.0,
+                      inter_bandwidth_gbps=0.01, inter_latency_us=10.0)
+    ms = {s.name: 1.0 for s in plan.slices()}
+    vl, tl, vh, th = (next(s.name for s in plan.slices() if s.metaop == m)
+                      for m in (f"{V}.layers", f"{T}.layers", f"{V}.head", f"{T}.head"))
+    ms[tl] = 100.0
+    moved = lambda src: [(m.src, m.dst, m.bytes) for t in plan.transfers if t.src == src  # noqa: E731
+                         for m in t.forward if not m.local]
+    cost_v, cost_t = boundary_time_ms(moved(vl), cluster), boundary_time_ms(moved(tl), cluster)
+    assert 1.0 < cost_v < 100 * FORWARD_SHARE - 1.0 and cost_t > 1.0
+    spans = {}
+    dataflow_pass(plan, cluster, ms, spans=spans)
+    assert spans[(vh, "fwd")][0] == pytest.approx(spans[(tl, "fwd")][1])  # arrived during text's layers
+    assert spans[(th, "fwd")][0] == pytest.approx(spans[(tl, "fwd")][1] + cost_t)
+    boundary = dataclasses.replace(plan, transfer_posting="boundary")
+    late = {}
+    pass_late, _ = dataflow_pass(boundary, cluster, ms, spans=late)
+    both = boundary_time_ms(moved(vl) + moved(tl), cluster)
+    assert late[(vh, "fwd")][0] == pytest.approx(late[(tl, "fwd")][1] + both)
+    assert dataflow_pass(plan, cluster, ms)[0] <= pass_late

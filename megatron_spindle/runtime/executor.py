@@ -10,28 +10,31 @@ runs the first phase's forward (every phase's forward when no gradient is record
 Every slice's layers recompute their activations as its MetaOp says (``MetaOp.recompute``,
 :mod:`..models.recompute`). Within a phase:
 
-1. **forward**, for each wave ``w`` in order: post this rank's receives of the plan's transfers into ``w``
-   (``plan.transfers``, computed by :mod:`..planner.assembly.dataflow`; the executor derives none of its own; local
-   copies need no communication), then run this rank's slices of ``w``, each waiting for exactly its own
-   inputs' receives; a slice's sends (to every later wave) are posted as soon as it has run. A slice's
-   received inputs are leaves that require grad, so each slice has its own autograd graph;
-2. **backward**, for each wave in reverse: backpropagate this rank's slices of the wave (a loss slice with
-   gradient 1, any other slice with the accumulated gradient of its output, waiting for exactly the
-   receives that feed it), posting each slice's input gradients back to their producers as soon as they
-   exist, one holder per sample; then post the receives of the boundary before the wave;
+1. **forward**, for each wave ``w`` in order, each slice of ``w`` in the plan's order: if this rank runs it,
+   wait for exactly its own inputs' receives and run it; then post this rank's messages of that point (a
+   slice's received inputs are leaves that require grad, so each slice has its own autograd graph);
+2. **backward**, for each wave in reverse, its slices in reverse: backpropagate this rank's part (a loss slice
+   with gradient 1, any other slice with the accumulated gradient of its output, waiting for exactly the
+   receives that feed it), then post this rank's messages of that point;
 
-Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes through :func:`post_p2p`.
-Each boundary's sends and receives are posted together, in ONE batch per rank at the boundary, on every
-backend: NCCL runs a rank's point-to-point calls in order on one stream, matches each pair's sends and
-receives in posting order (tags are ignored) and returns one work for the whole batch; a send posted in a
-batch of its own could wait for the peer's own send batch (both blocked until received). So every rank
-walks the same sequence of boundaries and posts each one's batch at the same point of its program, and the
-bookkeeping takes either one work per message (gloo) or one per batch (NCCL). Tags still number the
+Where the messages are posted is the plan's ``transfer_posting`` (:func:`..planner.assembly.dataflow.rank_posts`):
+``producer`` (the default), a slice's outputs right after it has run and its input gradients right after its
+backward, in one batch per slice, so they travel while the rank and its peers compute later slices, and a
+consumer starts as soon as its own inputs have arrived; ``boundary``, the paper's wave runtime, every message
+into wave ``w`` in one batch before ``w`` (forward) and after ``w``'s backward. Local copies need no
+communication. Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes
+through :func:`post_p2p`, in ONE batch per rank and point, on every backend: NCCL runs a rank's
+point-to-point calls in order on one stream, matches each pair's sends and receives in posting order (tags are
+ignored) and returns one work for the whole batch; a send posted in a batch of its own could wait for the
+peer's own send batch (both blocked until received). So every rank walks the same sequence of points (every
+slice of every wave, in plan order, whether it runs the slice or not) and posts each point's batch there: all
+ranks' batches follow one global order, and the earliest unfinished one can always finish. The bookkeeping
+takes either one work per message (gloo) or one per batch (NCCL). Tags number the
 messages of a whole pass (forward boundaries, then backward ones, whatever the phases): gloo matches by tag,
 and no two outstanding messages of a pair share one. Sends are waited at the end of the phase's forward (or
 backward), their tensors never reused before. The trace records, per message, a ``transfer`` span from
-post to wait-complete (``w3 fwd send a -> b to rank 1``), and per boundary the time the host spent posting
-and blocked waiting (``w3 fwd transfer``: the exposed part);
+post to wait-complete (``w3 fwd send a -> b to rank 1``, named by the consumer's wave), and per wave the time
+the host spent posting and blocked waiting (``w3 fwd transfer``: the exposed part);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward of the last wave that uses it (in execution order: phase by phase)
@@ -62,7 +65,7 @@ from .. import comm
 from ..models.blocks import DEFAULT_SETTINGS, LayerSettings
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
-from ..planner.assembly.dataflow import boundaries, needs_output_grad, rank_messages, slice_layout
+from ..planner.assembly.dataflow import needs_output_grad, rank_posts, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.assembly.plan import Message, Plan, Slice, Transfer
 from ..planner.assembly.communicators import plan_rank_sets, tp_group_name
@@ -155,15 +158,9 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.registry = registry.update(plan_rank_sets(plan)) if registry is not None else \
             ProcessGroupRegistry(plan_rank_sets(plan), timeout=self.timeout)
         self.slice_of = {s.name: s for s in plan.slices()}
-        # this rank's (tag, transfer, message) per boundary, forward [w][0] and backward [w][1], as stored
-        bounds = boundaries(plan)
-        self.messages = [(rank_messages(b, self.rank, backward=False), rank_messages(b, self.rank, backward=True))
-                         for b in bounds]
-        # wire tag = the message's 1-based position in the pass (forward boundaries, then backward ones)
-        counts = [(sum(len(t.forward) for t in b), sum(len(t.backward) for t in b)) for b in bounds]
-        n_fwd = sum(c[0] for c in counts)
-        self._tag_base = [(sum(c[0] for c in counts[:w]), n_fwd + sum(c[1] for c in counts[:w]))
-                          for w in range(len(bounds))]
+        # this rank's (wire tag, transfer, message) by posting point (a slice's name, or a wave under boundary
+        # posting), forward and backward, as stored
+        self.posts = (rank_posts(plan, self.rank, backward=False), rank_posts(plan, self.rank, backward=True))
         self._xfer = PassTransfers()
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
@@ -282,15 +279,18 @@ class SpindleModel(TransferPlumbing, nn.Module):
         send_of = lambda e, msg: self._send_fwd(st, e, msg)  # noqa: E731
         recv_into = lambda e, msg, t: self._recv_fwd(st, e, msg, t)  # noqa: E731
         self._xfer = PassTransfers()
+        posts = self.posts[0]
         for w in waves:
-            self._post(w, False, self.messages[w][0], send_of, recv_into)  # the boundary's batch, local copies
-            for s in self.my_slices[w]:
-                self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
-                t1 = self.trace.now()
-                with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
-                        (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
-                    self._run_slice(s, st.batch, st.pieces, st)
-                self.trace.span("forward", f"{s.name} fwd", t1)
+            self._post(w, False, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
+            for s in self.plan.waves[w].slices:  # every rank walks the same points in one order
+                if self.rank in s.ranks:
+                    self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
+                    t1 = self.trace.now()
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
+                            (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
+                        self._run_slice(s, st.batch, st.pieces, st)
+                    self.trace.span("forward", f"{s.name} fwd", t1)
+                self._post(w, False, posts.get(s.name, ()), send_of, recv_into)  # producer posting: its outputs
         self._pass_end(False, waves)
         if self.stash is not None:
             self.stash.phase_done(phase)
@@ -363,28 +363,33 @@ class SpindleModel(TransferPlumbing, nn.Module):
         send_of = lambda e, msg: self._send_bwd(st, e, msg)  # noqa: E731
         recv_into = lambda e, msg, t: self._recv_bwd(st, e, msg, t)  # noqa: E731
         self._xfer = PassTransfers()
+        posts = self.posts[1]
         for w in reversed(waves):
-            for s in reversed(self.my_slices[w]):
-                if not self._grad[s.metaop]:  # frozen, nothing trainable before it: no backward, no messages
-                    continue
-                self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
-                t1 = self.trace.now()
-                out = st.outputs[s.name]
-                if out.dim() == 0:
-                    grad = torch.full_like(out, loss_scale)
-                else:
-                    grad = st.grads.pop(s.name, None)
-                    if grad is None:
-                        raise RuntimeError(f"rank {self.rank}: no gradient reached the output of {s.name}")
-                if out.requires_grad:
-                    torch.autograd.backward(out, grad)
-                for (name, idx), leaf in st.inputs.items():
-                    if name == s.name and leaf.grad is None and leaf.requires_grad:
-                        leaf.grad = torch.zeros_like(leaf)
-                self.trace.span("backward", f"{s.name} bwd", t1)
+            for s in reversed(self.plan.waves[w].slices):
+                if self.rank in s.ranks and self._grad[s.metaop]:  # frozen, nothing trainable before: no backward
+                    self._backward_slice(st, s, loss_scale, recv_into)
+                self._post(w, True, posts.get(s.name, ()), send_of, recv_into)  # producer posting: input grads
             self.grad_sync.reached(w)  # reduces complete at this wave, before the boundary's batch
-            self._post(w, True, self.messages[w][1], send_of, recv_into)
+            self._post(w, True, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
         self._pass_end(True, waves)
+
+    def _backward_slice(self, st: StepState, s: Slice, loss_scale: float, recv_into) -> None:
+        """Backpropagate this rank's part of slice ``s``, once the gradients it needs have arrived."""
+        self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
+        t1 = self.trace.now()
+        out = st.outputs[s.name]
+        if out.dim() == 0:
+            grad = torch.full_like(out, loss_scale)
+        else:
+            grad = st.grads.pop(s.name, None)
+            if grad is None:
+                raise RuntimeError(f"rank {self.rank}: no gradient reached the output of {s.name}")
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        for (name, idx), leaf in st.inputs.items():
+            if name == s.name and leaf.grad is None and leaf.requires_grad:
+                leaf.grad = torch.zeros_like(leaf)
+        self.trace.span("backward", f"{s.name} bwd", t1)
 
     def _drop(self, st: StepState, waves: Sequence[int]) -> None:
         """Forget the outputs and input leaves of this rank's slices of a finished phase (its stash goes)."""

@@ -67,10 +67,10 @@ class PassTransfers:
 
 class TransferPlumbing:
     """The wave executor's message handling (a mixin of :class:`~.executor.SpindleModel`, which provides
-    ``rank``, ``timeout``, ``trace``, ``dtype``, ``device``, ``graph``, ``metaops``, ``slice_of``, the wire tags
-    ``_tag_base`` and the outstanding messages ``_xfer``).
+    ``rank``, ``timeout``, ``trace``, ``dtype``, ``device``, ``graph``, ``metaops``, ``slice_of`` and the
+    outstanding messages ``_xfer``).
 
-    ``_post`` posts a boundary's ``(tag, edge, message)`` items (local copies at once), ``_complete`` waits for
+    ``_post`` posts a batch of ``(wire tag, edge, message)`` items (local copies at once), ``_complete`` waits for
     posted items in order and hands received buffers on, ``_pass_end`` closes a phase's forward or backward.
     """
 
@@ -82,18 +82,20 @@ class TransferPlumbing:
             raise SpindleTimeout(f"rank {self.rank}: {e}") from e.__cause__
 
     def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
-        """Post ``(tag, edge, message)`` items of the boundary before ``wave`` in one batch: local copies at once,
-        sends and receives through :func:`post_p2p`, recorded in ``self._xfer`` to be waited later. The time it
-        takes counts as that boundary's exposed transfer."""
+        """Post ``(wire tag, edge, message)`` items in one batch at a point of wave ``wave`` (nothing when there
+        are none): local copies at once, sends and receives through :func:`post_p2p`, recorded in ``self._xfer``
+        to be waited later. The time it takes counts as that wave's exposed transfer."""
+        if not items:
+            return
         t_start = self.trace.now()
-        self._post_batch(wave, backward, items, send_of, recv_into)
+        self._post_batch(backward, items, send_of, recv_into)
         self._xfer.blocked.setdefault(wave, []).append((t_start, self.trace.now()))
 
-    def _post_batch(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
+    def _post_batch(self, backward: bool, items, send_of, recv_into) -> None:
         phase = "bwd" if backward else "fwd"
         ops, recs = [], []
-        for tag, e, msg in items:
-            wire = self._tag_base[wave][backward] + tag
+        for wire, e, msg in items:
+            wave = e.wave  # the boundary the message belongs to (its consumer's wave) names it
             if msg.local:
                 recv_into(e, msg, send_of(e, msg))
             elif msg.src == self.rank:
@@ -117,7 +119,7 @@ class TransferPlumbing:
             recs = [(owner, f"{desc} (one work for the boundary's batch with ranks {peers})", *rest)
                     for owner, desc, *rest in recs]
         for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
-            item = Posted(work, desc, span, t0, wave, e, msg, buf, op[1])
+            item = Posted(work, desc, span, t0, e.wave, e, msg, buf, op[1])
             (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
 
     def _complete(self, items: list[Posted], recv_into=None) -> None:

@@ -26,7 +26,14 @@ exactly those messages. Nothing else derives them. Pure Python.
    activations, the producer's output size); its gradient moves as many.
 6. **Tags.** The messages of one boundary (all edges into one wave) are numbered ``1, 2, ...`` in edge order,
    forward and backward separately (:func:`rank_messages`); every rank reads the same list, so a send and its
-   receive carry the same tag.
+   receive carry the same tag. A pass numbers them all (:func:`rank_posts`): forward boundaries in wave order,
+   then backward ones.
+6b. **Posting points** (:func:`posting_key`, the plan's ``transfer_posting``). ``producer``: an edge's forward
+   messages go in the batch posted right after its producer slice, its backward messages in the batch posted
+   right after its consumer's backward (which makes them); ``boundary``: in the batch of the consumer's wave.
+   Every rank walks the same points in one order (waves in order, each wave's slices in plan order; backward
+   the reverse) and posts at each the messages it sends or receives there, so the batches of all ranks follow
+   one global order (the argument NCCL's in-order streams need against deadlock).
 7. **Parameter device groups** (:func:`param_groups`): one per (weight, tensor-parallel shard), the devices
    holding it; its gradient is all-reduced over exactly them, unless the weight is frozen
    (:func:`frozen_param_keys`: held, never synchronised).
@@ -253,4 +260,28 @@ def rank_messages(boundary: Sequence[Transfer], rank: int, *,
             tag += 1
             if rank in (m.src, m.dst):
                 out.append((tag, t, m))
+    return out
+
+
+def posting_key(plan: Plan, t: Transfer, *, backward: bool) -> str | int:
+    """Where ``t``'s messages of one direction are posted (item 6b): the slice's name after which they are
+    posted (``producer`` posting) or the consumer's wave (``boundary``)."""
+    if plan.transfer_posting == "boundary":
+        return t.wave
+    return t.dst if backward else t.src
+
+
+def rank_posts(plan: Plan, rank: int, *, backward: bool) -> dict[str | int, list[tuple[int, Transfer, Message]]]:
+    """``{posting key: [(tag, edge, message)]}`` of every message of one direction that ``rank`` sends or
+    receives, grouped by :func:`posting_key`, each list in edge order; the tag is the message's 1-based
+    position in the pass (item 6: forward boundaries in wave order, then backward ones), the same on both ends."""
+    bounds = boundaries(plan)
+    tag = sum(len(t.forward) for b in bounds for t in b) if backward else 0
+    out: dict[str | int, list[tuple[int, Transfer, Message]]] = {}
+    for b in bounds:
+        for t in b:
+            for m in (t.backward if backward else t.forward):
+                tag += 1
+                if rank in (m.src, m.dst):
+                    out.setdefault(posting_key(plan, t, backward=backward), []).append((tag, t, m))
     return out

@@ -28,6 +28,9 @@ SCHEMA_VERSION = 3
 per step and ``distributed_optimizer``. 2: transfers carry their forward and backward messages (1 had byte
 totals only)."""
 PLAN_KIND = "spindle-plan"
+#: When a rank posts a transfer's messages (:attr:`Plan.transfer_posting`): ``producer``, right after the slice
+#: that makes them; ``boundary``, at the consumer's wave (the paper's runtime). See ``dataflow.posting_key``.
+TRANSFER_POSTINGS = ("producer", "boundary")
 
 _SLICE_RE = re.compile(r"^w(\d+):([A-Za-z0-9_.+\-]+)\[(\d+)-(\d+)\]x(\d+)(?:tp(\d+))?$")
 
@@ -297,6 +300,8 @@ class Plan:
     distributed_optimizer: bool = False
     """Whether the optimizer state is sharded over each weight's devices (megatron.core's distributed optimizer);
     the memory estimate assumes it."""
+    transfer_posting: str = "producer"
+    """When messages are posted (:data:`TRANSFER_POSTINGS`); in the JSON only when not ``producer``, the default."""
     communicator_bytes: float = NCCL_COMMUNICATOR_MIB * 2**20
     """Device memory of one communicator with peers on each member, charged on top of ``device_memory_bytes`` in
     the memory check (:mod:`.communicators`; the cluster's ``communicator_mib``). In the JSON only when it is
@@ -376,6 +381,7 @@ class Plan:
             "device_memory_bytes": list(self.device_memory_bytes),
             "makespan_ms": self.makespan_ms, "lower_bound_ms": self.lower_bound_ms,
             "passes": self.passes, "distributed_optimizer": self.distributed_optimizer,
+            **({} if self.transfer_posting == "producer" else {"transfer_posting": self.transfer_posting}),
             **({} if self.communicator_bytes == NCCL_COMMUNICATOR_MIB * 2**20
                else {"communicator_bytes": self.communicator_bytes}),
         }
@@ -402,10 +408,14 @@ class Plan:
                 device_memory_bytes=tuple(d["device_memory_bytes"]),
                 makespan_ms=d["makespan_ms"], lower_bound_ms=d["lower_bound_ms"], passes=d["passes"],
                 distributed_optimizer=d["distributed_optimizer"],
+                transfer_posting=d.get("transfer_posting", "producer"),
                 communicator_bytes=d.get("communicator_bytes", NCCL_COMMUNICATOR_MIB * 2**20))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed plan: {type(e).__name__}: {e}") from None
         _check_task_fields(plan)
+        if plan.transfer_posting not in TRANSFER_POSTINGS:
+            raise ValueError(f"plan field transfer_posting {plan.transfer_posting!r} must be one of "
+                             f"{', '.join(TRANSFER_POSTINGS)}")
         return plan
 
     def dumps(self) -> str:

@@ -8,8 +8,9 @@ Used by :mod:`.step_bound`; the argument is the simulator's own model (:mod:`.ti
 
 1. **Edges.** Consecutive layers in different slices are an edge of the plan (the next slice of a MetaOp reads
    the one before it; a MetaOp's first slice reads its producers' last), and the consumer's forward (the
-   producer's backward) starts only after the boundary's whole batch has moved (:func:`.timeline.dataflow_pass`),
-   which takes at least as long as this edge's own messages (:func:`.link_costs.boundary_time_ms` only grows
+   producer's backward) starts only after the batch holding its messages has moved, posted no earlier than
+   the producer's end (:func:`.timeline.dataflow_pass`, either posting), which takes at least as long as this
+   edge's own messages (:func:`.link_costs.boundary_time_ms` only grows
    with more flows). With ``B`` samples, a producer on ``n`` devices in ``dp`` replicas (each rank holds its
    replica's ``B/dp``) and a consumer on ``n'`` devices in ``dp'``: a consumer rank that is no producer rank
    (there is one when ``n' > n``) receives all its ``B/dp'`` samples, one that is receives at least

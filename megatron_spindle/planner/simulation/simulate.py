@@ -4,9 +4,10 @@ Pure Python. The same code times every system, so the comparison is only as bias
 
 The model is the runtime as it is (``runtime/executor.py`` + ``runtime/grad_sync.py``): every rank runs its
 own slices in wave order, each as soon as its devices are free and its inputs have arrived (no barrier at a
-wave's end: :mod:`.timeline`), boundary transfers move the plan's stored messages (in one batch per boundary,
-as the executor posts them on every backend), and the gradient all-reduces, which megatron.core's DDP
-posts during the backward, overlap compute:
+wave's end: :mod:`.timeline`), transfers move the plan's stored messages (posted as the plan's
+``transfer_posting`` says: by default one batch per slice when it ends, travelling while later slices
+compute; :mod:`.timeline` item 2), and the gradient all-reduces, which megatron.core's DDP posts during the
+backward, overlap compute:
 
 1. **Compute.** A slice of ``l`` layers of MetaOp ``m`` on ``n`` devices takes ``l · T_m(n)`` (the plan's
    scaling curve: forward + backward of one layer). Of that, :data:`FORWARD_SHARE` is forward (backward
@@ -24,7 +25,8 @@ posts during the backward, overlap compute:
    (each latency ``λ`` counted once, only when that kind of link is used); a consumer's input arrives
    ``t_boundary`` after its producer has run and both ends' devices have reached the boundary. Backward:
    the plan's backward messages of the same transfers return the gradients (as many bytes, each piece
-   from one holder), timed the same way.
+   from one holder), timed the same way. That is the ``boundary`` posting; under ``producer`` posting (the
+   default) the batch is a slice's outputs, posted when it ends (:mod:`.timeline`, item 2b).
 
 3. **Parameter sync** (overlapped). Gradients are bucketed as megatron.core's DDP does
    (:mod:`.grad_buckets`: per rank set, in order of completion, at least ``bucket_size`` parameters per

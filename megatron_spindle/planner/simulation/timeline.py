@@ -8,20 +8,29 @@ modules) each run at their own pace, and a wave's shorter slices do not wait for
 1. **Forward**, phase by phase (each phase's forward waves in order, then their backward in reverse): a slice
    starts when all its devices are free (its layers' collectives bind them) and its inputs have arrived;
    it takes :data:`..workload.recompute.FORWARD_SHARE` of its time.
-2. **Inputs.** Under NCCL (the default) a rank posts a boundary's messages in one batch when it reaches the
-   boundary, so a consumer's input arrives once its producer has run, the producer's and the consumer's
-   devices have reached the boundary, and the boundary's whole batch has moved
-   (:func:`.link_costs.boundary_time_ms` of every message into that wave: the links it shares), as the
-   executor posts a boundary's sends and receives in one batch on every backend.
-3. **Backward**, in reverse: a slice's backward starts when its devices are free and the gradients of every
-   consumer have come back (the same two rules, on the stored backward messages).
+2. **Inputs**, as the plan's ``transfer_posting`` says (:func:`..assembly.dataflow.posting_key`).
+   a. ``boundary``: a rank posts a boundary's messages in one batch when it reaches the boundary, so a
+      consumer's input arrives once its producer has run, the producer's and the consumer's devices have
+      reached the boundary, and the boundary's whole batch has moved (:func:`.link_costs.boundary_time_ms` of
+      every message into that wave: the links it shares).
+   b. ``producer`` (the default): every rank walks the same points, each slice of each wave in plan order,
+      and posts at each the batch of that slice's outputs it sends or receives (the sender right after the
+      slice; a receiver when its own earlier slices are done: under NCCL its receive waits for its compute
+      stream). An edge's messages arrive ``t_batch`` (:func:`.link_costs.boundary_time_ms` of the point's
+      whole batch) after the later of its two ends has posted, so they travel while both compute later
+      slices and are exposed only where the consumer has nothing else to run. Batches of different points
+      are not charged for sharing links with each other.
+3. **Backward**, in reverse (a wave's slices too): a slice's backward starts when its devices are free and the
+   gradients of every consumer have come back (the same rules, on the stored backward messages; producer
+   posting: a consumer's input gradients are posted right after its backward).
 
 The pass ends when the last device finishes. Returned with every slice's backward end, which is when its
 weights' gradients are complete (:mod:`.grad_buckets`).
 
 With the runtime's measured costs (``runtime``, :mod:`.runtime_costs`), a rank that sends or receives ``k``
-messages at a boundary also spends ``post_ms(k)`` of host time posting the batch (forward: when it reaches the
-boundary, before the wave's slices; backward: after the wave's backward), and the messages arrive after the
+messages at a point also spends ``post_ms(k)`` of host time posting the batch (boundary posting, forward: when
+it reaches the boundary, before the wave's slices; backward: after the wave's backward; producer posting: at
+the point), and the messages arrive after the
 later of the two ends has posted, the measured delivery plus ``t_boundary`` less the link's latency later
 (``transit_ms``); and every slice takes its curve time times the executor's measured ``per_slice_scale``,
 plus its fixed per-slice cost (``per_slice_fwd_ms`` on its forward, ``per_slice_bwd_ms`` on its backward),
@@ -37,6 +46,7 @@ from ..workload.cluster import Cluster
 from ..workload.recompute import FORWARD_SHARE
 from .link_costs import boundary_time_ms
 from .runtime_costs import RuntimeCosts
+from ..assembly.dataflow import posting_key
 from ..assembly.plan import Plan
 
 
@@ -57,36 +67,52 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
     for t in plan.transfers:
         into[t.dst].append(t)
         back_to[t.src].append(t)
-    cost_f: dict[tuple, float] = {}
-    cost_b: dict[tuple, float] = {}
+    producer = plan.transfer_posting == "producer"
+    cost_f: dict = {}
+    cost_b: dict = {}
     if transfers:
-        flows_f: dict[tuple, list] = defaultdict(list)
-        flows_b: dict[tuple, list] = defaultdict(list)
-        for t in plan.transfers:
-            flows_f[("wave", t.wave)].append(t.forward)  # the boundary's batch
-            flows_b[("wave", t.wave)].append(t.backward)
+        flows_f: dict = defaultdict(list)
+        flows_b: dict = defaultdict(list)
+        for t in plan.transfers:  # each posting point's batch
+            flows_f[posting_key(plan, t, backward=False)].append(t.forward)
+            flows_b[posting_key(plan, t, backward=True)].append(t.backward)
         cost_f = {k: _batch_ms(v, cluster) for k, v in flows_f.items()}
         cost_b = {k: _batch_ms(v, cluster) for k, v in flows_b.items()}
-    post_f: dict[int, dict[int, float]] = {}  # wave -> rank -> host ms posting its batch (measured costs only)
-    post_b: dict[int, dict[int, float]] = {}
+    post_f: dict = {}  # posting key -> rank -> host ms posting its batch (measured costs only)
+    post_b: dict = {}
     if transfers and runtime is not None:
         (post_f, most_f), (post_b, most_b) = _posts(plan, runtime, False), _posts(plan, runtime, True)
-        cost_f = {k: runtime.transit_ms(v, _latency_ms(flows_f[k], cluster), most_f.get(k[1], 0))
+        cost_f = {k: runtime.transit_ms(v, _latency_ms(flows_f[k], cluster), most_f.get(k, 0))
                   for k, v in cost_f.items()}
-        cost_b = {k: runtime.transit_ms(v, _latency_ms(flows_b[k], cluster), most_b.get(k[1], 0))
+        cost_b = {k: runtime.transit_ms(v, _latency_ms(flows_b[k], cluster), most_b.get(k, 0))
                   for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
+    arrival: dict[tuple[int, bool], float] = {}  # producer posting: (edge id, backward) -> when its messages are in
 
     extra_f, extra_b = (runtime.per_slice_fwd_ms, runtime.per_slice_bwd_ms) if runtime is not None else (0.0, 0.0)
     stretch = runtime.per_slice_scale if runtime is not None else 1.0
 
+    def posted(name: str, out_edges, cost: dict, post: dict, backward: bool) -> None:
+        """Producer posting (rule 2b): every rank posts its batch of slice ``name``'s point when it gets there
+        (now: ``free``), its host time after; each edge's messages arrive the batch's time after the later
+        of their ends has posted."""
+        at = {}
+        for r, ms in post.get(name, {}).items():
+            free[r] += ms
+            at[r] = free[r]
+        for t in out_edges[name]:
+            ends = {r for m in (t.backward if backward else t.forward) if not m.local for r in (m.src, m.dst)}
+            done = bwd_end[name] if backward else fwd_end[name]
+            arrival[(id(t), backward)] = max([done] + [at.get(r, free[r]) for r in ends]) + cost[name] \
+                if ends else done
+
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
         slice (``peer(t)``) is done and its messages have moved (rule 2), started when its devices are free,
-        ``share`` of its time long; each rank's ``post`` ms at this boundary before the slices (forward) or
-        after them (backward). Both directions move an edge's messages in the batch of its consumer's
-        wave (``t.wave``)."""
-        if not backward:  # forward: the boundary's batch is posted before the wave's slices
+        ``share`` of its time long. Boundary posting: each rank's ``post`` ms at this boundary before the
+        slices (forward) or after them (backward), and both directions move an edge's messages in the batch
+        of its consumer's wave (``t.wave``); producer posting: each slice's point right after it."""
+        if not backward and not producer:  # forward: the boundary's batch is posted before the wave's slices
             for r, ms in post.get(wi, {}).items():
                 free[r] += ms
         at_boundary = list(free)
@@ -98,22 +124,26 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                 got = reached[name] = max((at_boundary[r] for r in ranks[name]), default=0.0)
             return got
 
-        for s in waves[wi].slices:
+        for s in (reversed(waves[wi].slices) if backward and producer else waves[wi].slices):
             ready = 0.0
             for t in edges[s.name]:
                 p = peer(t)
                 if not transfers:
                     ready = max(ready, done[p])
+                elif producer:
+                    ready = max(ready, arrival[(id(t), backward)])
                 else:
                     both = max(arrived(p), arrived(s.name))
-                    ready = max(ready, max(done[p], both) + cost[("wave", t.wave)])
+                    ready = max(ready, max(done[p], both) + cost[t.wave])
             start = max(ready, max(free[r] for r in s.ranks))
             e = done[s.name] = start + share * stretch * slice_ms[s.name] + (extra_b if backward else extra_f)
             if spans is not None:
                 spans[(s.name, "bwd" if backward else "fwd")] = (start, e)
             for r in s.ranks:
                 free[r] = e
-        if backward:  # backward: posted after the wave's backward
+            if transfers and producer:
+                posted(s.name, into if backward else back_to, cost, post, backward)
+        if backward and not producer:  # backward: posted after the wave's backward
             for r, ms in post.get(wi, {}).items():
                 free[r] += ms
 
@@ -126,14 +156,16 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
 
 
 def _posts(plan: Plan, runtime: RuntimeCosts, backward: bool) -> tuple[dict, dict]:
-    """``({wave: {rank: post ms}}, {wave: most operations one rank posts})`` of each boundary's batch in one
-    direction: every rank's point-to-point operations (non-local messages it sends or receives)."""
-    ops: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    """``({posting key: {rank: post ms}}, {posting key: most operations one rank posts})`` of each posting
+    point's batch in one direction (:func:`..assembly.dataflow.posting_key`): every rank's point-to-point
+    operations (non-local messages it sends or receives)."""
+    ops: dict = defaultdict(lambda: defaultdict(int))
     for t in plan.transfers:
+        k = posting_key(plan, t, backward=backward)
         for m in (t.backward if backward else t.forward):
             if not m.local:
-                ops[t.wave][m.src] += 1
-                ops[t.wave][m.dst] += 1
+                ops[k][m.src] += 1
+                ops[k][m.dst] += 1
     return ({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()},
             {w: max(by.values()) for w, by in ops.items()})
 
