@@ -4,7 +4,7 @@
 # Environment (defaults in brackets):
 #   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29517]
 #   GPUS_PER_NODE [all GPUs torch sees; 4 CPU ranks with gloo when it sees none; more than it sees: refused]
-#   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30]
+#   MODEL_SIZE [full on GPU, tiny on CPU]   TASKS [4]   TRAIN_ITERS [30; not with --train-samples]
 #   MICRO_BATCH [on GPU: the model's smallest per-task batch of one pass over the ranks, at least 1; CPU_MICRO_BATCH (4)
 #     on CPU]: samples per task per rank in one pass (as in Megatron); a pass of the plan carries MICRO_BATCH x ranks
 #     samples of every task
@@ -57,8 +57,11 @@ else
 fi
 export SPINDLE_BACKEND=$BACKEND  # the check below and every worker run the loop this line names
 echo "spindle launch: backend $BACKEND ($([ "$BACKEND" = megatron ] && echo "Megatron-LM's pretrain" || echo "built-in megatron.core loop")), device $DEVICE, model size $MODEL_SIZE, ranks $(( ${NNODES:-1} * GPUS_PER_NODE )) (${NNODES:-1} node(s) x $GPUS_PER_NODE)"
-ARGS=(--spindle-size "$MODEL_SIZE" --train-iters "${TRAIN_ITERS:-30}" --log-interval "${LOG_INTERVAL:-5}"
-      --spindle-trace "$OUT")
+ARGS=(--spindle-size "$MODEL_SIZE" --log-interval "${LOG_INTERVAL:-5}" --spindle-trace "$OUT")
+case " $* " in  # the run's length: TRAIN_ITERS, unless the command gives it in samples (Megatron takes one of them)
+  *" --train-samples "*|*" --train-samples="*) ;;
+  *) ARGS+=(--train-iters "${TRAIN_ITERS:-30}") ;;
+esac
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('matplotlib') is None)" 2>/dev/null; then
   ARGS+=(--spindle-gantt "$OUT/plan.png")  # the plan's picture, where matplotlib is installed
 fi

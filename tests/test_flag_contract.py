@@ -278,3 +278,12 @@ def test_mapped_flags_train_in_megatron_lms_loop():
     recomputed = re.search(r"(\d+) MetaOp\(s\) recomputed", text)
     assert recomputed and int(recomputed.group(1)) > 0, "--recompute-granularity full recomputed nothing"
     assert text.count("training on synthetic data") == 1
+
+
+def test_bf16_in_megatron_lms_loop_without_a_gpu_is_one_line():
+    """Megatron's mixed-precision optimizer takes CUDA tensors only: on CPU ranks --bf16 there is refused up front,
+    naming the built-in loop, instead of a TypeError on every rank."""
+    with pytest.raises(ValueError, match="--bf16 in Megatron-LM's loop needs a GPU.*SPINDLE_BACKEND=loop"):
+        fc.check_megatron_device(["--lr", "1", "--bf16"], cuda=False)
+    fc.check_megatron_device(["--lr", "1", "--bf16"], cuda=True)
+    fc.check_megatron_device(["--lr", "1"], cuda=False)

@@ -137,6 +137,16 @@ TE_MISSING = ("--transformer-impl transformer_engine: TransformerEngine is not i
               "--transformer-impl local")
 
 
+BF16_NEEDS_CUDA = ("--bf16 in Megatron-LM's loop needs a GPU (its mixed-precision optimizer takes CUDA tensors only); "
+                   "on CPU ranks use the built-in loop (SPINDLE_BACKEND=loop), which trains bf16 with fp32 master weights")
+
+
+def check_megatron_device(argv, cuda: bool) -> None:
+    """What Megatron-LM's loop cannot do without a GPU, one line (a ``ValueError``) before it starts."""
+    if not cuda and "--bf16" in argv:
+        raise ValueError(BF16_NEEDS_CUDA)
+
+
 def te_installed() -> bool:
     """Whether TransformerEngine is installed (found, not imported: that takes seconds and a GPU's libraries)."""
     return importlib.util.find_spec("transformer_engine") is not None

@@ -26,7 +26,7 @@ from ...argtypes import name_list
 from ...atomic import check_output
 from ..trainer.logs import check_log_args
 from .flag_contract import (BUILT_IN_LOOP_ONLY, TE_MISSING, add_contract_args, check_flags, check_megatron_command_line,
-                            constraints, entries, te_installed)
+                            check_megatron_device, constraints, entries, te_installed)
 from ...planner.workload.workloads import build_graph
 from ..job.input_files import require, check_spindle_inputs
 from ..checkpoint.directory import TRACKER, check_save_dir, check_save_reuse, latest_iteration, probe_save_lock
@@ -414,6 +414,7 @@ def preflight_main(argv, description: str = "") -> int:
             "megatron" if gpu and importlib.util.find_spec("megatron.training") else "loop")
         if backend == "megatron":
             check_megatron_command_line(argv, {})  # the contract, and what Megatron-LM's loop requires
+            check_megatron_device(argv, gpu)
             args = spindle_args(argv)
             check_spindle_values(args)
             # Megatron judges its own flag; the graph (and a --spindle-plan's fingerprint) is at the run's batch

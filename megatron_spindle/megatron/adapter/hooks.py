@@ -61,7 +61,7 @@ from ...runtime.trace import gather_chrome_trace
 from ..trainer import loop as trainer
 from .chunk import MegatronModelChunk, megatron_forward_backward, spindle_chunk
 from .data import data_iterators, resume_counters
-from .flag_contract import check_megatron_command_line, constraints, megatron_argv
+from .flag_contract import check_megatron_command_line, check_megatron_device, constraints, megatron_argv
 from .train_flags import local_layers_default
 from .flags import chain_args, check_megatron_args, fallback_args, spindle_args
 from ..checkpoint.directory import latest_iteration
@@ -401,6 +401,7 @@ def pretrain_spindle(extra_args_provider: Callable | None = None, *, args_defaul
 
     argv = list(sys.argv[1:] if argv is None else argv)
     check_megatron_command_line(argv, {**MEGATRON_DEFAULTS, **(args_defaults or {})})  # before Megatron parses
+    check_megatron_device(argv, torch.cuda.is_available())
     limits = constraints(argv)  # the mapped flags, as the plan's constraints: Megatron sees its own flags only
     from megatron.training import get_args  # optional: megatron.training
 
