@@ -54,11 +54,11 @@ def test_the_scripts_add_what_megatrons_loop_needs_unless_given():
 
 def _check(tmp: str, plan: str, micro: str, *more, backend: str = "megatron") -> subprocess.CompletedProcess:
     """The launch script's one-process check of ``--spindle-plan`` for a job of 2 ranks (Megatron-LM's loop unless
-    told)."""
+    told), with the flags the launch script adds for Megatron-LM's loop."""
     env = base_env(SPINDLE_PREFLIGHT=1, SPINDLE_BACKEND=backend, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
     return subprocess.run([sys.executable, EXAMPLE, *TINY_CLIP, "--spindle", "--spindle-plan", plan,
-                           "--micro-batch-size", micro, *more], env=env, cwd=tmp, capture_output=True, text=True,
-                          timeout=120)
+                           "--micro-batch-size", micro, "--lr", "1e-3", "--eval-interval", "10", *more], env=env,
+                          cwd=tmp, capture_output=True, text=True, timeout=120)
 
 
 def _one_line(r: subprocess.CompletedProcess, *words) -> None:
