@@ -24,6 +24,7 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
 import time
 import traceback
 from typing import Any, Callable
@@ -35,6 +36,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def communicate_all(procs, timeout_s: float) -> list[tuple[int, str, str]]:
+    """``(exit status, stdout, stderr)`` of each started process, in order; past ``timeout_s`` on one of them,
+    every process is killed and the timeout raised (no rank is left behind)."""
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, so or "", se or ""))
+    return out
 
 
 def _nccl_rules_check(recorder) -> None:

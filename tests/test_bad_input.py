@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from launch_path import flip_bit
-from mp_harness import free_port
+from mp_harness import communicate_all, free_port
 
 TRAIN = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--train-iters", "3",
          "--spindle-predict-interval", "0", "--lr", "1e-3", "--seed", "7"]
@@ -58,16 +58,8 @@ def train_ranks(args, *, world=2, env_extra=None, timeout_s=240):
                **(env_extra or {})}
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_spindle.megatron.trainer.loop", *args],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    out = []
-    for p in procs:
-        try:
-            so, se = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append((p.returncode, [line for line in se.splitlines() if line.strip()], so))
-    return out
+    return [(rc, [line for line in se.splitlines() if line.strip()], so)
+            for rc, so, se in communicate_all(procs, timeout_s)]
 
 
 def same_line_on_every_rank(results, *names):

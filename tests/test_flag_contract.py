@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_spindle.megatron.adapter import flag_contract as fc
+from mp_harness import communicate_all
 from megatron_spindle.megatron.adapter.flags import build_parser, fallback_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,16 +218,8 @@ def _two_ranks(python: str, backend: str, argv: list[str], port: int, timeout_s:
                "LOCAL_WORLD_SIZE": "2", "SPINDLE_BACKEND": backend, "PYTHONPATH": str(ROOT)}
         procs.append(subprocess.Popen([python, str(EXAMPLE), *argv], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=env))
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append((p.returncode, [line for line in text.splitlines() if line.strip()]))
-    return out
+    return [(rc, [line for line in text.splitlines() if line.strip()])
+            for rc, text, _ in communicate_all(procs, timeout_s)]
 
 
 TINY = ["--spindle", "--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--train-iters", "2",
