@@ -401,12 +401,13 @@ def check_spindle_values(args) -> None:
           f"--spindle-memory-gib {args.spindle_memory_gib} must be a positive number")
 
 
-def preflight_main(argv, description: str = "") -> int:
+def preflight_main(argv, description: str = "", extra_args_provider: Callable | None = None) -> int:
     """The launch scripts' check, in one process before torchrun starts any worker: parse ``argv`` as a
     worker would (the world size from ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` as torchrun will set them), check
     it, and look at the ``--save`` lock. Where Megatron-LM's loop will run (``SPINDLE_BACKEND=megatron``, or
     ``megatron.training`` and a GPU driver), the flag contract and the ``--spindle*`` flags and files are checked
-    here; Megatron judges the values of its own flags. Bad input prints one line; returns the exit status."""
+    here; Megatron judges the values of its own flags. ``extra_args_provider``: a script's own flags (parsed as its
+    workers parse them). Bad input prints one line; returns the exit status."""
     try:
         world = world_from_env()
         gpu = os.path.exists("/proc/driver/nvidia/version")
@@ -427,7 +428,7 @@ def preflight_main(argv, description: str = "") -> int:
                 probe_save_lock(save)
                 check_save_reuse(save, _known(argv, "--load"), args.spindle_overwrite_save)
         else:
-            args, _ = fallback_args(argv)
+            args, _ = fallback_args(argv, extra_args_provider)  # a script's own flags are its parser's
             check_training_values(args)  # Megatron's checks of its optimizer, schedule and model flags
             check_args(args, world)
             save = args.save

@@ -61,7 +61,7 @@ def main(providers: Mapping[str, Callable], extra_args_provider: Callable | None
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return preflight_main(argv)
+        return preflight_main(argv, extra_args_provider=extra_args_provider)
     LIFE.start()
     setup_logging()
     status = run_entry(lambda: pretrain_spindle(extra_args_provider, argv=spindle_argv(providers, argv),

@@ -189,7 +189,9 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.args, self.glob)
         if it:
             self.scheduler.step(it * self.glob)
-        self.data.tasks = self.evaluation.valid.tasks = self.evaluation.test.tasks = self.plan.tasks
+        self.data.tasks = self.plan.tasks
+        if hasattr(self, "evaluation"):  # built after a resume's replans, from the plan they leave
+            self.evaluation.valid.tasks = self.evaluation.test.tasks = self.plan.tasks
         self._prediction = None  # this rank's parameters changed
         log.info(f"iteration {it}: tasks now {', '.join(self.plan.tasks)}; replanned ({len(self.plan.waves)} "
                  f"waves), weights and optimizer state kept")
