@@ -113,7 +113,7 @@ def measure_slices(graph, cluster, *, device, passes: int = 15, warmup: int = 3,
             model.finalize_grads()
             step += 1
         for s in mine:
-            a, b = model._local_range(s)
+            a, b = model.local_range(s)
             op = metaops[s.metaop]
             for layer in range(s.layer_start, s.layer_stop):
                 samples.setdefault((s.name, layer), []).extend(time_layer(
@@ -129,7 +129,7 @@ def measure_slices(graph, cluster, *, device, passes: int = 15, warmup: int = 3,
     for s in mine:
         if f"{s.name} fwd" not in spans or f"{s.name} bwd" not in spans:
             continue  # no backward (frozen): not measured
-        a, b = model._local_range(s)
+        a, b = model.local_range(s)
         point = sum(statistics.median(samples[(s.name, layer)]) for layer in range(s.layer_start, s.layer_stop))
         out.append({"slice": s.name, "rank": rank, "layers": s.layer_stop - s.layer_start, "local_batch": b - a,
                     "fwd_ms": spans[f"{s.name} fwd"], "bwd_ms": spans[f"{s.name} bwd"], "point_ms": point})

@@ -22,26 +22,24 @@ Where the messages are posted is the plan's ``transfer_posting`` (:func:`..plann
 backward, in one batch per slice, so they travel while the rank and its peers compute later slices, and a
 consumer starts as soon as its own inputs have arrived; ``boundary``, the paper's wave runtime, every message
 into wave ``w`` in one batch before ``w`` (forward) and after ``w``'s backward. Local copies need no
-communication. Transfers are asynchronous (:class:`.p2p.PassTransfers`): every point-to-point call goes
-through :func:`post_p2p`, in ONE batch per rank and point, on every backend: NCCL runs a rank's
+communication. Transfers are asynchronous (:class:`.p2p.Transfers`, built with the rank, dtype, device, timeout
+and trace): every point-to-point call goes through :func:`post_p2p`, in ONE batch per rank and point: NCCL runs a rank's
 point-to-point calls in order on one stream, matches each pair's sends and receives in posting order (tags are
 ignored) and returns one work for the whole batch; a send posted in a batch of its own could wait for the
 peer's own send batch (both blocked until received). So every rank walks the same sequence of points (every
 slice of every wave, in plan order, whether it runs the slice or not) and posts each point's batch there: all
-ranks' batches follow one global order, and the earliest unfinished one can always finish. The bookkeeping
-takes either one work per message (gloo) or one per batch (NCCL). Tags number the
-messages of a whole pass (forward boundaries, then backward ones, whatever the phases): gloo matches by tag,
-and no two outstanding messages of a pair share one. Sends are waited at the end of the phase's forward (or
-backward), their tensors never reused before. The trace records, per message, a ``transfer`` span from
-post to wait-complete (``w3 fwd send a -> b to rank 1``, named by the consumer's wave), and per wave the time
-the host spent posting and blocked waiting (``w3 fwd transfer``: the exposed part);
+ranks' batches follow one global order, and the earliest unfinished one can always finish; a work per message
+(gloo) or per batch (NCCL). Tags number a whole pass's messages (gloo matches by tag; no two outstanding messages
+of a pair share one). Sends are waited at the end of the phase's forward (or backward), their tensors kept. The
+trace records, per message, a ``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``,
+named by the consumer's wave), and per wave the host's posting and blocked waiting (``w3 fwd transfer``);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward of the last wave that uses it (in execution order: phase by phase)
    is done (every member posts it at the same point: after the backward of the wave where the last member
    completes it, before that boundary's messages, so all ranks issue their collectives and batches in one
-   global order); :meth:`finalize_grads` waits. Losses
-   are already normalised by the global batch, so summing is exact data parallelism;
+   global order); :meth:`finalize_grads` waits. Losses are already normalised by the global batch, so summing is
+   exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
 Every rank builds only the layers of its slices (the core of a ``param_key`` once per tensor-parallel layout).
@@ -65,13 +63,14 @@ from .. import comm
 from ..models.blocks import DEFAULT_SETTINGS, LayerSettings
 from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
+from ..models.shapes import output_shape
 from ..planner.assembly.dataflow import needs_output_grad, rank_posts, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.assembly.plan import Message, Plan, Slice, Transfer
 from ..planner.assembly.communicators import plan_rank_sets, tp_group_name
 from ..planner.assembly.validate import check_plan
 from .grad_sync import GradSync
-from .p2p import PassTransfers, TransferPlumbing
+from .p2p import Transfers
 from .groups import ProcessGroupRegistry
 from .stash import StashMeter
 from .trace import StepTrace, clock_for
@@ -83,9 +82,8 @@ def _module_key(metaop: str, layer: int) -> str:
 
 @dataclass
 class StepState:
-    """What one pass's forward leaves for its backward and for reporting. ``losses`` holds every task's loss
-    once the pass has run every phase (after :meth:`SpindleModel.backward`, or after a forward without
-    gradients)."""
+    """What one pass's forward leaves for its backward and for reporting; ``losses`` holds every task's loss
+    once the pass has run every phase (after :meth:`SpindleModel.backward`, or a forward without gradients)."""
 
     batch: Mapping | None = None        # (task, stream, first, stop) -> this rank's inputs, until the last phase
     phase: int = 0                                                 # the phase whose backward is next
@@ -96,7 +94,7 @@ class StepState:
     pieces: dict = field(default_factory=dict)                     # (slice, input) -> received [(start, part)]
 
 
-class SpindleModel(TransferPlumbing, nn.Module):
+class SpindleModel(nn.Module):
     """This rank's part of a multi-task model under a Spindle plan.
 
     Args:
@@ -161,7 +159,6 @@ class SpindleModel(TransferPlumbing, nn.Module):
         # this rank's (wire tag, transfer, message) by posting point (a slice's name, or a wave under boundary
         # posting), forward and backward, as stored
         self.posts = (rank_posts(plan, self.rank, backward=False), rank_posts(plan, self.rank, backward=True))
-        self._xfer = PassTransfers()
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
         self.layers = nn.ModuleDict()
         self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
@@ -190,7 +187,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
                         shared[(op.param_key, tp_ranks)] = mod
                         self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
         self._ranges: dict[str, tuple[int, int]] = {}
-        self._data_blocks = sorted({(*name.split(":", 2)[1:], *self._local_range(s))
+        self._data_blocks = sorted({(*name.split(":", 2)[1:], *self.local_range(s))
                                     for wave in self.my_slices for s in wave
                                     for op in self.metaops[s.metaop].operators[s.layer_start:s.layer_stop]
                                     for name in graph[op].inputs if name.startswith(DATA_PREFIX)})
@@ -201,6 +198,8 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.cores_by_group = dict(shared)
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank, clock=clock_for(self.device))  # CUDA events on a GPU
+        self.transfers = Transfers(rank=self.rank, dtype=dtype, device=self.device, timeout=self.timeout,
+                                   trace=self.trace, shape_of=self.message_shape)
         self.stash: StashMeter | None = None
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
         self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
@@ -221,6 +220,11 @@ class SpindleModel(TransferPlumbing, nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The local parameters that train (frozen weights have ``requires_grad=False``)."""
         return [p for p in self.unique_parameters() if p.requires_grad]
+
+    def message_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
+        """The tensor one message of edge ``e`` carries: its samples by the producer's last layer's output."""
+        src = self.slice_of[e.src]
+        return (msg.stop - msg.start, *output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]]))
 
     @property
     def layer_copies(self) -> Mapping[tuple[str, int], list[nn.Module]]:
@@ -243,7 +247,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         self.stash = StashMeter(self.unique_parameters()) if on else None
         return self.stash
 
-    def _local_range(self, s: Slice) -> tuple[int, int]:
+    def local_range(self, s: Slice) -> tuple[int, int]:
         """This rank's samples of a slice (computed once per slice, not per message and step)."""
         got = self._ranges.get(s.name)
         if got is None:
@@ -267,7 +271,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         return st
 
     def _send_fwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
-        a, _ = self._local_range(self.slice_of[e.src])
+        a, _ = self.local_range(self.slice_of[e.src])
         return st.outputs[e.src][msg.start - a:msg.stop - a].detach()
 
     def _recv_fwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
@@ -278,26 +282,26 @@ class SpindleModel(TransferPlumbing, nn.Module):
         waves = self.phases[phase]
         send_of = lambda e, msg: self._send_fwd(st, e, msg)  # noqa: E731
         recv_into = lambda e, msg, t: self._recv_fwd(st, e, msg, t)  # noqa: E731
-        self._xfer = PassTransfers()
+        self.transfers.begin()
         posts = self.posts[0]
         for w in waves:
-            self._post(w, False, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
+            self.transfers.post(w, False, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
             for s in self.plan.waves[w].slices:  # every rank walks the same points in one order
                 if self.rank in s.ranks:
-                    self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly this slice's inputs
+                    self.transfers.inputs_of(s.name, recv_into)  # exactly this slice's inputs
                     t1 = self.trace.now()
                     with torch.set_grad_enabled(torch.is_grad_enabled() and self._grad[s.metaop]), \
                             (self.stash.slice(s.name) if self.stash is not None else contextlib.nullcontext()):
                         self._run_slice(s, st.batch, st.pieces, st)
                     self.trace.span("forward", f"{s.name} fwd", t1)
-                self._post(w, False, posts.get(s.name, ()), send_of, recv_into)  # producer posting: its outputs
-        self._pass_end(False, waves)
+                self.transfers.post(w, False, posts.get(s.name, ()), send_of, recv_into)  # producer posting
+        self.transfers.pass_end(False, waves)
         if self.stash is not None:
             self.stash.phase_done(phase)
 
     def _run_slice(self, s: Slice, batch, pieces, st: StepState) -> None:
         m = self.metaops[s.metaop]
-        a, b = self._local_range(s)
+        a, b = self.local_range(s)
         x: Tensor | None = None
         for layer in range(s.layer_start, s.layer_stop):
             op = self.graph[m.operators[layer]]
@@ -349,11 +353,11 @@ class SpindleModel(TransferPlumbing, nn.Module):
         st.grads.clear()
 
     def _send_bwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
-        a, _ = self._local_range(self.slice_of[e.dst])
+        a, _ = self.local_range(self.slice_of[e.dst])
         return st.inputs[(e.dst, e.input_index)].grad[msg.start - a:msg.stop - a]
 
     def _recv_bwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
-        a, b = self._local_range(self.slice_of[e.src])
+        a, b = self.local_range(self.slice_of[e.src])
         if e.src not in st.grads:
             st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
         st.grads[e.src][msg.start - a:msg.stop - a] += t
@@ -362,20 +366,20 @@ class SpindleModel(TransferPlumbing, nn.Module):
         """Backpropagate this rank's slices of ``waves`` (one phase) in reverse, posting input gradients."""
         send_of = lambda e, msg: self._send_bwd(st, e, msg)  # noqa: E731
         recv_into = lambda e, msg, t: self._recv_bwd(st, e, msg, t)  # noqa: E731
-        self._xfer = PassTransfers()
+        self.transfers.begin()
         posts = self.posts[1]
         for w in reversed(waves):
             for s in reversed(self.plan.waves[w].slices):
                 if self.rank in s.ranks and self._grad[s.metaop]:  # frozen, nothing trainable before: no backward
                     self._backward_slice(st, s, loss_scale, recv_into)
-                self._post(w, True, posts.get(s.name, ()), send_of, recv_into)  # producer posting: input grads
+                self.transfers.post(w, True, posts.get(s.name, ()), send_of, recv_into)  # producer posting: input grads
             self.grad_sync.reached(w)  # reduces complete at this wave, before the boundary's batch
-            self._post(w, True, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
-        self._pass_end(True, waves)
+            self.transfers.post(w, True, posts.get(w, ()), send_of, recv_into)  # boundary posting: the wave's batch
+        self.transfers.pass_end(True, waves)
 
     def _backward_slice(self, st: StepState, s: Slice, loss_scale: float, recv_into) -> None:
         """Backpropagate this rank's part of slice ``s``, once the gradients it needs have arrived."""
-        self._complete(self._xfer.recvs.pop(s.name, []), recv_into)  # exactly the gradients it needs
+        self.transfers.inputs_of(s.name, recv_into)  # exactly the gradients it needs
         t1 = self.trace.now()
         out = st.outputs[s.name]
         if out.dim() == 0:
@@ -423,7 +427,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient: each parameter shard counted once across all ranks."""
         sq, work = comm.all_reduce_async(self.grad_sync.grad_sq())
-        self._wait([work], ["gradient-norm all-reduce over all ranks"])
+        self.transfers.wait([work], ["gradient-norm all-reduce over all ranks"])
         return math.sqrt(float(sq))
 
     def clip_grads(self, max_norm: float) -> float:
@@ -437,7 +441,7 @@ class SpindleModel(TransferPlumbing, nn.Module):
         none = torch.zeros((), dtype=torch.float64, device=self.device)
         vec = torch.stack([st.losses[t].double() if t in st.losses else none for t in self.plan.tasks])
         vec, work = comm.all_reduce_async(vec)  # one collective, and one read of its result
-        self._wait([work], ["loss all-reduce over all ranks"])
+        self.transfers.wait([work], ["loss all-reduce over all ranks"])
         return dict(zip(self.plan.tasks, vec.tolist()))
 
     def destroy(self) -> None:

@@ -1,6 +1,6 @@
 """The executor's point-to-point plumbing: one batched post, the record of each posted message, a pass's
-outstanding messages, the error a silent peer raises, and :class:`TransferPlumbing`, the executor's methods that
-post, wait for and account the plan's messages.
+outstanding messages, the error a silent peer raises, and :class:`Transfers`, the object that posts, waits for
+and accounts a rank's messages of the plan, given what it needs when built.
 
 Every point-to-point call of the wave executor (:mod:`.executor`) goes through :func:`post_p2p`, which goes
 through :mod:`megatron_spindle.comm` (the one module that calls ``torch.distributed``).
@@ -13,7 +13,6 @@ from typing import Sequence
 from torch import Tensor
 
 from .. import comm
-from ..models.shapes import output_shape
 from ..planner.assembly.plan import Message, Transfer
 
 
@@ -65,31 +64,46 @@ class PassTransfers:
     done: dict[int, object] = field(default_factory=dict)  # id() -> waited work (kept: ids stay unique)
 
 
-class TransferPlumbing:
-    """The wave executor's message handling (a mixin of :class:`~.executor.SpindleModel`, which provides
-    ``rank``, ``timeout``, ``trace``, ``dtype``, ``device``, ``graph``, ``metaops``, ``slice_of`` and the
-    outstanding messages ``_xfer``).
+class Transfers:
+    """A rank's messages of the plan: posts batches of ``(wire tag, edge, message)`` items, waits for them in
+    order and hands received buffers on, and accounts each boundary's exposed time on the trace.
 
-    ``_post`` posts a batch of ``(wire tag, edge, message)`` items (local copies at once), ``_complete`` waits for
-    posted items in order and hands received buffers on, ``_pass_end`` closes a phase's forward or backward.
+    Built with everything it reads: the rank, the wire dtype and the device received tensors go to, the timeout
+    of a wait, the trace, and ``shape_of(edge, message)``, a message's tensor shape. :meth:`post` posts a batch
+    (local copies at once), :meth:`complete` waits for posted items, :meth:`inputs_of` waits for exactly one
+    slice's receives, :meth:`pass_end` closes a phase's forward or backward. ``outstanding`` holds the pass's
+    posted messages (:class:`PassTransfers`).
     """
 
-    def _wait(self, works, what: list[str]) -> None:
+    def __init__(self, *, rank: int, dtype, device, timeout, trace, shape_of) -> None:
+        self.rank, self.dtype, self.device, self.timeout, self.trace = rank, dtype, device, timeout, trace
+        self.shape_of = shape_of
+        self.outstanding = PassTransfers()
+
+    def begin(self) -> None:
+        """A new pass direction: nothing outstanding."""
+        self.outstanding = PassTransfers()
+
+    def wait(self, works, what: list[str]) -> None:
         """:func:`comm.wait_all`, its failure raised as :class:`SpindleTimeout` naming this rank."""
         try:
             comm.wait_all(works, what, self.timeout)
         except TimeoutError as e:
             raise SpindleTimeout(f"rank {self.rank}: {e}") from e.__cause__
 
-    def _post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
+    def inputs_of(self, slice_name: str, recv_into) -> None:
+        """Wait for exactly the receives posted for ``slice_name`` and hand them to ``recv_into``."""
+        self.complete(self.outstanding.recvs.pop(slice_name, []), recv_into)
+
+    def post(self, wave: int, backward: bool, items, send_of, recv_into) -> None:
         """Post ``(wire tag, edge, message)`` items in one batch at a point of wave ``wave`` (nothing when there
-        are none): local copies at once, sends and receives through :func:`post_p2p`, recorded in ``self._xfer``
+        are none): local copies at once, sends and receives through :func:`post_p2p`, recorded in ``outstanding``
         to be waited later. The time it takes counts as that wave's exposed transfer."""
         if not items:
             return
         t_start = self.trace.now()
         self._post_batch(backward, items, send_of, recv_into)
-        self._xfer.blocked.setdefault(wave, []).append((t_start, self.trace.now()))
+        self.outstanding.blocked.setdefault(wave, []).append((t_start, self.trace.now()))
 
     def _post_batch(self, backward: bool, items, send_of, recv_into) -> None:
         phase = "bwd" if backward else "fwd"
@@ -104,7 +118,7 @@ class TransferPlumbing:
                              f"{e.dst} samples [{msg.start}, {msg.stop}) to rank {msg.dst}",
                              f"w{wave} {phase} send {e.src} -> {e.dst} to rank {msg.dst}", e, msg, None))
             else:
-                buf = comm.empty(self._msg_shape(e, msg), dtype=self.dtype)
+                buf = comm.empty(self.shape_of(e, msg), dtype=self.dtype)
                 ops.append(("recv", buf, msg.src, wire))
                 recs.append(((e.src if backward else e.dst), f"wave {wave} {'backward' if backward else 'forward'}: "
                              f"receive for {e.dst} from {e.src} samples [{msg.start}, {msg.stop}) from rank "
@@ -120,39 +134,32 @@ class TransferPlumbing:
                     for owner, desc, *rest in recs]
         for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
             item = Posted(work, desc, span, t0, e.wave, e, msg, buf, op[1])
-            (self._xfer.sends if owner is None else self._xfer.recvs.setdefault(owner, [])).append(item)
+            (self.outstanding.sends if owner is None else self.outstanding.recvs.setdefault(owner, [])).append(item)
 
-    def _complete(self, items: list[Posted], recv_into=None) -> None:
+    def complete(self, items: list[Posted], recv_into=None) -> None:
         """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
         blocked time per boundary, and hand received buffers to ``recv_into``."""
         for it in items:
             t0 = self.trace.now()
-            if id(it.work) not in self._xfer.done:
-                self._wait([it.work], [it.desc])
-                self._xfer.done[id(it.work)] = it.work
+            if id(it.work) not in self.outstanding.done:
+                self.wait([it.work], [it.desc])
+                self.outstanding.done[id(it.work)] = it.work
             t1 = self.trace.now()  # on a GPU: where the stream has waited for the message
             self.trace.span("transfer", it.span, it.t0, t1)
-            self._xfer.blocked.setdefault(it.wave, []).append((t0, t1))
+            self.outstanding.blocked.setdefault(it.wave, []).append((t0, t1))
             if recv_into is not None:
                 recv_into(it.e, it.msg, it.buf.to(self.device))
 
-    def _pass_end(self, backward: bool, waves: Sequence[int]) -> None:
+    def pass_end(self, backward: bool, waves: Sequence[int]) -> None:
         """Wait for the sends of this phase's forward (or backward) ``waves`` (no message crosses a phase, so
         every one of them was posted and consumed inside it); record each boundary's exposed (posting +
         blocked) time."""
-        self._complete(self._xfer.sends)
-        left = [it.desc for items in self._xfer.recvs.values() for it in items]
+        self.complete(self.outstanding.sends)
+        left = [it.desc for items in self.outstanding.recvs.values() for it in items]
         if left:
             raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {left[:3]}")
         phase = "bwd" if backward else "fwd"
         now = self.trace.now()
         for w in waves:
-            self.trace.exposed("transfer", f"w{w} {phase} transfer", self._xfer.blocked.get(w, []), now)
-        self._xfer = PassTransfers()
-
-    def _sample_shape(self, e: Transfer) -> tuple[int, ...]:
-        src = self.slice_of[e.src]
-        return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
-
-    def _msg_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
-        return (msg.stop - msg.start, *self._sample_shape(e))
+            self.trace.exposed("transfer", f"w{w} {phase} transfer", self.outstanding.blocked.get(w, []), now)
+        self.outstanding = PassTransfers()
