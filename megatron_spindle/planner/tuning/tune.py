@@ -13,6 +13,9 @@ and cluster, each system searches what a good engineer would set by hand, under 
   what an all-reduce moves) where model state binds;
 * **tensor parallelism**: degree ``k`` for every layer that can be split (Megatron-LM's
   ``--tensor-model-parallel-size``) where memory binds;
+* **transfer posting**: a transfer's messages posted when its producer ends or at its consumer's wave,
+  whichever gives the shorter step (:func:`..simulation.simulate.best_posting`; Spindle's whole-step choice
+  picks it per candidate the same way);
 * **phases** (Spindle only): tasks split into groups whose forward and backward run one group after another,
   so one group's activations are freed before the next's exist (:attr:`..assembly.plan.WavePlan.phase`).
 
@@ -44,7 +47,7 @@ from ..assembly.communicators import peak_memory_bytes
 from ..step.build import plan_system
 from ..assembly.execution import Execution, configure
 from ..assembly.plan import Plan
-from ..simulation.simulate import StepSimulation, simulate
+from ..simulation.simulate import StepSimulation, best_posting, simulate
 from ..systems.static_grids import simulate_grids
 from ..workload.analytic import build_curves
 
@@ -240,8 +243,8 @@ def tune_baseline(system: str, wl: Workload, cluster: Cluster, *, curves_file: C
     """``system`` (one of :data:`..systems.baselines.BASELINES`) at its best configuration (module docstring), or at
     ``fixed`` only."""
     def run(ex: Execution):
-        p = plan_system(system, wl.graph(ex.passes), cluster, curves_file=curves_file, device=device,
-                        validate=False, execution=ex)
+        p, _ = best_posting(plan_system(system, wl.graph(ex.passes), cluster, curves_file=curves_file,
+                                        device=device, validate=False, execution=ex), cluster)
         return simulate(p, cluster, check_memory=False), plan_peak_bytes(p), p
 
     return _search(Tuned(system), wl, cluster, fixed, EXTRA_PASSES, run)
