@@ -288,8 +288,8 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
     runs = [(s, budget // max(1, len(starts))) for s in starts] + \
         [(s, budget // 4) for s in firsts(ok) if s[1] not in {t[1] for t in starts}]
     # and from the best baseline schedule, a quarter of the budget: the searches' local optima differ, and
-    # which start leads may turn on a fraction of a millisecond (OFASys-7 on 16 devices, four task groups:
-    # task lanes 893.5 ms searched to 882.7, task-level's schedule 894.5)
+    # which start leads may turn on a fraction of a millisecond (task lanes and task-level's schedule on
+    # OFASys-7 / 16 devices with four task groups: `spindle compare --model ofasys --tasks 7 --gpus 16 --json`)
     runs += [(s, budget // 4) for s in [s for s in ok if s[1] not in own][:1]
              if s[1] not in {t[1] for t, _ in runs}]
     out: list[tuple[float, int, str, Plan]] = []
