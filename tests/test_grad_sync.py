@@ -21,7 +21,7 @@ A bf16 model keeps and reduces its gradients in bf16 (fp32 when asked, as Megatr
 
 The overlap test reads span times of the executor's trace: a bucket's reduce is posted before the last
 backward span of the step ends (no wall-clock limit).
-All cases run in one group of 4 processes.
+All cases run in one group of 4 processes; one more, in this process, builds ``GradSync`` from its inputs alone.
 """
 import numpy as np
 import pytest
@@ -272,3 +272,36 @@ def test_a_phased_plan_posts_buckets_before_its_later_phases_run(results):
         last_fwd = max(start for cat, _, start, _, _ in spans if cat == "forward")
         posts = sorted(start for cat, label, start, _, _ in spans if cat == "sync" and label.startswith("reduce "))
         assert posts and posts[0] < last_fwd, (r, posts[:1], last_fwd)
+
+
+def test_grad_sync_is_built_from_its_inputs_and_refuses_a_parameter_in_no_group(tmp_path):
+    """``GradSync`` reads nothing but what it is given (plan, rank, copies, parameters, groups, trace, device):
+    built beside a model from the model's inputs it covers every parameter; given one trainable parameter more,
+    one in no parameter device group, it refuses it."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_spindle.compat.cpu import apply_cpu_patches
+    from megatron_spindle.planner.step.build import make_plan
+    from megatron_spindle.planner.workload.cluster import load_cluster
+    from megatron_spindle.planner.workload.workloads import build_graph
+    from megatron_spindle.runtime.executor import SpindleModel
+    from megatron_spindle.runtime.grad_sync import GradSync
+
+    apply_cpu_patches()
+    g = build_graph("multitask-clip", tasks=2, size="tiny", batch=2)
+    plan = make_plan(g, load_cluster(None, num_devices=1))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = SpindleModel(plan, g, seed=0)
+        inputs = dict(rank=model.rank, copies=model.layer_copies, registry=model.registry, trace=model.trace,
+                      device=model.device, distributed_optimizer=plan.distributed_optimizer)
+        extra = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(RuntimeError, match="1 parameters belong to no parameter device group"):
+            GradSync(plan, params=model.unique_parameters() + [extra], **inputs)
+        sync = GradSync(plan, params=model.unique_parameters(), **inputs)  # takes the parameters over
+        assert not hasattr(sync, "model") and sync.trace is model.trace and sync.device == model.device
+        assert len(sync._main_params) == len(model.trainable_parameters())
+        sync.release()
+    finally:
+        dist.destroy_process_group()

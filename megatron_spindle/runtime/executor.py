@@ -42,7 +42,10 @@ named by the consumer's wave), and per wave the host's posting and blocked waiti
    exact data parallelism;
 4. the optimizer steps every local parameter; replicas get identical gradients, so they stay identical.
 
-Every rank builds only the layers of its slices (the core of a ``param_key`` once per tensor-parallel layout).
+Every rank builds only the layers of its slices (:func:`.rank_layers.build_rank_layers`: the core of a
+``param_key`` once per tensor-parallel layout, a replaced model's parameters taken over), then its gradient sync
+(:class:`.grad_sync.GradSync`), given the plan, the rank, those layers' copies and parameters, the process
+groups, the trace and the device.
 Waits are bounded by ``timeout_s``; a peer that dies or hangs raises :class:`SpindleTimeout` naming the wave,
 the slice and the peer.
 """
@@ -61,23 +64,19 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..models.blocks import DEFAULT_SETTINGS, LayerSettings
-from ..models.layers import build_layer
 from ..models.pretrained import load_pretrained
 from ..models.shapes import output_shape
 from ..planner.assembly.dataflow import needs_output_grad, rank_posts, slice_layout
 from ..planner.workload.graph import DATA_PREFIX, TaskGraph
 from ..planner.assembly.plan import Message, Plan, Slice, Transfer
-from ..planner.assembly.communicators import plan_rank_sets, tp_group_name
+from ..planner.assembly.communicators import plan_rank_sets
 from ..planner.assembly.validate import check_plan
 from .grad_sync import GradSync
 from .p2p import Transfers
 from .groups import ProcessGroupRegistry
+from .rank_layers import build_rank_layers, module_key
 from .stash import StashMeter
 from .trace import StepTrace, clock_for
-
-
-def _module_key(metaop: str, layer: int) -> str:
-    return f"{metaop}#{layer}".replace(".", "/")
 
 
 @dataclass
@@ -160,32 +159,11 @@ class SpindleModel(nn.Module):
         # posting), forward and backward, as stored
         self.posts = (rank_posts(plan, self.rank, backward=False), rank_posts(plan, self.rank, backward=True))
         self.my_slices: list[list[Slice]] = [[s for s in w.slices if self.rank in s.ranks] for w in plan.waves]
-        self.layers = nn.ModuleDict()
-        self._copies: dict[tuple[str, int], list] = {}  # (param_key, shard) -> local layers holding it
-        shared: dict[tuple[str, tuple[int, ...]], object] = {}
-        fresh = []  # layers whose parameters were built here (not shared, not reused): pretrained weights go there
-        for wave in self.my_slices:
-            for s in wave:
-                m = self.metaops[s.metaop]
-                pos = s.ranks.index(self.rank)
-                replica, tp_rank = pos // m.tp, pos % m.tp
-                tp_ranks = s.ranks[replica * m.tp:(replica + 1) * m.tp]
-                group = self.registry.get(tp_group_name(s.name, replica)) if m.tp > 1 else None
-                for layer in range(s.layer_start, s.layer_stop):
-                    op = graph[m.operators[layer]]
-                    share = shared.get((op.param_key, tp_ranks)) if op.param_key else None
-                    if share is None and op.param_key and reuse:
-                        share = reuse.get((op.param_key, tp_ranks))
-                    mod = build_layer(op, tp_group=group, tp_rank=tp_rank, tp_size=m.tp, seed=seed,
-                                      graph=layer_graph or graph,
-                                      dtype=dtype, device=self.device, share_with=share, backend=backend,
-                                      recompute_mode=m.recompute, one_group=self.registry.one, settings=settings)
-                    self.layers[_module_key(m.name, layer)] = mod
-                    if share is None and op.param_key:
-                        fresh.append(mod)
-                    if op.param_key and (op.param_key, tp_ranks) not in shared:
-                        shared[(op.param_key, tp_ranks)] = mod
-                        self._copies.setdefault((op.param_key, tp_rank), []).append(mod)
+        built = build_rank_layers(plan, graph, self.rank, self.registry, seed=seed, dtype=dtype, device=self.device,
+                                  layer_graph=layer_graph, reuse=reuse, backend=backend, settings=settings)
+        self.layers = built.layers
+        """:func:`.rank_layers.module_key` (MetaOp, layer) -> the layer (:mod:`.rank_layers`: the state dict's keys)."""
+        self._copies = built.copies  # (param_key, shard) -> local layers holding it
         self._ranges: dict[str, tuple[int, int]] = {}
         self._data_blocks = sorted({(*name.split(":", 2)[1:], *self.local_range(s))
                                     for wave in self.my_slices for s in wave
@@ -193,16 +171,18 @@ class SpindleModel(nn.Module):
                                     for name in graph[op].inputs if name.startswith(DATA_PREFIX)})
         """(task, stream, first sample, stop) of every data input this rank's slices read."""
         self.init = dict(init or {})
-        self.kept_init = load_pretrained(fresh, layer_graph or graph, self.init) if self.init else []
+        self.kept_init = load_pretrained(built.fresh, layer_graph or graph, self.init) if self.init else []
         """Parameters under ``init`` that the checkpoint has no tensor for (they keep their seeded values)."""
-        self.cores_by_group = dict(shared)
+        self.cores_by_group = built.cores
         """(param_key, tensor-parallel ranks) -> the layer holding those parameters on this rank."""
         self.trace = StepTrace(self.rank, clock=clock_for(self.device))  # CUDA events on a GPU
         self.transfers = Transfers(rank=self.rank, dtype=dtype, device=self.device, timeout=self.timeout,
                                    trace=self.trace, shape_of=self.message_shape)
         self.stash: StashMeter | None = None
         """While measuring (:meth:`measure_stash`): the bytes each slice saves for backward."""
-        self.grad_sync = GradSync(self, overlap=overlap_grad_reduce, bucket_size=bucket_size,
+        self.grad_sync = GradSync(plan, rank=self.rank, copies=self.layer_copies, params=self.unique_parameters(),
+                                  registry=self.registry, trace=self.trace, device=self.device,
+                                  overlap=overlap_grad_reduce, bucket_size=bucket_size,
                                   grad_reduce_in_fp32=grad_reduce_in_fp32, param_dtype_grads=param_dtype_grads,
                                   distributed_optimizer=plan.distributed_optimizer)
         # the first forward after a sync starts a new step: gathered parameters, fresh gradient buffers
@@ -327,7 +307,7 @@ class SpindleModel(nn.Module):
                 leaf = leaf.detach().requires_grad_(self._grad[m.name if s.layer_start else m.inputs[idx]])
                 st.inputs[(s.name, idx)] = leaf
                 inputs.append(leaf)
-            x = self.layers[_module_key(m.name, layer)](inputs)
+            x = self.layers[module_key(m.name, layer)](inputs)
         st.outputs[s.name] = x
         if x.dim() == 0:  # a loss: count it once per tensor-parallel group
             if s.ranks.index(self.rank) % m.tp == 0:

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -91,6 +92,9 @@ from .. import comm
 from . import ddp
 from ..models.layer_state import shard_spec
 from ..planner.assembly.communicators import param_group_name
+from ..planner.assembly.plan import Plan
+from .groups import ProcessGroupRegistry
+from .trace import StepTrace
 
 
 class GradSyncTimeout(comm.PeerError):
@@ -137,11 +141,15 @@ def grad_done_positions(plan, rank: int) -> dict[str, int]:
 
 
 class GradSync:
-    """megatron.core DDP over each rank set of this rank's parameter device groups.
+    """megatron.core DDP over each rank set of this rank's parameter device groups (built on every rank, in one order).
 
     Args:
-        model: the executor's :class:`~.executor.SpindleModel` (its plan, rank, registry, local copies
-            ``layer_copies``, trace and timeout are read; built on every rank, in ``__init__`` order).
+        plan: the plan (its parameter device groups, phases and world size); rank: this rank.
+        copies: (param_key, TP shard) -> the local layers holding it, the first one's parameters in DDP (the
+            executor's ``layer_copies``, :mod:`.rank_layers`).
+        params: every local parameter, once: a trainable one in no parameter device group is refused.
+        registry: the plan's process groups (each parameter device group's, the one-rank group); trace: where
+            the reduces are recorded (:mod:`.trace`); device: where the gradient norm is summed.
         overlap: post each bucket's reduce as soon as it is complete (else all at :meth:`finish`).
         bucket_size: parameters per bucket (megatron's default, at least 40 M, when None).
         grad_reduce_in_fp32: fp32 gradient buffers and reduction for low-precision parameters.
@@ -150,21 +158,19 @@ class GradSync:
         distributed_optimizer: ZeRO-1 over each rank set (see the module docstring).
     """
 
-    def __init__(self, model, *, overlap: bool = True, bucket_size: int | None = None,
+    def __init__(self, plan: Plan, *, rank: int, copies: Mapping[tuple[str, int], Sequence[nn.Module]],
+                 params: Iterable[nn.Parameter], registry: ProcessGroupRegistry, trace: StepTrace,
+                 device: torch.device, overlap: bool = True, bucket_size: int | None = None,
                  grad_reduce_in_fp32: bool = False, distributed_optimizer: bool = False,
                  param_dtype_grads: bool = False) -> None:
-        self.model = model
-        self.rank = model.rank
-        self.overlap = overlap
-        self.distributed_optimizer = distributed_optimizer
-        self.param_dtype_grads = param_dtype_grads
-        plan = model.plan
+        self.rank, self.trace, self.device, self.overlap = rank, trace, device, overlap
+        self.distributed_optimizer, self.param_dtype_grads = distributed_optimizer, param_dtype_grads
         done_of = {r: grad_done_positions(plan, r) for r in range(plan.world_size)}
         by_ranks: dict[tuple[int, ...], list] = {}
         for g in plan.param_groups:
             if self.rank not in g.ranks:
                 continue
-            mods = model.layer_copies.get((g.param_key, g.tp_rank), [])
+            mods = copies.get((g.param_key, g.tp_rank), [])
             if not mods:
                 raise RuntimeError(f"rank {self.rank} is in the group of {g.param_key} shard {g.tp_rank} "
                                    f"but holds no copy of it")
@@ -176,20 +182,20 @@ class GradSync:
         self._skip: dict[int, bool] = {}      # id(param) -> left out of the norm (a replica of shard 0's)
         self._owner: dict[int, bool] = {}     # id(param) -> this rank counts it in the norm (not sharded)
         self.instances: list[_Instance] = []
-        one = model.registry.one
+        one = registry.one
         config = ddp.sum_config()
         self._positions = backward_positions(plan)
         keyed = []  # (complete at, ranks, bucket index, instance, bucket group): the global posting order
         for ranks in sorted(by_ranks, key=lambda k: (len(k), k)):
             rows = sorted(by_ranks[ranks], key=lambda r: r[:4])
-            group = one if len(ranks) == 1 else model.registry.get(param_group_name(rows[0][1], rows[0][2]))
+            group = one if len(ranks) == 1 else registry.get(param_group_name(rows[0][1], rows[0][2]))
             pgc = ProcessGroupCollection(dp=group, dp_cp=group, intra_dp_cp=group, expt_dp=group,
                                          intra_expt_dp=group, tp=one, pp=one, cp=one, ep=one)
-            params = [r[4] for r in rows]
+            members = [r[4] for r in rows]
             dp = DistributedDataParallel(config, ddp.ddp_config_for(overlap=overlap, bucket_size=bucket_size,
                                                                    grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                                    distributed_optimizer=distributed_optimizer),
-                                         ddp.Params(params), pg_collection=pgc)
+                                         ddp.Params(members), pg_collection=pgc)
             done_at = {id(r[4]): -r[0] for r in rows}
             inst = _Instance(ranks=ranks, ddp=dp, hooks=ddp.backward_hooks(dp))
             for i, bg in enumerate(dp.bucket_groups):
@@ -213,7 +219,7 @@ class GradSync:
         self._copy_hooks = []
         self._copy_of: list[tuple[nn.Parameter, nn.Parameter]] = []   # (extra copy, parameter in DDP)
         ddp_of = {id(p): inst.ddp for inst in self.instances for p in inst.ddp.module.params}
-        for (key, shard), mods in sorted(model.layer_copies.items()):
+        for (key, shard), mods in sorted(copies.items()):
             if len(mods) < 2 or id(next(iter(mods[0].core.parameters()))) not in ddp_of:
                 continue
             main = dict(mods[0].core.named_parameters())
@@ -239,7 +245,7 @@ class GradSync:
                         self._shards.append((nn.Parameter(bucket.param_data[lo:hi]), bucket.grad_data[lo:hi],
                                              where, lo, hi))
         covered = {id(p) for p in self._main_params} | {id(c) for c, _ in self._copy_of}
-        missing = [p for p in model.unique_parameters() if p.requires_grad and id(p) not in covered]
+        missing = [p for p in params if p.requires_grad and id(p) not in covered]
         if missing:
             raise RuntimeError(f"rank {self.rank}: {len(missing)} parameters belong to no parameter device group")
         olds = {}
@@ -271,7 +277,7 @@ class GradSync:
     def _post(self, inst: _Instance, bg) -> None:
         if not inst.reduces:
             return
-        label, trace = inst.labels[bg], self.model.trace
+        label, trace = inst.labels[bg], self.trace
         times = inst.times[label] = [trace.now(), None]
         inst.start[bg]()
         handle = bg.grad_reduce_handle
@@ -333,7 +339,7 @@ class GradSync:
 
     def finish(self) -> None:
         """Post what is still unposted (in order), wait for every reduce, expose ``p.grad = p.main_grad``."""
-        trace = self.model.trace
+        trace = self.trace
         t0 = trace.now()
         for _, inst, bg in self._order[self._posted:]:  # what is still unposted, in the global order
             self._post(inst, bg)
@@ -385,11 +391,11 @@ class GradSync:
         this rank's (megatron DDP's ``start_param_sync``); nothing to do otherwise."""
         if not self.distributed_optimizer:
             return
-        t0 = self.model.trace.now()
+        t0 = self.trace.now()
         for inst in self.instances:
             if inst.reduces:  # one rank: its blocks are the whole buckets, already in place
                 inst.ddp.start_param_sync(force_sync=True)
-        self.model.trace.span("sync", "parameter all-gather", t0)
+        self.trace.span("sync", "parameter all-gather", t0)
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """Distributed optimizer: this rank's block of every bucket (views of megatron's parameter buffer,
@@ -400,7 +406,7 @@ class GradSync:
         """This rank's share of the squared global gradient norm (float64): the parameter groups it counts
         (the first rank of each rank set; with the distributed optimizer, its block of every bucket), a
         replicated parameter of a tensor-parallel layer on shard 0 only. Summed over all ranks: the norm²."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.model.device)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if not self.distributed_optimizer:
             for p in self._main_params:
                 if self._owner[id(p)] and not self._skip[id(p)]:
