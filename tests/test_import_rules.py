@@ -6,7 +6,7 @@
   models: the checkpoint's name mapping lives in ``models/hf_mapping.py``, beside the loader that uses it);
 * only ``megatron/adapter/hooks.py`` imports ``megatron.training`` (besides the compatibility modules that stand in for
   its CUDA-only start-up and bridge its versions, ``compat/megatron_lm.py`` and ``compat/mcore.py``);
-* no import cycle between modules of ``megatron_spindle``;
+* no import cycle between modules of ``megatron_spindle``; no module imports another's private (``_``) name;
 * the planner's stages import only themselves and earlier stages; no planner folder holds over 15 modules;
 * an import inside a function is for an optional dependency only, and says so on its line
   (``# optional: ...``): TransformerEngine, matplotlib, ``megatron.training``, the solver, or torch for a
@@ -188,3 +188,15 @@ def test_every_module_fits_in_a_head():
     long = [f"{p.relative_to(PKG)}: {n} lines" for p in sorted(PKG.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 450]
     assert not long, "\n".join(long)
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A split file is a module boundary: what another module needs is public (no ``from .x import _name``;
+    dunder names such as ``__version__`` are public)."""
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("megatron_spindle")):
+                bad += [f"{p.relative_to(PKG)}:{node.lineno} {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)
