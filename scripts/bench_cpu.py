@@ -302,7 +302,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
             max_devices=world, out=opts["curves_out"], cache=opts["cache"], fresh=opts["fresh"],
             repeats=opts["repeats"], min_seconds=opts["min_seconds"], verbose=opts["verbose"]))
     profile_s = time.perf_counter() - t0
-    box = [predict(graph, doc, world) if rank == 0 else None]
+    box = [predict(graph, doc, world, opts.get("placement", "spindle")) if rank == 0 else None]
     comm.broadcast_object_list(box, src=0)
     pred = box[0]
 
@@ -409,6 +409,9 @@ def parse_args(argv=None):
     p.add_argument("--sequential-passes", default=None, metavar="P,P,...",
                    help="pass counts to run the sequential baseline at (default: every count whose micro-batch "
                         "splits over the processes; 1 is always run)")
+    p.add_argument("--placement", choices=("spindle", "naive"), default="spindle",
+                   help="naive: Spindle's waves on consecutive processes in slice order, so activations move "
+                   "between them (the planner's own plan may keep every edge on one process)")
     p.add_argument("--no-overlap", action="store_true",
                    help="reduce gradient buckets only after the whole backward (megatron DDP overlap_grad_reduce off)")
     return p.parse_args(argv)
@@ -425,7 +428,7 @@ def main(argv=None) -> int:
             "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "seed": args.seed,
             "curves_out": args.curves_out, "cache": args.cache or default_cache_path(), "fresh": args.fresh,
             "repeats": args.repeats, "min_seconds": args.min_time, "verbose": True, "overlap": not args.no_overlap,
-            "waves": args.waves,
+            "waves": args.waves, "placement": args.placement,
             "sequential_passes": sequential_passes(args)}
     if args.curves:
         with open(args.curves) as fh:

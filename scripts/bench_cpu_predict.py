@@ -52,8 +52,10 @@ def planned_task_by_task(graph: TaskGraph, world: int, mode: str) -> float:
     return max(per_task.values(), default=0.0)
 
 
-def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
-    """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link."""
+def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle") -> dict:
+    """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link; ``placement``:
+    ``naive`` places Spindle's waves on consecutive devices in slice order (``make_plan``'s ablation), so that
+    activations move between processes even where the planner's own plan keeps them on one."""
     from megatron_spindle.planner.workload.analytic import CurvesFile
     from megatron_spindle.planner.step.build import plan_system
     from megatron_spindle.planner.step.build import make_plan
@@ -66,7 +68,8 @@ def predict(graph: TaskGraph, doc: dict, world: int) -> dict:
         raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")
     cluster = Cluster(**{**doc["cluster"], "num_devices": world})
     cf = CurvesFile.parse(doc)
-    plans = {"spindle": make_plan(graph, cluster, curves_file=cf),
+    plans = {"spindle": make_plan(graph, cluster, curves_file=cf,
+                                  placement="sequential" if placement == "naive" else "spindle"),
              "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
     # the same waves with every transfer posted at its consumer's wave boundary (no overlap across waves)
     plans[BOUNDARY] = dataclasses.replace(plans["spindle"], transfer_posting="boundary")
