@@ -411,3 +411,22 @@ def test_producer_posted_transfers_travel_while_the_receiver_computes():
     both = boundary_time_ms(moved(vl) + moved(tl), cluster)
     assert late[(vh, "fwd")][0] == pytest.approx(late[(tl, "fwd")][1] + both)
     assert dataflow_pass(plan, cluster, ms)[0] <= pass_late
+
+
+def test_best_posting_keeps_the_shorter_step_and_the_summary_names_it():
+    """Every candidate is timed under both transfer postings and keeps the shorter (the plan's own on a tie);
+    the plan's summary says which the runtime will run."""
+    from megatron_spindle.planner.assembly.render import summary
+    from megatron_spindle.planner.simulation.simulate import best_posting, step_time_ms
+    from megatron_spindle.planner.tuning.tune import Workload
+    cluster = load_cluster(None, num_devices=8)
+    plan = make_plan(Workload(model="multitask-clip", tasks=4, size="tiny").graph(1), cluster, placement="sequential")
+    assert plan.transfers and any(not m.local for t in plan.transfers for m in t.forward)
+    steps = {p: step_time_ms(dataclasses.replace(plan, transfer_posting=p), cluster) for p in ("producer", "boundary")}
+    for start in ("producer", "boundary"):
+        got, ms = best_posting(dataclasses.replace(plan, transfer_posting=start), cluster)
+        assert ms == min(steps.values()) and step_time_ms(got, cluster) == ms
+        if steps["producer"] == steps["boundary"]:
+            assert got.transfer_posting == start
+    assert "posted as each producer ends" in summary(dataclasses.replace(plan, transfer_posting="producer"))
+    assert "posted at each consumer's wave" in summary(dataclasses.replace(plan, transfer_posting="boundary"))

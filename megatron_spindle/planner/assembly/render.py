@@ -161,7 +161,9 @@ def summary(plan: Plan, planning_s: float | None = None, *, configuration: str |
         f"memory        max {max(mem) / 2**30:.2f} GiB, min {min(mem) / 2**30:.2f} GiB per device "
         f"(limit {plan.memory_limit_bytes / 2**30:.1f} GiB)",
         f"transfers     {sum(t.bytes - t.local_bytes for t in plan.transfers) / 2**20:.1f} MiB moved per "
-        f"pass forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands",
+        f"pass forward, {sum(t.cross_island_bytes for t in plan.transfers) / 2**20:.1f} MiB across islands, "
+        + ("posted as each producer ends" if plan.transfer_posting == "producer" else
+           "posted at each consumer's wave (the shorter step for this plan)"),
     ]
     frozen = [m for m in plan.metaops if not m.trainable and any(m.param_keys)]
     if frozen:
