@@ -42,7 +42,7 @@ TOL = 1e-5
 #: Weights after AdamW steps: its per-element normalization (m / (sqrt(v) + 1e-8)) turns the float32 rounding of
 #: a near-zero gradient into a larger share of the step, and that rounding depends on the CPU's torch kernels
 #: (seen: under 1e-5 on one machine; 1.14e-5 of a bias's largest entry, about 3e-8 absolute, on another with the
-#: same plan and pins, 2026-12-02); losses keep TOL.
+#: same plan and pins); losses keep TOL.
 ADAM_TOL = 5e-5
 FREEZE = ["vision", "text.layers"]
 TRAIN = ["--spindle-size", "tiny", "--spindle-tasks", "4", "--micro-batch-size", "4", "--lr", "1e-3",

@@ -149,6 +149,6 @@ def test_at_the_runs_own_passes_the_tuner_makes_a_plan_fit_where_the_plain_one_d
     t = tune_spindle(FixedPasses(g, 16), cl, device=dev, hints=[Execution(passes=16)])
     assert t.plan is not None and t.plan.passes == 16
     assert max(t.plan.device_memory_bytes) <= cl.memory_limit_bytes
-    ex = t.execution  # 8 GiB: phases, ZeRO-1 and recompute of a few MetaOps (planned 2026-12-02)
+    ex = t.execution  # 8 GiB: phases, ZeRO-1 and recompute of a few MetaOps
     assert ex.recomputed and ex.groups and ex.distributed_optimizer
     assert {m.name for m in t.plan.metaops if m.recompute != "none"} == set(ex.recomputed)

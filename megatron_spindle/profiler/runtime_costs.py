@@ -6,7 +6,7 @@ code paths with every profile process at once, in the runtime's regime (as :func
 processes meet at a barrier and compute for ``busy_ms`` before each timed repeat, as after a wave's slices; a
 post and its delivery are the **median** of their repeats, the collectives and the norm the **mean**, so a
 process descheduled on shared cores counts as it does at a step's end). Why medians for the posts: their
-repeats here are heavy-tailed (on 2 CPU ranks, 2026-12-03: means 0.4-1.2 ms against medians 0.1-0.4 ms, a few
+repeats here are heavy-tailed (on 2 CPU ranks: means 0.4-1.2 ms against medians 0.1-0.4 ms, a few
 repeats 5-10 times the rest), while the executor's own boundaries in a training step take the medians' size
 (the demo's ``w<k> fwd transfer`` spans: 0.1-0.3 ms for one or two messages when the peer is not late), so the
 means charged every boundary of a step 1.1-1.3 ms and overpredicted the step's transfer by 5-8 ms:
