@@ -42,6 +42,7 @@ the baselines' schedules too); the one with the shortest simulated step that fit
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Mapping, Sequence
 
 from ..systems import baselines
@@ -57,7 +58,7 @@ from ..workload.curves import ScalingCurve
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
 from ..assembly.placement import NODE_BUDGET, place, sequential_placement
-from ..assembly.plan import Plan
+from ..assembly.plan import TRANSFER_POSTINGS, Plan
 from ..simulation.simulate import best_posting, step_time_ms
 from ..level.waves import Wave, WaveSlice, schedule_level
 
@@ -270,7 +271,8 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
     the best of Spindle's own, other than lanes on whole islands or with searched sizes (sharing one search's
     trials), from the best of all and of Spindle's own where those are such lanes, and from the best baseline
-    schedule (a quarter of the trials each), each kept where it shortens the step; none on clusters larger than :data:`.lanes.LANES_MAX_DEVICES`
+    schedule (a quarter of the trials each), each start searched under both transfer postings, each result kept
+    where it shortens the step; none on clusters larger than :data:`.lanes.LANES_MAX_DEVICES`
     (planning time)."""
     if cluster.num_devices > LANES_MAX_DEVICES:
         return []
@@ -294,7 +296,13 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
              if s[1] not in {t[1] for t, _ in runs}]
     out: list[tuple[float, int, str, Plan]] = []
     for (t, i, name, p), trials in runs:
-        q, ms, kept = step_search(p, cluster, t, trials=trials)
+        # one search per transfer posting, each timing its trials under it: a search's path turns on its
+        # timings, and either posting's local optimum may be the shorter step
+        found = []
+        for posting in TRANSFER_POSTINGS:
+            start = p if p.transfer_posting == posting else dataclasses.replace(p, transfer_posting=posting)
+            found.append(step_search(start, cluster, t if start is p else None, trials=trials))
+        q, ms, kept = min(found, key=lambda f: f[1] * (1 + 1e-12) if f[2] else math.inf)
         if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")

@@ -36,8 +36,8 @@ after the pass. This search starts from such a plan and changes it by moves judg
    :data:`ISLANDS`: with ``k = 1`` the sync becomes intra-island, paid for with the outputs' transfer through
    one NIC; a larger ``k`` splits that transfer over ``k`` NICs for a ring over ``k`` nodes. Per ``k``, the
    :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
-5. **Keep the best.** Every move of a round is timed, under the better transfer posting
-   (:func:`..simulation.simulate.best_posting`: a move that lends devices adds transfers); the shortest step that fits memory is kept when it
+5. **Keep the best.** Every move of a round is timed (under the start's transfer posting; the whole-step
+   choice runs one search per posting, :mod:`.choose`); the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
    from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials.
 
@@ -51,7 +51,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from ..simulation.link_costs import sync_floor
-from ..simulation.simulate import best_posting, simulate, step_time_ms
+from ..simulation.simulate import simulate, step_time_ms
 from ..simulation.timeline import dataflow_pass
 from ..workload.cluster import Cluster
 from ..workload.memory import slice_param_keys
@@ -381,7 +381,7 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
             p = relocate(best, change, order)
             if max(peak_memory_bytes(p)) > limit or not _disjoint(p) or not _ordered(p):
                 continue
-            p, t = best_posting(p, cluster)
+            t = step_time_ms(p, cluster)
             if t < (found[0] if found else best_ms) * (1 - 1e-9):
                 found = (t, p)
         if found is None:
