@@ -7,6 +7,8 @@ against the validation rules. :func:`plan_system` gives the plan of any system (
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..workload.analytic import CurvesFile, DeviceModel, build_curves
 from ..assembly.assemble import assemble_plan, fits_memory, make_metaops, schedule
 from ..systems.baselines import SYSTEMS, plan_intra_task, plan_sequential, plan_task_level
@@ -16,7 +18,7 @@ from ..workload.cluster import Cluster
 from ..workload.graph import TaskGraph
 from ..workload.metaops import MetaOp
 from ..assembly.placement import NODE_BUDGET, PlacementError, place, sequential_placement
-from ..assembly.plan import LevelInfo, Plan
+from ..assembly.plan import TRANSFER_POSTINGS, LevelInfo, Plan
 from ..assembly.validate import check_plan
 from ..level.scheduler import LevelSchedule
 
@@ -24,7 +26,8 @@ from ..level.scheduler import LevelSchedule
 def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | None = None,
               device: DeviceModel | None = None, search: bool = True, placement: str = "spindle",
               validate: bool = True, passes: int | None = None, execution: Execution | None = None,
-              placement_budget: int = NODE_BUDGET, report: dict | None = None) -> Plan:
+              placement_budget: int = NODE_BUDGET, report: dict | None = None,
+              postings: tuple[str, ...] = TRANSFER_POSTINGS) -> Plan:
     """Plan one pass of ``graph`` on ``cluster`` under ``execution`` (default: one pass per step, nothing
     recomputed, one phase); candidates are compared on a step of ``execution.passes`` passes and one gradient
     sync. ``passes`` is a shorthand for ``Execution(passes=passes)``.
@@ -33,7 +36,9 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
     previous group's) and its waves form one phase. ``search=False`` runs only the paper's pipeline per level;
     ``placement="sequential"`` is the naive placement ablation (consecutive devices in slice order);
     ``placement_budget``: the placement search's node limit (the tuner's feasibility probes use a small one);
-    ``report``: receives the whole-step choice's scoreboard (:func:`.choose.choose_whole_step`).
+    ``report``: receives the whole-step choice's scoreboard (:func:`.choose.choose_whole_step`);
+    ``postings``: the transfer postings the plan may take (:data:`..assembly.plan.TRANSFER_POSTINGS`, the
+    shorter step's; ``("boundary",)``: the paper's runtime).
     """
     if execution is None:
         execution = Execution(passes=1 if passes is None else passes)
@@ -70,9 +75,11 @@ def make_plan(graph: TaskGraph, cluster: Cluster, *, curves_file: CurvesFile | N
         own = [("spindle, naive placement", naive)] if unplaced else [("spindle", plan), ("spindle, naive placement", naive)]
         plan = choose_whole_step(own, graph, cluster, metaops, curves, baselines=search,
                                  level_schedules=None if unplaced else sched, execution=execution,
-                                 placement_budget=placement_budget, report=report)
+                                 placement_budget=placement_budget, report=report, postings=postings)
         if unplaced is not None and not fits_memory(plan, cluster):
             raise unplaced  # no candidate fits either: the placement's message says where memory ran out
+    if plan.transfer_posting not in postings:  # the naive placement ablation: no whole-step choice
+        plan = dataclasses.replace(plan, transfer_posting=postings[0])
     if validate:
         check_plan(plan)
     return plan

@@ -77,15 +77,15 @@ class _Steps:
     the whole-step choice meets some plans twice: the naive layout of Spindle's own waves is the per-level
     search's starting point, and the search's best trial is one of its candidates)."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
+    def __init__(self, cluster: Cluster, postings: tuple[str, ...] = TRANSFER_POSTINGS) -> None:
+        self.cluster, self.postings = cluster, postings
         self._memo: dict[int, tuple[Plan, Plan, float]] = {}  # id -> (the plan, kept alive so its id stays
         # its own; the plan under its better posting; its step)
 
     def _got(self, plan: Plan) -> tuple[Plan, Plan, float]:
         got = self._memo.get(id(plan))
         if got is None:
-            got = self._memo[id(plan)] = (plan, *best_posting(plan, self.cluster))
+            got = self._memo[id(plan)] = (plan, *best_posting(plan, self.cluster, postings=self.postings))
         return got
 
     def __call__(self, plan: Plan) -> float:
@@ -267,7 +267,8 @@ def _lane_search(name: str) -> bool:
     return "whole islands" in name or SIZED in name
 
 
-def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, int, str, Plan]]:
+def _searched(scored, fitting, own: set, cluster: Cluster, postings: tuple[str, ...] = TRANSFER_POSTINGS
+              ) -> list[tuple[float, int, str, Plan]]:
     """Candidate 7: the whole-step local search (:mod:`.step_search`) from the best fitting candidate and from
     the best of Spindle's own, other than lanes on whole islands or with searched sizes (sharing one search's
     trials), from the best of all and of Spindle's own where those are such lanes, and from the best baseline
@@ -299,7 +300,7 @@ def _searched(scored, fitting, own: set, cluster: Cluster) -> list[tuple[float, 
         # one search per transfer posting, each timing its trials under it: a search's path turns on its
         # timings, and either posting's local optimum may be the shorter step
         found = []
-        for posting in TRANSFER_POSTINGS:
+        for posting in postings:
             start = p if p.transfer_posting == posting else dataclasses.replace(p, transfer_posting=posting)
             found.append(step_search(start, cluster, t if start is p else None, trials=trials))
         q, ms, kept = min(found, key=lambda f: f[1] * (1 + 1e-12) if f[2] else math.inf)
@@ -316,7 +317,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
                       metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve], *,
                       baselines: bool = True, level_schedules: Sequence | None = None,
                       execution: Execution | None = None, placement_budget: int = NODE_BUDGET,
-                      report: dict | None = None) -> Plan:
+                      report: dict | None = None, postings: tuple[str, ...] = TRANSFER_POSTINGS) -> Plan:
     """The candidate with the shortest simulated step (see the module docstring), labelled ``spindle``.
 
     ``plans`` are Spindle's own placed candidates, best first; the baselines' schedules are added here
@@ -324,10 +325,11 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
     schedules are given, their alternatives chosen by the step and the waves across levels (one phase
     only: waves across levels would cross phases). The step is the execution's passes of the plan and one
     gradient sync (gradient accumulation). ``report``, when given, receives the scoreboard
-    (:func:`_report`).
+    (:func:`_report`). ``postings``: the transfer postings a candidate may take (default both; the paper's
+    runtime is ``("boundary",)``).
     """
     one_phase = len({w.phase for w in plans[0][1].waves}) <= 1
-    steps = _Steps(cluster)
+    steps = _Steps(cluster, postings)
     if level_schedules is not None and baselines:
         tuples = {m: t for ls in level_schedules for m, t in ls.tuples.items()}
         b = placement_budget
@@ -351,7 +353,7 @@ def choose_whole_step(plans: Sequence[tuple[str, Plan]], graph: TaskGraph, clust
     fitting = [s for s in scored if fits_memory(s[3], cluster)] or scored[:1]
     own = set(range(len(plans)))
     if baselines:
-        found = _searched(scored, fitting, own, cluster)
+        found = _searched(scored, fitting, own, cluster, postings)
         own.update(s[1] for s in found)
         scored += found
         fitting += found
