@@ -36,7 +36,10 @@ after the pass. This search starts from such a plan and changes it by moves judg
    :data:`ISLANDS`: with ``k = 1`` the sync becomes intra-island, paid for with the outputs' transfer through
    one NIC; a larger ``k`` splits that transfer over ``k`` NICs for a ring over ``k`` nodes. Per ``k``, the
    :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
-5. **Keep the best.** Every move of a round is timed (under the start's transfer posting; the whole-step
+5. **Follow.** A slice with one input fed from other devices (a pooling head after its encoder, one layer's
+   continuation on other devices) takes its producer's devices, where its MetaOp may run on that many and no
+   other slice of its wave uses them: its input becomes a local copy.
+6. **Keep the best.** Every move of a round is timed (under the start's transfer posting; the whole-step
    choice runs one search per posting, :mod:`.choose`); the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
    from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials.
@@ -79,6 +82,10 @@ MAX_GATHER = 4
 GATHER_SHARE = 0.02
 #: Islands a weight is gathered onto (its outputs leave through that many NICs).
 ISLANDS = (1, 2, 4)
+#: Edges tried per round by the follow move, the most bytes moved first (then all of them together): at 4,
+#: Multitask-CLIP-10 on 32 devices ends at 1243.8 ms, at 8 and at 16 at 1238.9 (`spindle compare --model
+#: multitask-clip --tasks 10 --gpus 32`).
+MAX_FOLLOW = 8
 
 
 def relocate(plan: Plan, ranks: Mapping[tuple[int, int], Sequence[int]],
@@ -132,8 +139,34 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
     gathers = gather_moves(plan, cluster, pass_ms)
     one = [m for m in gathers if _islands_of(m[0], cluster) <= 1]  # onto one island (and the sink): first
-    return one + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
+    return one + [(c, None) for c in follow_moves(plan)] \
+        + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
         + [m for m in gathers if _islands_of(m[0], cluster) > 1]
+
+
+def follow_moves(plan: Plan) -> list[dict]:
+    """Follow moves (module docstring, item 5): a slice with one input, fed from other devices, takes its
+    producer's devices in its own wave where no other slice of that wave uses them, so its input stays where
+    it is (a local copy); the :data:`MAX_FOLLOW` edges moving the most bytes one by one, then all of them
+    together (those that fit in their waves side by side)."""
+    by_name = {m.name: m for m in plan.metaops}
+    where = {s.name: (w.index, i, s) for w in plan.waves for i, s in enumerate(w.slices)}
+    into = collections.Counter(t.dst for t in plan.transfers)
+    found = []
+    for t in plan.transfers:
+        moved = sum(m.bytes for m in t.forward if not m.local)
+        (_, _, src), (cw, ci, dst) = where[t.src], where[t.dst]
+        m = by_name[dst.metaop]
+        if moved <= 0 or into[t.dst] != 1 or m.tp > 1 or by_name[src.metaop].tp > 1 \
+                or len(src.ranks) not in m.valid_counts(plan.world_size) or set(src.ranks) == set(dst.ranks) \
+                or any(set(src.ranks) & set(o.ranks) for j, o in enumerate(plan.waves[cw].slices) if j != ci):
+            continue
+        found.append((-moved, t.dst, {(cw, ci): src.ranks}))
+    found.sort(key=lambda f: f[:2])
+    picks = [f[2] for f in found[:MAX_FOLLOW]]
+    if len(found) > 1:
+        picks.append({k: v for f in found[:MAX_FOLLOW] for k, v in f[2].items()})
+    return picks
 
 
 def _islands_of(change: Mapping, cluster: Cluster) -> int:
