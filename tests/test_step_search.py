@@ -6,7 +6,7 @@ from megatron_spindle.planner.simulation.simulate import step_time_ms
 from megatron_spindle.planner.assembly.assemble import make_metaops
 from megatron_spindle.planner.step.build import make_plan
 from megatron_spindle.planner.step.lanes import lane_plans
-from megatron_spindle.planner.step.step_search import moves, relocate, search
+from megatron_spindle.planner.step.step_search import follow_moves, moves, relocate, search
 from megatron_spindle.planner.assembly.validate import check_plan
 from megatron_spindle.planner.workload.analytic import build_curves
 from megatron_spindle.planner.workload.cluster import load_cluster
@@ -44,6 +44,23 @@ def test_moves_keep_every_wave_on_distinct_devices_and_valid_counts():
                 s = start.waves[wi].slices[si]
                 assert order is not None or set(s.ranks) < set(ranks)  # a widening move only adds devices
             check_plan(relocate(start, change, order))  # rules 1-11: distinct devices per wave, counts, data flow
+
+
+def test_a_follow_move_makes_its_edge_a_local_copy():
+    """A slice with one input fed from other devices takes its producer's devices (free in its wave): the edge's
+    forward messages all become local copies, and the plan keeps every rule."""
+    graph, cluster = build_graph("multitask-clip", tasks=10), load_cluster(None, num_devices=32)
+    plan = make_plan(graph, cluster, passes=2, search=False)
+    changes = follow_moves(plan)
+    assert changes
+    slice_at = {(w.index, i): s for w in plan.waves for i, s in enumerate(w.slices)}
+    for change in changes:
+        moved = relocate(plan, change)
+        check_plan(moved)
+        for (wi, si), ranks in change.items():
+            name = slice_at[(wi, si)].name.replace(f"x{len(slice_at[(wi, si)].ranks)}", f"x{len(ranks)}")
+            edge = next(t for t in moved.transfers if t.dst == name)
+            assert all(m.local for m in edge.forward), edge
 
 
 def test_relocate_without_changes_is_the_same_step():

@@ -36,13 +36,15 @@ after the pass. This search starts from such a plan and changes it by moves judg
    :data:`ISLANDS`: with ``k = 1`` the sync becomes intra-island, paid for with the outputs' transfer through
    one NIC; a larger ``k`` splits that transfer over ``k`` NICs for a ring over ``k`` nodes. Per ``k``, the
    :data:`MAX_GATHER` weights with the most cross-island bytes one by one, then all.
-5. **Follow.** A slice with one input fed from other devices (a pooling head after its encoder, one layer's
-   continuation on other devices) takes its producer's devices, where its MetaOp may run on that many and no
-   other slice of its wave uses them: its input becomes a local copy.
+5. **Follow**, once the moves of items 2-4 find nothing shorter, in rounds of its own on its own budget
+   (``(MAX_FOLLOW + 1) · MAX_ROUNDS`` trials). A slice with one input fed from other devices (a pooling head
+   after its encoder, one layer's continuation on other devices) takes its producer's devices, where its
+   MetaOp may run on that many and no other slice of its wave uses them: its input becomes a local copy.
 6. **Keep the best.** Every move of a round is timed (under the start's transfer posting; the whole-step
    choice runs one search per posting, :mod:`.choose`); the shortest step that fits memory is kept when it
    beats the current one (by more than a relative 1e-9: no float tie decides), then the next round starts
-   from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials.
+   from it. At most :data:`MAX_ROUNDS` rounds and :func:`trial_budget` timed trials of items 2-4, then as many
+   rounds of item 5.
 
 The result is never slower than the start (a move is kept only when its step is shorter) and is the same
 on every machine (the moves and their order are a function of the plan; no tie is decided by rounding).
@@ -139,8 +141,7 @@ def moves(plan: Plan, cluster: Cluster) -> list[tuple[dict, list | None]]:
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms)
     gathers = gather_moves(plan, cluster, pass_ms)
     one = [m for m in gathers if _islands_of(m[0], cluster) <= 1]  # onto one island (and the sink): first
-    return one + [(c, None) for c in follow_moves(plan)] \
-        + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
+    return one + [(c, None) for c in widen_moves(plan, cluster, done, _sync_critical(plan, cluster))] \
         + [m for m in gathers if _islands_of(m[0], cluster) > 1]
 
 
@@ -155,17 +156,20 @@ def follow_moves(plan: Plan) -> list[dict]:
     found = []
     for t in plan.transfers:
         moved = sum(m.bytes for m in t.forward if not m.local)
-        (_, _, src), (cw, ci, dst) = where[t.src], where[t.dst]
+        (pw, pi, src), (cw, ci, dst) = where[t.src], where[t.dst]
         m = by_name[dst.metaop]
         if moved <= 0 or into[t.dst] != 1 or m.tp > 1 or by_name[src.metaop].tp > 1 \
                 or len(src.ranks) not in m.valid_counts(plan.world_size) or set(src.ranks) == set(dst.ranks) \
                 or any(set(src.ranks) & set(o.ranks) for j, o in enumerate(plan.waves[cw].slices) if j != ci):
             continue
-        found.append((-moved, t.dst, {(cw, ci): src.ranks}))
+        found.append((-moved, t.dst, {(cw, ci): src.ranks}, (pw, pi)))
     found.sort(key=lambda f: f[:2])
     picks = [f[2] for f in found[:MAX_FOLLOW]]
-    if len(found) > 1:
-        picks.append({k: v for f in found[:MAX_FOLLOW] for k, v in f[2].items()})
+    # together: not a slice whose producer moves too (it would follow the producer to where it was)
+    moving = {k for f in found[:MAX_FOLLOW] for k in f[2]}
+    together = {k: v for f in found[:MAX_FOLLOW] if f[3] not in moving for k, v in f[2].items()}
+    if len(together) > 1:
+        picks.append(together)
     return picks
 
 
@@ -404,23 +408,28 @@ def search(start: Plan, cluster: Cluster, start_ms: float | None = None, *, tria
     budget = trial_budget(cluster.num_devices) if trials is None else trials
     best = start
     best_ms = step_time_ms(start, cluster) if start_ms is None else start_ms
-    kept = used = 0
-    for _ in range(MAX_ROUNDS):
-        found = None
-        for change, order in moves(best, cluster):
-            if used >= budget:
+    kept = 0
+    # the moves of items 2-4 first, then the follow moves from where they end, on a budget of their own: a
+    # follow taken early leads some searches to a longer final step than they reach without it
+    for propose, most in ((lambda p: moves(p, cluster), budget),
+                          (lambda p: [(c, None) for c in follow_moves(p)], (MAX_FOLLOW + 1) * MAX_ROUNDS)):
+        used = 0
+        for _ in range(MAX_ROUNDS):
+            found = None
+            for change, order in propose(best):
+                if used >= most:
+                    break
+                used += 1
+                p = relocate(best, change, order)
+                if max(peak_memory_bytes(p)) > limit or not _disjoint(p) or not _ordered(p):
+                    continue
+                t = step_time_ms(p, cluster)
+                if t < (found[0] if found else best_ms) * (1 - 1e-9):
+                    found = (t, p)
+            if found is None:
                 break
-            used += 1
-            p = relocate(best, change, order)
-            if max(peak_memory_bytes(p)) > limit or not _disjoint(p) or not _ordered(p):
-                continue
-            t = step_time_ms(p, cluster)
-            if t < (found[0] if found else best_ms) * (1 - 1e-9):
-                found = (t, p)
-        if found is None:
-            break
-        best_ms, best = found
-        kept += 1
+            best_ms, best = found
+            kept += 1
     return best, best_ms, kept
 
 
