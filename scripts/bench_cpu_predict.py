@@ -55,7 +55,9 @@ def planned_task_by_task(graph: TaskGraph, world: int, mode: str) -> float:
 def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle") -> dict:
     """Plans (Spindle, sequential) and their simulated steps on the profiled curves and link; ``placement``:
     ``naive`` places Spindle's waves on consecutive devices in slice order (``make_plan``'s ablation), so that
-    activations move between processes even where the planner's own plan keeps them on one."""
+    activations move between processes even where the planner's own plan keeps them on one. Spindle's plan is
+    run with its transfers posted as each producer ends, its twin (``--waves``) at each consumer's wave, so
+    the two differ by the posting alone whichever the planner picked (``planned_posting``)."""
     from megatron_spindle.planner.workload.analytic import CurvesFile
     from megatron_spindle.planner.step.build import plan_system
     from megatron_spindle.planner.step.build import make_plan
@@ -68,11 +70,11 @@ def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle")
         raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")
     cluster = Cluster(**{**doc["cluster"], "num_devices": world})
     cf = CurvesFile.parse(doc)
-    plans = {"spindle": make_plan(graph, cluster, curves_file=cf,
-                                  placement="sequential" if placement == "naive" else "spindle"),
+    made = make_plan(graph, cluster, curves_file=cf, placement="sequential" if placement == "naive" else "spindle")
+    plans = {"spindle": dataclasses.replace(made, transfer_posting="producer"),
              "sequential": plan_system("sequential", graph, cluster, curves_file=cf)}
     # the same waves with every transfer posted at its consumer's wave boundary (no overlap across waves)
-    plans[BOUNDARY] = dataclasses.replace(plans["spindle"], transfer_posting="boundary")
+    plans[BOUNDARY] = dataclasses.replace(made, transfer_posting="boundary")
     # the executor posts each boundary's sends with its receives, on gloo as under NCCL; the runtime's own
     # costs (posting each batch) where the profile measured them
     runtime = RuntimeCosts.from_measured(doc.get("measured", {}).get("runtime"))
@@ -82,7 +84,8 @@ def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle")
                   "transfer_s": (t.transfer_fwd_ms + t.transfer_bwd_ms) / 1e3,
                   "slices": [(sl.name, list(sl.ranks)) for sl in w.slices]}
                  for w, t in zip(plans["spindle"].waves, sp.waves)]
-    return {"spindle_plan": plans["spindle"], "boundary_plan": plans[BOUNDARY], "cluster": cluster.to_json(), "wave_pred": wave_pred,
+    return {"spindle_plan": plans["spindle"], "boundary_plan": plans[BOUNDARY], "planned_posting": made.transfer_posting,
+            "cluster": cluster.to_json(), "wave_pred": wave_pred,
             "sims": {k: s.to_json() for k, s in sims.items()},
             "waves": {k: len(p.waves) for k, p in plans.items()},
             "plan_summary": metaop_table(plans["spindle"]) + "\n\n" + grid(plans["spindle"])}

@@ -121,6 +121,7 @@ def overlap_table(res: dict, ranks: list[dict]) -> dict:
         for t in a:
             worst = max(worst, abs(a[t] - b[t]) / max(abs(b[t]), 1e-12))
     out["max_loss_rel_diff"] = worst
+    out["planned_posting"] = res["pred"]["planned_posting"]  # which of the two the planner picked
     return out
 
 
