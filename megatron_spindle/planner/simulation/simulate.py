@@ -282,10 +282,11 @@ def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
 def best_posting(plan: Plan, cluster: Cluster, *, passes: int | None = None,
                  postings: tuple[str, ...] = TRANSFER_POSTINGS) -> tuple[Plan, float]:
     """``plan`` under the transfer posting of ``postings`` (default :data:`..assembly.plan.TRANSFER_POSTINGS`)
-    whose :func:`step_time_ms` is shortest, with that step; the plan's own posting on a tie (if among them). Producer posting moves an edge while both
-    ends compute later slices, but pays each point's batch on its own; boundary posting pays one batch per
-    wave, its messages sharing the links (:func:`.link_costs.boundary_time_ms`), which is shorter where many
-    small slices feed one wave. The plan says which the runtime runs, so the planner picks per plan."""
+    whose :func:`step_time_ms` is shortest, with that step; the plan's own posting on a tie (if among them).
+    Producer posting moves an edge while both ends compute later slices, but pays each point's batch on its
+    own; boundary posting pays one batch per wave, its messages sharing the links
+    (:func:`.link_costs.boundary_time_ms`), which is shorter where many small slices feed one wave. The plan
+    says which the runtime runs, so the planner picks per plan."""
     if plan.transfer_posting not in postings:
         plan = replace(plan, transfer_posting=postings[0])
     best = (plan, step_time_ms(plan, cluster, passes=passes))

@@ -149,7 +149,8 @@ def follow_moves(plan: Plan) -> list[dict]:
     """Follow moves (module docstring, item 5): a slice with one input, fed from other devices, takes its
     producer's devices in its own wave where no other slice of that wave uses them, so its input stays where
     it is (a local copy); the :data:`MAX_FOLLOW` edges moving the most bytes one by one, then all of them
-    together (those that fit in their waves side by side)."""
+    together but those whose producer moves too (a together that puts two slices of a wave on one device is
+    dropped by the search's rule check)."""
     by_name = {m.name: m for m in plan.metaops}
     where = {s.name: (w.index, i, s) for w in plan.waves for i, s in enumerate(w.slices)}
     into = collections.Counter(t.dst for t in plan.transfers)
