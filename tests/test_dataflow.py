@@ -136,3 +136,24 @@ def test_validation_rule_10_refuses_a_plan_whose_messages_do_not_match_its_slice
         check_plan(swapped)
     with pytest.raises(PlanError, match="rule 10 .* is missing"):
         check_plan(dataclasses.replace(plan, transfers=plan.transfers[1:]))
+
+
+def test_an_edge_into_a_cls_or_eos_pool_head_moves_the_one_token_it_reads(plan):
+    """A pool head pooling ``cls`` reads its input's first token, ``eos`` its last: the edge into it names that
+    token and moves ``hidden`` elements a sample, not ``seq · hidden``; every other edge moves the whole output."""
+    slices = {s.name: s for s in plan.slices()}
+    by_name = {m.name: m for m in plan.metaops}
+    seen = set()
+    for t in plan.transfers:
+        src, dst = by_name[slices[t.src].metaop], by_name[slices[t.dst].metaop]
+        per_sample = t.bytes / dst.batch
+        if dst.op_type == "pool_head":
+            c = dst.layer
+            assert t.token == (0 if c.pooling == "cls" else c.seq_len - 1), (t.dst, c.pooling)
+            assert per_sample == 2 * c.hidden == 2 * src.out_elems_per_sample / c.seq_len > 0
+            seen.add(c.pooling)
+        else:
+            assert t.token is None and per_sample == 2 * src.out_elems_per_sample, t.dst
+    assert seen == {"cls", "eos"}
+    back = Plan.from_json(json.loads(plan.dumps()))
+    assert [t.token for t in back.transfers] == [t.token for t in plan.transfers]

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph
+from ..planner.workload.graph import DATA_PREFIX, Operator, TaskGraph, read_token
 from ..planner.workload.layer_types import OP_TYPES
 from . import recompute
 from .megatron_state import ensure_megatron_globals
@@ -187,10 +187,15 @@ class DecoderOpLayer(OperatorLayer):
 
 
 class PoolHeadLayer(OperatorLayer):
+    """Final norm, pooling, projection, L2 normalisation. Pooling ``cls`` or ``eos`` reads one token, so it also
+    takes that token alone (``[b, 1, hidden]``: what the runtime sends it, :func:`~megatron_spindle.planner.
+    workload.graph.read_token`); the norm works token by token, so the result is the same."""
+
     def forward(self, inputs: list[Tensor]) -> Tensor:
         x, _ = self._split(inputs)
         c = self.op.layer
-        self._check(x, (c.seq_len, c.hidden), "input")
+        one = read_token(self.op.op_type, c) is not None and x.dim() == 3 and x.shape[1] == 1
+        self._check(x, (1 if one else c.seq_len, c.hidden), "input")
         x = self.core.norm(x)
         pooled = {"cls": lambda: x[:, 0], "eos": lambda: x[:, -1], "mean": lambda: x.mean(dim=1)}
         return F.normalize(self.core.proj(pooled[c.pooling]()), dim=-1)

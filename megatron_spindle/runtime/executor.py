@@ -202,9 +202,15 @@ class SpindleModel(nn.Module):
         return [p for p in self.unique_parameters() if p.requires_grad]
 
     def message_shape(self, e: Transfer, msg: Message) -> tuple[int, ...]:
-        """The tensor one message of edge ``e`` carries: its samples by the producer's last layer's output."""
-        src = self.slice_of[e.src]
-        return (msg.stop - msg.start, *output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]]))
+        """The tensor one message of edge ``e`` carries: its samples by the producer's last layer's output, or
+        by the one token of it the edge moves (``e.token``)."""
+        shape = self._output_shape(e.src)
+        return (msg.stop - msg.start, *(shape if e.token is None else (1, *shape[1:])))
+
+    def _output_shape(self, slice_name: str) -> tuple[int, ...]:
+        """Per-sample shape of a slice's output (its last layer's)."""
+        src = self.slice_of[slice_name]
+        return output_shape(self.graph[self.metaops[src.metaop].operators[src.layer_stop - 1]])
 
     @property
     def layer_copies(self) -> Mapping[tuple[str, int], list[nn.Module]]:
@@ -252,7 +258,8 @@ class SpindleModel(nn.Module):
 
     def _send_fwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
         a, _ = self.local_range(self.slice_of[e.src])
-        return st.outputs[e.src][msg.start - a:msg.stop - a].detach()
+        out = st.outputs[e.src][msg.start - a:msg.stop - a].detach()
+        return out if e.token is None else out[:, e.token:e.token + 1].contiguous()  # the token its consumer reads
 
     def _recv_fwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
         st.pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
@@ -339,8 +346,9 @@ class SpindleModel(nn.Module):
     def _recv_bwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
         a, b = self.local_range(self.slice_of[e.src])
         if e.src not in st.grads:
-            st.grads[e.src] = torch.zeros((b - a, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        st.grads[e.src][msg.start - a:msg.stop - a] += t
+            st.grads[e.src] = torch.zeros((b - a, *self._output_shape(e.src)), dtype=t.dtype, device=t.device)
+        got = st.grads[e.src][msg.start - a:msg.stop - a]
+        (got if e.token is None else got[:, e.token:e.token + 1]).add_(t)  # the other tokens' gradient is zero
 
     def _backward_phase(self, st: StepState, waves: Sequence[int], loss_scale: float) -> None:
         """Backpropagate this rank's slices of ``waves`` (one phase) in reverse, posting input gradients."""

@@ -22,8 +22,10 @@ exactly those messages. Nothing else derives them. Pure Python.
    taken from one holder in ``D`` chosen by the same rule (``messages(D, S)``); Megatron's tensor-parallel
    layers return replicated input gradients, so any holder will do. None when the producer's backward does
    not run (:func:`needs_output_grad`: frozen, and nothing before it trains).
-5. **Bytes.** A message of ``n`` samples moves ``n · out_elems_per_sample · ACTIVATION_BYTES`` bytes (bf16
-   activations, the producer's output size); its gradient moves as many.
+5. **Bytes.** A message of ``n`` samples moves ``n · e · ACTIVATION_BYTES`` bytes (bf16 activations), ``e``
+   the producer's output elements per sample, or, where the consumer reads one token of it (a ``cls`` or
+   ``eos`` pool head: :func:`..workload.graph.read_token`), that token's (``Transfer.token`` names it; the
+   producer sends that token, the consumer's layer takes it alone); its gradient moves as many.
 6. **Tags.** The messages of one boundary (all edges into one wave) are numbered ``1, 2, ...`` in edge order,
    forward and backward separately (:func:`rank_messages`); every rank reads the same list, so a send and its
    receive carry the same tag. A pass numbers them all (:func:`rank_posts`): forward boundaries in wave order,
@@ -51,7 +53,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..workload.memory import slice_param_keys
-from ..workload.metaops import MetaOp
+from ..workload.graph import read_token
+from ..workload.metaops import MetaOp, edge_elems_per_sample
 from .plan import Message, ParamGroup, Plan, Slice, Transfer
 
 #: Bytes per element of an activation (or its gradient) crossing a wave boundary (bf16).
@@ -200,13 +203,15 @@ def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node:
     by_name = {m.name: m for m in metaops}
     out = []
     for idx, src, dst in _edges(by_name, slices):
-        p = by_name[src.metaop]
-        a, b = slice_layout(p, src.ranks), slice_layout(by_name[dst.metaop], dst.ranks)
-        per_sample = float(ACTIVATION_BYTES * p.out_elems_per_sample)
+        p, d = by_name[src.metaop], by_name[dst.metaop]
+        a, b = slice_layout(p, src.ranks), slice_layout(d, dst.ranks)
+        elems = edge_elems_per_sample(p, d)
+        per_sample = float(ACTIVATION_BYTES * elems)
         fwd, cross = _forward(a, b, gpus_per_node, per_sample)
         bwd = island_messages(b, a, gpus_per_node, per_sample) if needs_output_grad(p) else ()
+        token = read_token(d.op_type, d.layer) if elems != p.out_elems_per_sample else None
         out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=fwd, backward=bwd,
-                            cross_island_bytes=cross))
+                            cross_island_bytes=cross, token=token))
     return out
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from ..workload.cluster import Cluster
 from .dataflow import ACTIVATION_BYTES, Layout, island_messages, slice_layout
 from ..workload.memory import layer_state_bytes, slice_activation_bytes, slice_param_keys
-from ..workload.metaops import MetaOp
+from ..workload.metaops import MetaOp, edge_elems_per_sample
 from ..level.waves import Wave, WaveSlice
 from .placement_state import PlacementState
 
@@ -99,7 +99,7 @@ class Placer:
             for p in m.producers:
                 pm = self.m[p]
                 pw, ps = self.where[(p, pm.num_layers - 1)]
-                out.append((pw, ps, 2.0 * pm.out_elems_per_sample * pm.batch))
+                out.append((pw, ps, 2.0 * edge_elems_per_sample(pm, m) * pm.batch))
         return out
 
     def _in_bytes(self, wi: int, si: int) -> float:
@@ -116,7 +116,8 @@ class Placer:
             src = self.layout(pw, ps, st.placed[(pw, ps)])
             per_sample = nbytes / self.m[s.metaop].batch  # producer and consumer share the task's batch
             # the forward messages of the edge, as the plan will store them (bytes: the plan's own)
-            plan_bytes = float(ACTIVATION_BYTES * self.m[self.waves[pw].slices[ps].metaop].out_elems_per_sample)
+            plan_bytes = float(ACTIVATION_BYTES * edge_elems_per_sample(self.m[self.waves[pw].slices[ps].metaop],
+                                                                        self.m[s.metaop]))
             key = (src, dst, plan_bytes, per_sample)
             terms = self._terms.get(key)
             if terms is None:

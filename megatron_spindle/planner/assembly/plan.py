@@ -23,8 +23,8 @@ from ..workload.cluster import NCCL_COMMUNICATOR_MIB
 from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 
-SCHEMA_VERSION = 3
-"""3: MetaOps carry ``recompute``, ``trainable`` and ``input_grad``; waves a ``phase``; the plan its ``passes``
+SCHEMA_VERSION = 4
+"""4: a transfer names the one ``token`` per sample it moves where its consumer reads one. 3: MetaOps carry ``recompute``, ``trainable`` and ``input_grad``; waves a ``phase``; the plan its ``passes``
 per step and ``distributed_optimizer``. 2: transfers carry their forward and backward messages (1 had byte
 totals only)."""
 PLAN_KIND = "spindle-plan"
@@ -178,6 +178,9 @@ class Transfer:
     backward: tuple[Message, ...]
     cross_island_bytes: float
     """Forward bytes that leave their island."""
+    token: int | None = None
+    """The one token per sample the consumer reads of the producer's output (a ``cls`` or ``eos`` pool head),
+    which is all the edge moves; ``None``: the whole output."""
 
     @property
     def wave(self) -> int:
@@ -199,13 +202,13 @@ class Transfer:
 
     def to_json(self) -> dict:
         return {"src": self.src, "dst": self.dst, "input_index": self.input_index,
-                "cross_island_bytes": self.cross_island_bytes,
+                "cross_island_bytes": self.cross_island_bytes, "token": self.token,
                 "forward": [m.to_json() for m in self.forward], "backward": [m.to_json() for m in self.backward]}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "Transfer":
         return cls(src=d["src"], dst=d["dst"], input_index=d["input_index"],
-                   cross_island_bytes=d["cross_island_bytes"],
+                   cross_island_bytes=d["cross_island_bytes"], token=d["token"],
                    forward=tuple(Message.from_json(m) for m in d["forward"]),
                    backward=tuple(Message.from_json(m) for m in d["backward"]))
 

@@ -56,7 +56,7 @@ from ..assembly.dataflow import ACTIVATION_BYTES, needs_output_grad
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.memory import layer_state_bytes, slice_activation_bytes
-from ..workload.metaops import MetaOp
+from ..workload.metaops import MetaOp, edge_elems_per_sample
 from ..workload.recompute import FORWARD_SHARE
 
 #: Weights ``λ`` of the pass against the sync's end (item 6); every one gives a valid bound, the largest is kept.
@@ -191,7 +191,7 @@ class PathTerms:
         got = self._edges.get((a, b))
         if got is None:
             src, dst = self.metaops[a], self.metaops[b]
-            bps = float(ACTIVATION_BYTES * src.out_elems_per_sample)
+            bps = float(ACTIVATION_BYTES * edge_elems_per_sample(src, dst))
             ns, nd = self.grid[:, None], self.grid[None, :]
             fwd = edge_ms(src, ns, dst, nd, bps, self.cluster)
             away = edge_ms(src, ns, dst, nd, bps, self.cluster, moved=True)

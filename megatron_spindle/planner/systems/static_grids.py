@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 from ..workload.cluster import Cluster
 from ..workload.curves import ScalingCurve
 from ..workload.memory import layer_state_bytes, slice_activation_bytes
-from ..workload.metaops import MetaOp
+from ..workload.metaops import MetaOp, edge_elems_per_sample
 from ..workload.recompute import FORWARD_SHARE
 from .shares import best_count, finish_together_shares, min_share
 from ..simulation.grad_buckets import bucket_params
@@ -119,7 +119,7 @@ def simulate_grids(metaops: Sequence[MetaOp], curves: Mapping[str, ScalingCurve]
                     pg = grid_of[p]
                     if pg is not g:
                         pm = by_name[p]
-                        flows += _flows(pg.ranks, g.ranks, pm.batch * pm.out_elems_per_sample * ACTIVATION_BYTES)
+                        flows += _flows(pg.ranks, g.ranks, pm.batch * edge_elems_per_sample(pm, m) * ACTIVATION_BYTES)
         transfer[s] = 2 * boundary_time_ms(flows, cluster)  # forward, and the gradients back
     pace = max(t + x for t, x in zip(stage_ms, transfer))
     pass_ms = sum(t + x for t, x in zip(stage_ms, transfer)) + (micro_batches - 1) * pace

@@ -110,7 +110,7 @@ def layer_act_bytes_per_sample(op_type: str, c: LayerConfig) -> float:
         return BF16_BYTES * (s - 1) * c.input_dim
     if op_type == "token_embed":
         return BF16_BYTES * s * h
-    if op_type == "pool_head":
+    if op_type == "pool_head":  # its whole input: more than it keeps where it reads one token (graph.read_token)
         return BF16_BYTES * (s * h + h)
     if op_type == "contrastive_loss":
         return 4.0 * 2 * c.proj_dim

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .graph import DATA_PREFIX, LayerConfig, TaskGraph
+from .graph import DATA_PREFIX, LayerConfig, TaskGraph, read_token
 from ..limits import divisors
 
 #: Bytes of model state per parameter for mixed-precision Adam in Megatron-LM without the distributed
@@ -153,6 +153,16 @@ def _chain_name(ops: Sequence, used: set[str]) -> str:
                 return name
         return f"{ops[0].name}+{len(ops) - 1}"
     return ops[0].name
+
+
+def edge_elems_per_sample(src: MetaOp, dst: MetaOp) -> int:
+    """Elements per sample that an edge from ``src``'s last layer into ``dst``'s first layer moves: ``src``'s
+    whole output, or the one token of it that ``dst`` reads (:func:`.graph.read_token`: a ``cls`` or ``eos``
+    pool head reading this one input). A continuation (``dst`` is ``src`` from a later layer on) moves the whole
+    output."""
+    if src is dst or len(dst.producers) != 1 or read_token(dst.op_type, dst.layer) is None:
+        return src.out_elems_per_sample
+    return src.out_elems_per_sample // dst.layer.seq_len
 
 
 def tp_divides(layer: LayerConfig, tp: int) -> bool:
