@@ -259,7 +259,7 @@ class SpindleModel(nn.Module):
     def _send_fwd(self, st: StepState, e: Transfer, msg: Message) -> Tensor:
         a, _ = self.local_range(self.slice_of[e.src])
         out = st.outputs[e.src][msg.start - a:msg.stop - a].detach()
-        return out if e.token is None else out[:, e.token:e.token + 1].contiguous()  # the token its consumer reads
+        return out if e.token is None else out.narrow(1, e.token % out.shape[1], 1).contiguous()  # what it reads
 
     def _recv_fwd(self, st: StepState, e: Transfer, msg: Message, t: Tensor) -> None:
         st.pieces.setdefault((e.dst, e.input_index), []).append((msg.start, t))
@@ -348,7 +348,7 @@ class SpindleModel(nn.Module):
         if e.src not in st.grads:
             st.grads[e.src] = torch.zeros((b - a, *self._output_shape(e.src)), dtype=t.dtype, device=t.device)
         got = st.grads[e.src][msg.start - a:msg.stop - a]
-        (got if e.token is None else got[:, e.token:e.token + 1]).add_(t)  # the other tokens' gradient is zero
+        (got if e.token is None else got.narrow(1, e.token % got.shape[1], 1)).add_(t)  # other tokens': zero
 
     def _backward_phase(self, st: StepState, waves: Sequence[int], loss_scale: float) -> None:
         """Backpropagate this rank's slices of ``waves`` (one phase) in reverse, posting input gradients."""

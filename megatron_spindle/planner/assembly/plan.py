@@ -24,9 +24,9 @@ from ..workload.curves import ScalingCurve
 from ..workload.metaops import MetaOp
 
 SCHEMA_VERSION = 4
-"""4: a transfer names the one ``token`` per sample it moves where its consumer reads one. 3: MetaOps carry ``recompute``, ``trainable`` and ``input_grad``; waves a ``phase``; the plan its ``passes``
-per step and ``distributed_optimizer``. 2: transfers carry their forward and backward messages (1 had byte
-totals only)."""
+"""4: a transfer names the ``token`` it moves where its consumer reads one. 3: MetaOps carry ``recompute``,
+``trainable``, ``input_grad``; waves a ``phase``; the plan ``passes``, ``distributed_optimizer``. 2: transfers
+carry their messages (1 had byte totals only)."""
 PLAN_KIND = "spindle-plan"
 #: When a rank posts a transfer's messages (:attr:`Plan.transfer_posting`): ``producer``, right after the slice
 #: that makes them; ``boundary``, at the consumer's wave (the paper's runtime). See ``dataflow.posting_key``.
@@ -165,11 +165,9 @@ class Message:
 class Transfer:
     """An edge between slices: ``src`` slice's output feeds ``dst`` slice, which runs in a later wave.
 
-    ``input_index`` is the position among the destination MetaOp's inputs (0 when the same MetaOp
-    continues). ``forward`` are the messages that move the activation before ``dst``'s wave, ``backward``
-    those that return its gradient after that wave's backward pass, both computed once by
-    :mod:`.dataflow`; the simulator times them and the executor posts them, in this order.
-    """
+    ``input_index`` is the position among the destination MetaOp's inputs (0 when the same MetaOp continues).
+    ``forward``: the messages that move the activation, ``backward`` those that return its gradient, both
+    computed once by :mod:`.dataflow`; the simulator times them and the executor posts them, in this order."""
 
     src: str
     dst: str
@@ -179,8 +177,7 @@ class Transfer:
     cross_island_bytes: float
     """Forward bytes that leave their island."""
     token: int | None = None
-    """The one token per sample the consumer reads of the producer's output (a ``cls`` or ``eos`` pool head),
-    which is all the edge moves; ``None``: the whole output."""
+    """The one token a sample the consumer reads, all the edge moves (``cls`` pool head 0, ``eos`` -1: the last)."""
 
     @property
     def wave(self) -> int:

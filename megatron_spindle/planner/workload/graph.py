@@ -41,14 +41,15 @@ DATA_PREFIX = "data:"
 
 
 def read_token(op_type: str, layer: LayerConfig) -> int | None:
-    """The one token per sample a layer reads of its input, or ``None`` when it reads them all.
+    """The index of the one token per sample a layer reads of its input, counted from the end when negative
+    (``-1``: the last, whatever the sequence's length), or ``None`` when it reads them all.
 
-    A ``pool_head`` pooling ``cls`` reads the first token, ``eos`` the last (``seq_len - 1``): its norm works
-    token by token, so norming that token alone gives what norming all and pooling gives. An edge into such a
-    layer moves that token only (:attr:`..assembly.plan.Transfer.token`); ``mean`` pooling reads every token.
+    A ``pool_head`` pooling ``cls`` reads the first token (0), ``eos`` the last (-1): its norm works token by
+    token, so norming that token alone gives what norming all and pooling gives. An edge into such a layer
+    moves that token only (:attr:`..assembly.plan.Transfer.token`); ``mean`` pooling reads every token.
     """
     if op_type == "pool_head" and layer.pooling in ("cls", "eos"):
-        return 0 if layer.pooling == "cls" else layer.seq_len - 1
+        return 0 if layer.pooling == "cls" else -1
     return None
 
 
