@@ -1,6 +1,7 @@
 """Single-process tests of the torch model: every operator layer, the reference model, synthetic data."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -195,3 +196,30 @@ def test_task_iterators_zip_into_batches(graphs):
     assert all(torch.equal(first[t][s], data.batch(0)[t][s]) for t in first for s in first[t])
     specs = mdata.stream_specs(g)
     assert specs["caption"]["image"].shape == (5, 24) and specs["caption"]["labels"].dtype == torch.int64
+
+
+def test_a_cls_or_eos_pool_head_given_its_one_token_gives_the_same_output_and_gradient(graphs):
+    """What an edge into a ``cls``/``eos`` pool head carries (``planner.workload.graph.read_token``): that token
+    alone gives the head's output and that token's gradient as the whole sequence does (the others get none);
+    a ``mean`` head takes no single token, and any other length is refused."""
+    from megatron_spindle.planner.workload.graph import read_token
+    g = graphs["multitask-clip"]
+    heads = {op.layer.pooling: op for op in g.operators if op.op_type == "pool_head"}
+    assert set(heads) == {"cls", "eos"}
+    gen = torch.Generator().manual_seed(0)
+    for pooling, op in heads.items():
+        layer = build_layer(op, seed=0, graph=g)
+        (x,) = example_inputs(op, BATCH, graph=g, generator=gen, requires_grad=True)
+        w = torch.randn((BATCH, *output_shape(op)), generator=gen)
+        (layer([x]) * w).sum().backward()
+        i = read_token(op.op_type, op.layer) % x.shape[1]
+        one = x.detach()[:, i:i + 1].clone().requires_grad_(True)
+        out = layer([one])
+        (out * w).sum().backward()
+        torch.testing.assert_close(out, layer([x]), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(one.grad[:, 0], x.grad[:, i], rtol=1e-6, atol=1e-6)
+        assert x.grad[:, [j for j in range(x.shape[1]) if j != i]].abs().sum() == 0, pooling
+        with pytest.raises(ValueError, match="input must be"):
+            layer([x.detach()[:, :2]])
+    mean = dataclasses.replace(heads["cls"].layer, pooling="mean")
+    assert read_token("pool_head", mean) is None and read_token("transformer_layer", heads["cls"].layer) is None
