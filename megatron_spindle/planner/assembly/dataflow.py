@@ -36,6 +36,11 @@ exactly those messages. Nothing else derives them. Pure Python.
    Every rank walks the same points in one order (waves in order, each wave's slices in plan order; backward
    the reverse) and posts at each the messages it sends or receives there, so the batches of all ranks follow
    one global order (the argument NCCL's in-order streams need against deadlock).
+6c. **Sending order** (:func:`sending_order`). A rank reaches a slice's point before it runs its own slice of
+   that wave when that slice comes first in the wave's order, so it posts its receives for that slice's
+   outputs before its own work and they travel while it computes; a wave's slices that send the most bytes to
+   other devices first let the most of them travel so. Which order a plan takes is its step's to decide
+   (:func:`..simulation.simulate.best_posting`).
 7. **Parameter device groups** (:func:`param_groups`): one per (weight, tensor-parallel shard), the devices
    holding it; its gradient is all-reduced over exactly them, unless the weight is frozen
    (:func:`frozen_param_keys`: held, never synchronised).
@@ -48,6 +53,7 @@ Worked example: a producer on ranks ``(0,)`` and a consumer on ``(0, 1, 2, 3)`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -221,6 +227,26 @@ def _forward(src: Layout, dst: Layout, gpus_per_node: int, bytes_per_sample: flo
     """An edge's forward messages and the bytes of those that cross islands (summed in message order)."""
     fwd = island_messages(src, dst, gpus_per_node, bytes_per_sample)
     return fwd, sum(x.bytes for x in fwd if x.src // gpus_per_node != x.dst // gpus_per_node)
+
+
+def sending_order(plan: Plan) -> Plan:
+    """``plan`` with each wave's slices ordered by the bytes they send to other devices, most first (ties in plan
+    order), its edges listed again (item 6c); ``plan`` itself where no wave's order changes."""
+    away: dict[str, float] = {}
+    for t in plan.transfers:
+        away[t.src] = away.get(t.src, 0.0) + sum(m.bytes for m in t.forward if not m.local)
+    waves, moved = [], False
+    for w in plan.waves:
+        order = sorted(range(len(w.slices)), key=lambda i: (-away.get(w.slices[i].name, 0.0), i))
+        if order != list(range(len(w.slices))):
+            moved = True
+            w = dataclasses.replace(w, slices=tuple(w.slices[i] for i in order))
+        waves.append(w)
+    if not moved:
+        return plan
+    slices = [s for w in waves for s in w.slices]
+    return dataclasses.replace(plan, waves=tuple(waves), transfers=tuple(transfers(plan.metaops, slices,
+                                                                                    plan.gpus_per_node)))
 
 
 def plan_transfers(plan: Plan) -> list[Transfer]:

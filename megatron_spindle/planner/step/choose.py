@@ -304,6 +304,8 @@ def _searched(scored, fitting, own: set, cluster: Cluster, postings: tuple[str, 
             start = p if p.transfer_posting == posting else dataclasses.replace(p, transfer_posting=posting)
             found.append(step_search(start, cluster, t if start is p else None, trials=trials))
         q, ms, kept = min(found, key=lambda f: f[1] * (1 + 1e-12) if f[2] else math.inf)
+        if kept:  # timed as every candidate is: in sending order too (best_posting)
+            q, ms = best_posting(q, cluster, postings=postings)
         if kept and not violations(q):  # the moves keep the rules; a plan that broke one is not offered
             levels = tuple(dataclasses.replace(lv, variant=(lv.variant if p.system == "spindle" else
                                                             f"{name} schedule") + " + step search")
