@@ -375,24 +375,32 @@ def test_presets_and_cluster_files(tmp_path):
     assert math.isinf(a800.link(3, 3)[0]) and a800.link(0, 9) == (40.0, 20.0)
 
 
+#: Two devices on a slow link (transfers take milliseconds), for the posting tests below.
+SLOW = dict(name="slow", num_devices=2, gpus_per_node=2, intra_bandwidth_gbps=0.01, intra_latency_us=10.0,
+            inter_bandwidth_gbps=0.01, inter_latency_us=10.0)
+V, T = "vision-text.vision", "vision-text.text"
+
+
+def _two_rank_plan(waves):
+    """Tiny one-task Multitask-CLIP on 2 ranks, ``waves`` as :func:`plan_from_waves` takes them, embeddings first."""
+    from megatron_spindle.planner.assembly.manual import plan_from_waves
+    g = build_graph("multitask-clip", tasks=1, size="tiny")
+    return plan_from_waves(g, 2, [[(f"{V}.embed", 0, 1, (0,)), (f"{T}.embed", 0, 1, (1,))]] + waves)
+
+
 def test_producer_posted_transfers_travel_while_the_receiver_computes():
     """Rank 0 runs the vision encoder's layers (short), rank 1 the text encoder's (long), in one wave; the next
     wave swaps them (vision's head on rank 1, text's on rank 0). Posted at the producer's end (the default), the
     vision activations travel while rank 1 still computes text: its head starts when rank 1 is free, nothing
     exposed. Posted at the consumer's wave boundary, they leave only once rank 1 has reached the boundary, and
     the whole transfer is exposed. Text's head waits for its input in both (its producer ends last)."""
-    from megatron_spindle.planner.assembly.manual import plan_from_waves
     from megatron_spindle.planner.simulation.timeline import dataflow_pass
 
-    g = build_graph("multitask-clip", tasks=1, size="tiny")
-    V, T = "vision-text.vision", "vision-text.text"
-    plan = plan_from_waves(g, 2, [
-        [(f"{V}.embed", 0, 1, (0,)), (f"{T}.embed", 0, 1, (1,))],
+    plan = _two_rank_plan([
         [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
         [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
         [("vision-text.loss", 0, 1, (0,))]])
-    cluster = Cluster(name="slow", num_devices=2, gpus_per_node=2, intra_bandwidth_gbps=0.01, intra_latency_us=10.0,
-                      inter_bandwidth_gbps=0.01, inter_latency_us=10.0)
+    cluster = Cluster(**SLOW)
     ms = {s.name: 1.0 for s in plan.slices()}
     vl, tl, vh, th = (next(s.name for s in plan.slices() if s.metaop == m)
                       for m in (f"{V}.layers", f"{T}.layers", f"{V}.head", f"{T}.head"))
@@ -457,20 +465,15 @@ def test_a_receiver_posts_before_its_own_work_when_the_sender_comes_first_in_the
     transfer is exposed; in sending order (the slice sending the most bytes away first) rank 1 posts its
     receive first and the activations travel while it computes."""
     from megatron_spindle.planner.assembly.dataflow import sending_order
-    from megatron_spindle.planner.assembly.manual import plan_from_waves
     from megatron_spindle.planner.simulation.simulate import best_posting
     from megatron_spindle.planner.simulation.timeline import dataflow_pass
 
-    g = build_graph("multitask-clip", tasks=1, size="tiny")
-    V, T = "vision-text.vision", "vision-text.text"
-    plan = plan_from_waves(g, 2, [
-        [(f"{V}.embed", 0, 1, (0,)), (f"{T}.embed", 0, 1, (1,))],
+    plan = _two_rank_plan([
         [(f"{T}.layers", 0, 4, (1,)), (f"{V}.layers", 0, 2, (0,))],
         [(f"{V}.layers", 2, 2, (1,)), (f"{T}.head", 0, 1, (0,))],
         [(f"{V}.head", 0, 1, (1,))],
         [("vision-text.loss", 0, 1, (0,))]])
-    cluster = Cluster(name="slow", num_devices=2, gpus_per_node=2, intra_bandwidth_gbps=0.01, intra_latency_us=10.0,
-                      inter_bandwidth_gbps=0.01, inter_latency_us=10.0)
+    cluster = Cluster(**SLOW)
     tl, vl, vc = (next(s.name for s in plan.slices() if s.metaop == m and s.layer_start == a)
                   for m, a in ((f"{T}.layers", 0), (f"{V}.layers", 0), (f"{V}.layers", 2)))
     ms = {s.name: 1.0 for s in plan.slices()}
