@@ -59,8 +59,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..workload.memory import slice_param_keys
-from ..workload.graph import read_token
-from ..workload.metaops import MetaOp, edge_elems_per_sample
+from ..workload.metaops import MetaOp, edge_elems_per_sample, edge_token
 from .plan import Message, ParamGroup, Plan, Slice, Transfer
 
 #: Bytes per element of an activation (or its gradient) crossing a wave boundary (bf16).
@@ -211,13 +210,11 @@ def transfers(metaops: Iterable[MetaOp], slices: Sequence[Slice], gpus_per_node:
     for idx, src, dst in _edges(by_name, slices):
         p, d = by_name[src.metaop], by_name[dst.metaop]
         a, b = slice_layout(p, src.ranks), slice_layout(d, dst.ranks)
-        elems = edge_elems_per_sample(p, d)
-        per_sample = float(ACTIVATION_BYTES * elems)
+        per_sample = float(ACTIVATION_BYTES * edge_elems_per_sample(p, d))
         fwd, cross = _forward(a, b, gpus_per_node, per_sample)
         bwd = island_messages(b, a, gpus_per_node, per_sample) if needs_output_grad(p) else ()
-        token = read_token(d.op_type, d.layer) if elems != p.out_elems_per_sample else None
         out.append(Transfer(src=src.name, dst=dst.name, input_index=idx, forward=fwd, backward=bwd,
-                            cross_island_bytes=cross, token=token))
+                            cross_island_bytes=cross, token=edge_token(p, d)))
     return out
 
 

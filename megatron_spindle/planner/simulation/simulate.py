@@ -293,12 +293,13 @@ def best_posting(plan: Plan, cluster: Cluster, *, passes: int | None = None,
     if plan.transfer_posting not in postings:
         plan = replace(plan, transfer_posting=postings[0])
     best = (plan, step_time_ms(plan, cluster, passes=passes))
+    timed = {id(plan)}
     for posting in postings:
         other = plan if posting == plan.transfer_posting else replace(plan, transfer_posting=posting)
-        tries = [other] + ([sending_order(other)] if posting == "producer" else [])
-        for i, q in enumerate(tries):
-            if q is plan or (i and q is tries[0]):  # timed already (sending order changed nothing)
+        for q in [other] + ([sending_order(other)] if posting == "producer" else []):
+            if id(q) in timed:  # sending_order gives the plan itself when no wave's order changes
                 continue
+            timed.add(id(q))
             t = step_time_ms(q, cluster, passes=passes)
             if t < best[1] * (1 - 1e-9):
                 best = (q, t)

@@ -155,12 +155,19 @@ def _chain_name(ops: Sequence, used: set[str]) -> str:
     return ops[0].name
 
 
+def edge_token(src: MetaOp, dst: MetaOp) -> int | None:
+    """The one token per sample of ``src``'s output that an edge into ``dst``'s first layer moves
+    (:func:`.graph.read_token`: a ``cls`` or ``eos`` pool head reading this one input of more than one token),
+    or ``None``: the whole output (a continuation, ``dst`` being ``src`` from a later layer on, among them)."""
+    if src is dst or len(dst.producers) != 1 or dst.layer.seq_len <= 1:
+        return None
+    return read_token(dst.op_type, dst.layer)
+
+
 def edge_elems_per_sample(src: MetaOp, dst: MetaOp) -> int:
     """Elements per sample that an edge from ``src``'s last layer into ``dst``'s first layer moves: ``src``'s
-    whole output, or the one token of it that ``dst`` reads (:func:`.graph.read_token`: a ``cls`` or ``eos``
-    pool head reading this one input). A continuation (``dst`` is ``src`` from a later layer on) moves the whole
-    output."""
-    if src is dst or len(dst.producers) != 1 or read_token(dst.op_type, dst.layer) is None:
+    whole output, or the one token of it that ``dst`` reads (:func:`edge_token`)."""
+    if edge_token(src, dst) is None:
         return src.out_elems_per_sample
     return src.out_elems_per_sample // dst.layer.seq_len
 
