@@ -444,6 +444,20 @@ def test_trace_records_every_wave_phase(results, tmp_path):
     names = {e["name"] for e in events if e.get("ph") == "X"}
     for w in range(len(plan.waves)):
         assert f"w{w} fwd transfer" in names and f"w{w} bwd transfer" in names
+    # every message between processes, both ways: one post on its sender and one wait on its receiver, under
+    # one name (runtime/p2p.py: message_key), so a receiver's wait can be set against its sender's post
+    for case in ("b-concurrent-encoders", "c-split-across-waves"):
+        p = cases[case]
+        want = sum(1 for t in p.transfers for m in (*t.forward, *t.backward) if not m.local)
+        assert want > 0, case
+        ev = [(e["pid"], e["name"]) for r in range(WORLD) for e in out[r][case]["events"]
+              if e.get("ph") == "X" and e["args"]["step"] == 0]
+        posted = {n[:-len(" posted")]: pid for pid, n in ev if n.endswith(" posted")}
+        awaited = {n[:-len(" awaited")]: pid for pid, n in ev if n.endswith(" awaited") and " send " not in n}
+        assert len(posted) == len(awaited) == want and posted.keys() == awaited.keys(), case
+        for key, pid in posted.items():
+            src, dst = map(int, key.rsplit(" ", 1)[1].split("->"))
+            assert (src, dst) == (pid, awaited[key]) and src != dst, (case, key)
     path = tmp_path / "trace.json"
     write_chrome_trace(str(path), events)
     data = json.loads(path.read_text())

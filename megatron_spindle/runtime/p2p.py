@@ -50,6 +50,16 @@ class Posted:
     msg: Message
     buf: Tensor | None
     tensor: Tensor  # kept alive until the wait
+    key: str = ""  # the message's name on both ranks (:func:`message_key`)
+
+
+def message_key(wave: int, backward: bool, tag: int, src: int, dst: int) -> str:
+    """A message's name in the trace, the same on its sender and its receiver (``w3 fwd #12 0->1``): the tag
+    numbers a pass's messages of a pair. The sender records ``<key> posted`` (its post, ending when the backend
+    has the message), the receiver ``<key> awaited`` (blocked on it), a sender ``<key> send awaited`` (blocked on
+    its completion at the pass's end); with the ranks' clocks on one host these split a receiver's wait into
+    waiting for its peer to get there and waiting for the message."""
+    return f"w{wave} {'bwd' if backward else 'fwd'} #{tag} {src}->{dst}"
 
 
 @dataclass
@@ -128,13 +138,18 @@ class Transfers:
             return
         t0 = self.trace.now()
         works = post_p2p(ops)
+        t_posted = self.trace.now()
         if len(ops) > 1 and all(w is works[0] for w in works):  # one work for the batch (NCCL): a failed wait
             peers = sorted({op[2] for op in ops})              # may be any of its messages' peers
             recs = [(owner, f"{desc} (one work for the boundary's batch with ranks {peers})", *rest)
                     for owner, desc, *rest in recs]
         for work, (owner, desc, span, e, msg, buf), op in zip(works, recs, ops):
-            item = Posted(work, desc, span, t0, e.wave, e, msg, buf, op[1])
+            key = message_key(e.wave, backward, op[3], self.rank if owner is None else op[2],
+                              op[2] if owner is None else self.rank)
+            item = Posted(work, desc, span, t0, e.wave, e, msg, buf, op[1], key)
             (self.outstanding.sends if owner is None else self.outstanding.recvs.setdefault(owner, [])).append(item)
+            if owner is None:
+                self.trace.span("transfer", f"{key} posted", t0, t_posted)
 
     def complete(self, items: list[Posted], recv_into=None) -> None:
         """Wait for ``items`` in order (bounded by the timeout), record each one's post->complete span and the
@@ -146,6 +161,7 @@ class Transfers:
                 self.outstanding.done[id(it.work)] = it.work
             t1 = self.trace.now()  # on a GPU: where the stream has waited for the message
             self.trace.span("transfer", it.span, it.t0, t1)
+            self.trace.span("transfer", f"{it.key} {'awaited' if it.buf is not None else 'send awaited'}", t0, t1)
             self.outstanding.blocked.setdefault(it.wave, []).append((t0, t1))
             if recv_into is not None:
                 recv_into(it.e, it.msg, it.buf.to(self.device))
