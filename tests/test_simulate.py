@@ -493,3 +493,70 @@ def test_a_receiver_posts_before_its_own_work_when_the_sender_comes_first_in_the
     assert sending_order(ordered) is ordered  # nothing left to move
     got, _ = best_posting(plan, cluster)
     assert [s.name for s in got.waves[1].slices] == [vl, tl]
+
+
+def test_a_ranks_waits_split_where_the_sender_posted():
+    """The runtime's trace splits a rank's blocked time where its sender posted the message; the timeline does
+    the same. Rank 0 runs the vision layers (short) and then the text head, whose input the text layers on rank
+    1 (long) send: rank 0 waits for its peer until they end, then for the message (its link time). Without
+    transfers the same wait is all peer; with the runtime's costs each rank also posts its batches, local
+    copies included, and the posting is what those costs charge."""
+    from megatron_spindle.planner.assembly.dataflow import posting_key
+    from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
+    from megatron_spindle.planner.simulation.timeline import dataflow_pass, new_waits
+
+    plan = _two_rank_plan([
+        [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
+        [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
+        [("vision-text.loss", 0, 1, (0,))]])
+    cluster = Cluster(**SLOW)
+    ms = {s.name: 1.0 for s in plan.slices()}
+    vl, tl, th = (next(s.name for s in plan.slices() if s.metaop == m)
+                  for m in (f"{V}.layers", f"{T}.layers", f"{T}.head"))
+    ms[tl] = 100.0
+    cost_t = boundary_time_ms([(m.src, m.dst, m.bytes) for t in plan.transfers if t.src == tl
+                               for m in t.forward if not m.local], cluster)
+    spans, waits = {}, new_waits(2)
+    dataflow_pass(plan, cluster, ms, spans=spans, waits=waits)
+    assert spans[(th, "fwd")][0] == pytest.approx(spans[(tl, "fwd")][1] + cost_t)
+    assert waits[0]["posting"] == waits[1]["posting"] == 0.0  # no runtime costs: nothing to post
+    # rank 0, forward alone: idle from its vision layers' end to the text layers' end, then the message
+    assert waits[0]["peer"] >= spans[(tl, "fwd")][1] - spans[(vl, "fwd")][1] - 1e-9
+    assert waits[0]["message"] >= cost_t - 1e-9
+    free = new_waits(2)
+    dataflow_pass(plan, cluster, ms, transfers=False, waits=free)
+    assert free[0]["message"] == free[1]["message"] == 0.0 and free[0]["peer"] > 0
+    rt = RuntimeCosts(post_fixed_ms=0.5, post_per_op_ms=0.25, collective_first_ms=0.0, collective_ms=0.0,
+                      post_local_fixed_ms=0.125, post_local_per_op_ms=0.0625)
+    charged = new_waits(2)
+    dataflow_pass(plan, cluster, ms, runtime=rt, waits=charged)
+    want = [0.0, 0.0]
+    for backward in (False, True):
+        ops, local = {}, {}
+        for t in plan.transfers:
+            k = posting_key(plan, t, backward=backward)
+            for m in (t.backward if backward else t.forward):
+                if m.local:
+                    local[(k, m.src)] = local.get((k, m.src), 0) + 1
+                else:
+                    for r in (m.src, m.dst):
+                        ops[(k, r)] = ops.get((k, r), 0) + 1
+        for k, r in {*ops, *local}:
+            want[r] += rt.post_ms(ops.get((k, r), 0), local.get((k, r), 0))
+    assert any(m.local for t in plan.transfers for m in t.forward)  # the embeddings feed their own rank
+    assert [w["posting"] for w in charged] == pytest.approx(want) and min(want) > 0
+
+
+def test_a_local_copy_costs_its_own_post():
+    """A batch of local copies alone pays the copies' fixed cost; beside point-to-point operations only their
+    per-copy cost; nothing to post costs nothing (profiles without the local costs charge none)."""
+    from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
+    rt = RuntimeCosts(post_fixed_ms=0.5, post_per_op_ms=0.25, collective_first_ms=0.0, collective_ms=0.0,
+                      post_local_fixed_ms=0.125, post_local_per_op_ms=0.0625)
+    assert rt.post_ms(0) == 0.0 and rt.post_ms(0, 0) == 0.0
+    assert rt.post_ms(0, 2) == 0.125 + 2 * 0.0625
+    assert rt.post_ms(2, 2) == 0.5 + 2 * 0.25 + 2 * 0.0625
+    old = RuntimeCosts.from_measured({"post": {"fixed_ms": 0.5, "per_op_ms": 0.25},
+                                      "delivery": {"fixed_ms": 0.0, "per_op_ms": 0.0},
+                                      "collective": {"first_ms": 0.0, "per_collective_ms": 0.0}})
+    assert old.post_ms(0, 3) == 0.0 and old.post_ms(1, 3) == 0.75

@@ -8,9 +8,10 @@ of them (its behaviour before they were measured). The posts and deliveries are 
 per-slice costs medians over passes, the collectives and the norm means (why:
 :mod:`megatron_spindle.profiler.runtime_costs`, :mod:`megatron_spindle.profiler.slice_costs`):
 
-* **posting a boundary's batch** (:func:`..runtime.p2p.post_p2p`, one ``batch_isend_irecv``): a rank that sends
-  or receives ``k`` point-to-point messages at a wave boundary spends ``post_ms(k) = a + b·k`` of host time
-  there before it runs its next slice (:mod:`.timeline`);
+* **posting a boundary's batch** (the executor's ``Transfers.post``: one ``batch_isend_irecv`` and the
+  executor's own bookkeeping): a rank that sends or receives ``k`` point-to-point messages and copies ``l``
+  local ones at a posting point spends ``post_ms(k, l) = a + b·k + b_l·l`` of host time there before it runs
+  its next slice (:mod:`.timeline`); copies alone ``a_l + b_l·l`` (``post_local``; older profiles: none);
 * **delivery**: from the end of the post to the return of the last wait of the same batch (the receiving side
   woken included): ``delivery_ms(k) = a' + b'·k``. With the posts on the ranks' timelines a boundary's messages
   arrive after the later of their two ends has posted, ``delivery_ms(k)`` plus the boundary's link time less the
@@ -56,6 +57,10 @@ class RuntimeCosts:
     """The same on a slice's backward."""
     per_slice_scale: float = 1.0
     """A slice's layers in the executor over their points timed alone (at least 1)."""
+    post_local_fixed_ms: float = 0.0
+    """Host time of a posting point whose batch holds local copies alone."""
+    post_local_per_op_ms: float = 0.0
+    """Host time of each local copy at a posting point."""
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
@@ -65,9 +70,12 @@ class RuntimeCosts:
             raise ValueError(f"runtime cost per_slice_scale={self.per_slice_scale!r} must be at least 1 (the "
                              f"executor's layers over the same layers timed alone)")
 
-    def post_ms(self, ops: int) -> float:
-        """Host time of posting a batch of ``ops`` point-to-point operations (0 when there are none)."""
-        return self.post_fixed_ms + self.post_per_op_ms * ops if ops > 0 else 0.0
+    def post_ms(self, ops: int, local: int = 0) -> float:
+        """Host time of posting a batch of ``ops`` point-to-point operations and ``local`` local copies (0 when
+        there are none): a batch with operations pays their fixed cost, one of copies alone the copies'."""
+        if ops > 0:
+            return self.post_fixed_ms + self.post_per_op_ms * ops + self.post_local_per_op_ms * local
+        return self.post_local_fixed_ms + self.post_local_per_op_ms * local if local > 0 else 0.0
 
     def transit_ms(self, boundary_ms: float, latency_ms: float, ops: int) -> float:
         """From the later post to the arrival of a boundary's messages (module docstring): its link time
@@ -93,6 +101,7 @@ class RuntimeCosts:
             return None
         try:
             post, coll, dl = block["post"], block["collective"], block["delivery"]
+            local = block.get("post_local") or {}
             norm = block.get("grad_norm") or {}
             sl = block.get("slice") or {}
             return cls(post_fixed_ms=float(post["fixed_ms"]), post_per_op_ms=float(post["per_op_ms"]),
@@ -102,6 +111,8 @@ class RuntimeCosts:
                        norm_per_tensor_ms=float(norm.get("per_tensor_ms", 0.0)),
                        norm_per_melement_ms=float(norm.get("per_melement_ms", 0.0)),
                        per_slice_fwd_ms=float(sl.get("fwd_ms", 0.0)), per_slice_bwd_ms=float(sl.get("bwd_ms", 0.0)),
-                       per_slice_scale=float(sl.get("scale", 1.0)))
+                       per_slice_scale=float(sl.get("scale", 1.0)),
+                       post_local_fixed_ms=float(local.get("fixed_ms", 0.0)),
+                       post_local_per_op_ms=float(local.get("per_op_ms", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"curves file: measured.runtime is malformed ({e}); run `spindle profile` again") from e

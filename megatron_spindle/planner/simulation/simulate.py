@@ -88,7 +88,7 @@ from ..assembly.plan import TRANSFER_POSTINGS, Plan, Slice
 from ..assembly.communicators import peak_memory_bytes
 from ..assembly.dataflow import sending_order
 from .runtime_costs import RuntimeCosts
-from .timeline import dataflow_pass
+from .timeline import dataflow_pass, new_waits
 #: Bytes per parameter of the gradient all-reduce: Megatron-LM trains bf16 with gradient accumulation and
 #: all-reduce in fp32 (``megatron/training/arguments.py``: "bfloat16 requires gradient accumulation and
 #: all-reduce to be done in fp32").
@@ -278,6 +278,18 @@ def step_time_ms(plan: Plan, cluster: Cluster, *, passes: int | None = None,
     _, pass_ms, _, spans = _pass_and_sync(plan, cluster, grad_bytes=grad_bytes, overlap_sync=True,
                                           compute_scale=1.0, bucket_size=None)
     return passes * pass_ms + (max([end for _, end in spans] + [pass_ms]) - pass_ms)
+
+
+def rank_waits(plan: Plan, cluster: Cluster, *, runtime: RuntimeCosts | None = None) -> list[dict[str, float]]:
+    """Each rank's host time beside its slices in one pass, as the runtime's trace splits it
+    (:data:`.timeline.WAIT_PARTS`: posting its batches, blocked on messages already posted, blocked on peers
+    that had not posted yet), ms. The breakdown's *transfer* is what the transfers add to the pass; this is
+    what each rank spends on them, the quantity a trace measures."""
+    curves = dict(plan.curves)
+    slice_ms = {s.name: _slice_time(s, curves) for w in plan.waves for s in w.slices}
+    waits = new_waits(plan.world_size)
+    dataflow_pass(plan, cluster, slice_ms, runtime=runtime, waits=waits)
+    return waits
 
 
 def best_posting(plan: Plan, cluster: Cluster, *, passes: int | None = None,

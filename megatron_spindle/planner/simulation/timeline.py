@@ -52,11 +52,13 @@ from ..assembly.plan import Plan
 
 def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *,
                   transfers: bool = True, runtime: RuntimeCosts | None = None,
-                  spans: dict | None = None) -> tuple[float, dict[str, float]]:
+                  spans: dict | None = None, waits: list | None = None) -> tuple[float, dict[str, float]]:
     """``(pass ms, backward end of every slice)`` of one pass (module docstring); ``transfers=False`` times it
     with free communication (the difference is the pass's exposed transfer); ``runtime``: the measured costs
     of posting each boundary's batch (module docstring); ``spans``, when given, receives every slice's
-    ``(start, end)`` under ``(name, "fwd")`` and ``(name, "bwd")`` (the Gantt draws them)."""
+    ``(start, end)`` under ``(name, "fwd")`` and ``(name, "bwd")`` (the Gantt draws them); ``waits``, a list
+    of one :data:`WAIT_PARTS` dict per rank when given, receives each rank's host time as the runtime's trace
+    splits it (:data:`WAIT_PARTS`)."""
     N = plan.world_size
     free = [0.0] * N
     fwd_end: dict[str, float] = {}
@@ -88,6 +90,7 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
                   for k, v in cost_b.items()}
     waves = {w.index: w for w in plan.waves}
     arrival: dict[tuple[int, bool], float] = {}  # producer posting: (edge id, backward) -> when its messages are in
+    sent: dict[tuple[int, bool], float] = {}  # producer posting: (edge id, backward) -> when its senders had posted
 
     extra_f, extra_b = (runtime.per_slice_fwd_ms, runtime.per_slice_bwd_ms) if runtime is not None else (0.0, 0.0)
     stretch = runtime.per_slice_scale if runtime is not None else 1.0
@@ -100,11 +103,15 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         for r, ms in post.get(name, {}).items():
             free[r] += ms
             at[r] = free[r]
+            if waits is not None:
+                waits[r]["posting"] += ms
         for t in out_edges[name]:
-            ends = {r for m in (t.backward if backward else t.forward) if not m.local for r in (m.src, m.dst)}
+            msgs = [m for m in (t.backward if backward else t.forward) if not m.local]
+            ends = {r for m in msgs for r in (m.src, m.dst)}
             done = bwd_end[name] if backward else fwd_end[name]
             arrival[(id(t), backward)] = max([done] + [at.get(r, free[r]) for r in ends]) + cost[name] \
                 if ends else done
+            sent[(id(t), backward)] = max([done] + [at.get(m.src, free[m.src]) for m in msgs])
 
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
@@ -115,6 +122,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         if not backward and not producer:  # forward: the boundary's batch is posted before the wave's slices
             for r, ms in post.get(wi, {}).items():
                 free[r] += ms
+                if waits is not None:
+                    waits[r]["posting"] += ms
         at_boundary = list(free)
         reached: dict[str, float] = {}  # a slice's devices' latest arrival at this boundary
 
@@ -125,16 +134,22 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             return got
 
         for s in (reversed(waves[wi].slices) if backward and producer else waves[wi].slices):
-            ready = 0.0
+            ready = given = 0.0  # given: when the last sender had posted (the runtime's trace splits waits there)
             for t in edges[s.name]:
                 p = peer(t)
                 if not transfers:
-                    ready = max(ready, done[p])
+                    ready = given = max(ready, done[p])
                 elif producer:
                     ready = max(ready, arrival[(id(t), backward)])
+                    given = max(given, sent[(id(t), backward)])
                 else:
                     both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[t.wave])
+                    given = max(given, done[p], arrived(p))
+            if waits is not None and edges[s.name]:
+                for r in s.ranks:
+                    waits[r]["message"] += max(0.0, ready - max(free[r], given))
+                    waits[r]["peer"] += max(0.0, min(ready, given) - free[r])
             start = max(ready, max(free[r] for r in s.ranks))
             e = done[s.name] = start + share * stretch * slice_ms[s.name] + (extra_b if backward else extra_f)
             if spans is not None:
@@ -146,6 +161,8 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
         if backward and not producer:  # backward: posted after the wave's backward
             for r, ms in post.get(wi, {}).items():
                 free[r] += ms
+                if waits is not None:
+                    waits[r]["posting"] += ms
 
     for phase in plan.phases:
         for wi in phase:  # forward: inputs from producers, the consumer's wave's batch
@@ -155,18 +172,34 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
     return max(free, default=0.0), bwd_end
 
 
+#: A rank's host time beside its slices, as the runtime's trace splits it (``runtime/p2p.py``): ``posting``
+#: its batches, blocked on a ``message`` its sender had already posted (what the transfer itself exposes), and
+#: blocked on a ``peer`` that had not yet posted it (still computing, or not yet at the boundary: idle).
+WAIT_PARTS = ("posting", "message", "peer")
+
+
+def new_waits(world: int) -> list[dict[str, float]]:
+    """One empty :data:`WAIT_PARTS` dict per rank, for :func:`dataflow_pass`'s ``waits``."""
+    return [dict.fromkeys(WAIT_PARTS, 0.0) for _ in range(world)]
+
+
 def _posts(plan: Plan, runtime: RuntimeCosts, backward: bool) -> tuple[dict, dict]:
     """``({posting key: {rank: post ms}}, {posting key: most operations one rank posts})`` of each posting
     point's batch in one direction (:func:`..assembly.dataflow.posting_key`): every rank's point-to-point
-    operations (non-local messages it sends or receives)."""
+    operations (non-local messages it sends or receives) and local copies."""
     ops: dict = defaultdict(lambda: defaultdict(int))
+    local: dict = defaultdict(lambda: defaultdict(int))
     for t in plan.transfers:
         k = posting_key(plan, t, backward=backward)
         for m in (t.backward if backward else t.forward):
-            if not m.local:
+            if m.local:
+                local[k][m.src] += 1
+            else:
                 ops[k][m.src] += 1
                 ops[k][m.dst] += 1
-    return ({w: {r: runtime.post_ms(k) for r, k in by.items()} for w, by in ops.items()},
+    costs = {w: {r: runtime.post_ms(ops.get(w, {}).get(r, 0), local.get(w, {}).get(r, 0))
+                 for r in sorted({*ops.get(w, {}), *local.get(w, {})})} for w in [*ops, *(w for w in local if w not in ops)]}
+    return ({w: {r: ms for r, ms in by.items() if ms > 0} for w, by in costs.items()},
             {w: max(by.values()) for w, by in ops.items()})
 
 
