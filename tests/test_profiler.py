@@ -226,8 +226,11 @@ def test_live_profile_measures_data_and_tensor_parallel_points_and_shows_progres
     assert "optimizer step (AdamW): " in out and len(opt["measurements"]) >= 3
     assert min(opt["fixed_ms"], opt["per_tensor_ms"], opt["per_melement_ms"]) >= 0 and opt["per_melement_ms"] > 0
     rt = doc["measured"]["runtime"]  # the runtime's own costs, both processes at once (tests/test_runtime_costs.py)
-    assert "runtime (gloo): posting a boundary's batch" in out and RuntimeCosts.from_measured(rt) is not None
+    assert "runtime (gloo): posting a point's batch" in out and RuntimeCosts.from_measured(rt) is not None
     assert {m["kind"] for m in rt["measurements"]} == {"post", "collective", "grad_norm"}
+    assert {m["pattern"] for m in rt["measurements"] if m["kind"] == "post"} == {"exchange", "one-way", "local"}
+    assert all(m["delivery_ms"] >= 0 for m in rt["measurements"] if m.get("pattern") == "one-way")
+    assert rt["post_local"]["fixed_ms"] + rt["post_local"]["per_op_ms"] > 0  # a point's local copies cost time
     assert {c["signature"]["tp"] for c in doc["curves"]} == {1, 2}
     for c in doc["curves"]:
         assert all(ms > 0 for _, ms in c["points"]) and c["detail"][0]["repeats"] == 2

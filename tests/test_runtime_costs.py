@@ -121,16 +121,18 @@ def test_fitting_needs_no_torch_and_the_measurement_runs_the_runtimes_code_paths
     got = launch.spawn(_measure_small, 2, timeout_s=300)
     assert got[0] == got[1]  # every process returns the same list
     kinds = [(m["kind"], m.get("pattern"), m.get("ops", m.get("count", m.get("tensors")))) for m in got[0]]
-    assert kinds == [("post", "exchange", 2), ("post", "one-way", 1), ("post", "exchange", 4), ("post", "one-way", 2),
+    assert kinds == [("post", "exchange", 2), ("post", "one-way", 1), ("post", "local", 1),
+                     ("post", "exchange", 4), ("post", "one-way", 2), ("post", "local", 2),
                      ("collective", None, 1), ("collective", None, 3), ("grad_norm", None, 2), ("grad_norm", None, 8)]
     assert all(m["ms"] > 0 for m in got[0]) and all(m["processes"] == 2 for m in got[0] if m["kind"] == "post")
-    assert RuntimeCosts.from_measured(fit_runtime(got[0])) is not None
+    rt = RuntimeCosts.from_measured(fit_runtime(got[0]))
+    assert rt is not None and rt.post_ms(0, 2) > 0  # local copies cost host time at their point
 
 
 def _measure_small(rank, world):
     from megatron_spindle.profiler.runtime_costs import measure_runtime
-    return measure_runtime(device="cpu", repeats=2, warmup=1, busy_ms=0.1, messages=(1, 2), collectives=(1, 3),
-                           shapes=((2, 64), (8, 256)))
+    return measure_runtime(device="cpu", repeats=2, post_repeats=2, warmup=1, busy_ms=0.1, messages=(1, 2),
+                           collectives=(1, 3), shapes=((2, 64), (8, 256)))
 
 
 def test_the_line_says_when_the_runtime_costs_are_not_charged():

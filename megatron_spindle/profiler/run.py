@@ -253,8 +253,11 @@ def profile_rank(cfg: ProfileConfig, *, log: Callable[[str], None] | None = None
             say(f"runtime ({backend}): the cost per slice not measured (on CUDA, or no plan of the model fits the "
                 f"profile's processes): not charged")
         p, c, g = runtime["post"], runtime["collective"], runtime["grad_norm"]
-        say(f"runtime ({backend}): posting a boundary's batch {p['fixed_ms']:.3f} ms + {p['per_op_ms'] * 1e3:.0f} us "
-            f"per message (fit error {p['fit_error']:.0%}); small all-reduce {c['per_collective_ms']:.3f} ms each "
+        pl, d = runtime.get("post_local", {"fixed_ms": 0.0, "per_op_ms": 0.0}), runtime["delivery"]
+        say(f"runtime ({backend}): posting a point's batch {p['fixed_ms']:.3f} ms + {p['per_op_ms'] * 1e3:.0f} us "
+            f"per message (fit error {p['fit_error']:.0%}), local copies alone {pl['fixed_ms']:.3f} ms + "
+            f"{pl['per_op_ms'] * 1e3:.1f} us each; delivery {d['fixed_ms']:.3f} ms + {d['per_op_ms'] * 1e3:.0f} us "
+            f"per message (fit error {d['fit_error']:.0%}); small all-reduce {c['per_collective_ms']:.3f} ms each "
             f"+ {c['first_ms']:.3f} ms (fit error {c['fit_error']:.0%}); gradient norm {g['fixed_ms']:.3f} ms + "
             f"{g['per_tensor_ms'] * 1e3:.1f} us per tensor + {g['per_melement_ms']:.2f} ms per million elements")
     comm.barrier()  # every process times the optimizer at once, as the ranks of a run step together

@@ -3,27 +3,39 @@
 The step simulator charges them when a curves file carries them (``measured.runtime``; the forms and where they
 enter: :mod:`megatron_spindle.planner.simulation.runtime_costs`). :func:`measure_runtime` times the runtime's own
 code paths with every profile process at once, in the runtime's regime (as :func:`.link.measure_link`: all
-processes meet at a barrier and compute for ``busy_ms`` before each timed repeat, as after a wave's slices; a
-post and its delivery are the **median** of their repeats, the collectives and the norm the **mean**, so a
-process descheduled on shared cores counts as it does at a step's end). Why medians for the posts: their
-repeats here are heavy-tailed (on 2 CPU ranks: means 0.4-1.2 ms against medians 0.1-0.4 ms, a few
-repeats 5-10 times the rest), while the executor's own boundaries in a training step take the medians' size
-(the demo's ``w<k> fwd transfer`` spans: 0.1-0.3 ms for one or two messages when the peer is not late), so the
-means charged every boundary of a step 1.1-1.3 ms and overpredicted the step's transfer by 5-8 ms:
+processes meet at a barrier and compute for ``busy_ms`` before each timed repeat, as after a wave's slices;
+each figure is the **mean** of its repeats: a step pays many posts, deliveries and collectives, and the mean
+times their number is what they add up to, a process descheduled on shared cores counted as in a step):
 
-* **post**: :func:`megatron_spindle.runtime.p2p.post_p2p` (the executor's only point-to-point call) of one
-  boundary's batch between paired processes (0-1, 2-3, ...): ``k`` sends and ``k`` receives each
-  (``2k`` operations), or ``k`` sends on one side and ``k`` receives on the other (``k``), ``k`` in
-  :data:`POST_MESSAGES`, :data:`MESSAGE_BYTES` each (the link's bandwidth prices the bytes); the host time
-  of the post, averaged over every process that posts, and the time from the post's end to the last wait's
-  return (``exchange_ms`` less the post: the messages' delivery, the receiving side woken included);
+* **post**: the executor's own posting path (:meth:`megatron_spindle.runtime.p2p.Transfers.post` with its trace,
+  the executor's bookkeeping and one ``batch_isend_irecv`` through :func:`~megatron_spindle.runtime.p2p.post_p2p`)
+  of one point's batch between paired processes (0-1, 2-3, ...): ``k`` sends and ``k`` receives each (``2k``
+  operations), ``k`` sends on one side and ``k`` receives on the other (``k``), or ``k`` local copies
+  (``local``), ``k`` in :data:`POST_MESSAGES`, :data:`MESSAGE_BYTES` each (the link's bandwidth prices the
+  bytes). Each post is timed while the peer computes, as a rank reaches its point in a step while its
+  peers run their slices; the pair take turns posting first and second, and both are kept: on 2 CPU ranks a
+  receive posted after its send was announced costs more (one message: mean 0.50 ms against 0.21 posted
+  first, medians 0.24 and 0.20), and the runtime meets both (its posts in a training step: median 0.165 ms,
+  mean 0.31-0.37). Posting both at once is a third regime, not a step's: heavy-tailed (one message: median
+  0.2-0.35 ms, mean 0.8-1.9, the slowest tenth over 3 ms), and fits of its medians put the CPU benchmark's
+  predicted posting at 3.7 to 5.5 ms a step from one profile to the next.
+  The messages' **delivery** (``one-way``, ``delivery_ms``): the receiver posts its receives and waits, its
+  peer posts the sends half a ``busy_ms`` later and computes on, as a producer goes on to its next slice;
+  from the end of the sender's post to the return of the receiver's last wait (the receiving side woken
+  included), on ``perf_counter``, one clock for the processes of one host (the profile's). A receiver that
+  posts after its sender mostly computes before it waits, and the message moves meanwhile (in a training
+  step's trace: medians of 0.01-0.1 ms blocked after the wait began, for messages posted milliseconds
+  before); timed instead as a receiver that posts second and waits at once (mean 0.4-0.6 ms), the
+  benchmark's boundary-posted waits came out 5-8 times the measured. Both posting at once and timing the
+  wait from the post, as this profile once did, measured 1.5-3.4 ms a batch;
 * **collective**: ``j`` all-reduces of a 2-element float64 tensor over all processes back to back
   (:func:`megatron_spindle.comm.all_reduce_async` and a wait, as the step's end reduces the gradient norm
   and each task's loss), ``j`` in :data:`COLLECTIVES`;
 * **grad_norm**: the gradient norm's sum of squares (``Σ g.double().pow(2).sum()``, as
   :meth:`megatron_spindle.runtime.grad_sync.GradSync.grad_sq` computes it) over :data:`NORM_SHAPES`.
 
-:func:`fit_runtime` fits ``post_ms = a + b·operations``, ``delivery_ms = a' + b'·operations``,
+:func:`fit_runtime` fits ``post_ms = a + b·operations`` (local copies apart: ``post_local``),
+``delivery_ms = a' + b'·operations``,
 ``collectives_ms = c + d·j`` and
 ``norm_ms = e + f·tensors + g·elements/1e6`` by least squares weighted by ``1/t`` (relative errors;
 coefficients clipped at 0 and the rest refitted), each with its fit error (largest relative error).
@@ -86,6 +98,9 @@ def fit_runtime(measurements: Sequence[Mapping]) -> dict:
     ([0.1, 0.02], 0.5)
     >>> [round(r["delivery"][k], 6) for k in ("fixed_ms", "per_op_ms")]
     [0.3, 0.01]
+    >>> ms += [{"kind": "post", "pattern": "local", "ops": k, "ms": 0.01 + 0.005 * k} for k in (1, 4)]
+    >>> [round(fit_runtime(ms)["post_local"][k], 6) for k in ("fixed_ms", "per_op_ms")]
+    [0.01, 0.005]
     """
     by: dict[str, list] = {}
     for m in measurements:
@@ -93,32 +108,69 @@ def fit_runtime(measurements: Sequence[Mapping]) -> dict:
     for kind in ("post", "collective", "grad_norm"):
         if kind not in by:
             raise ValueError(f"runtime cost fit: no {kind!r} measurements")
+    local = [m for m in by["post"] if m.get("pattern") == "local"]
+    by["post"] = [m for m in by["post"] if m.get("pattern") != "local"]
+    if not by["post"]:
+        raise ValueError("runtime cost fit: no 'post' measurements between processes")
     (a, b), e_post = nonneg_fit([[1.0, m["ops"]] for m in by["post"]], [m["ms"] for m in by["post"]])
-    waits = [m for m in by["post"] if m.get("exchange_ms", 0.0) > m["ms"]]
-    (a2, b2), e_del = nonneg_fit([[1.0, m["ops"]] for m in waits], [m["exchange_ms"] - m["ms"] for m in waits]) \
-        if waits else ((0.0, 0.0), 0.0)
+    (al, bl), e_local = nonneg_fit([[1.0, m["ops"]] for m in local], [m["ms"] for m in local]) \
+        if local else ((0.0, 0.0), 0.0)
+    waits = [(m["ops"], m["delivery_ms"]) for m in by["post"] if m.get("delivery_ms", 0.0) > 0]
+    if not any("delivery_ms" in m for m in by["post"]):  # older measurements: both posted, then waited
+        waits = [(m["ops"], m["exchange_ms"] - m["ms"]) for m in by["post"] if m.get("exchange_ms", 0.0) > m["ms"]]
+    (a2, b2), e_del = nonneg_fit([[1.0, k] for k, _ in waits], [t for _, t in waits]) if waits else ((0.0, 0.0), 0.0)
     (c, d), e_coll = nonneg_fit([[1.0, m["count"]] for m in by["collective"]], [m["ms"] for m in by["collective"]])
     (e, f, g), e_norm = nonneg_fit([[1.0, m["tensors"], m["elements"] / 1e6] for m in by["grad_norm"]],
                                    [m["ms"] for m in by["grad_norm"]])
     return {"post": {"fixed_ms": a, "per_op_ms": b, "fit_error": e_post},
+            **({"post_local": {"fixed_ms": al, "per_op_ms": bl, "fit_error": e_local}} if local else {}),
             "delivery": {"fixed_ms": a2, "per_op_ms": b2, "fit_error": e_del},
             "collective": {"first_ms": c, "per_collective_ms": d, "fit_error": e_coll},
             "grad_norm": {"fixed_ms": e, "per_tensor_ms": f, "per_melement_ms": g, "fit_error": e_norm},
             "measurements": [dict(m) for m in measurements]}
 
 
-def measure_runtime(*, device, repeats: int = 30, warmup: int = 3, busy_ms: float | None = None,
+def _post_items(pattern: str, k: int, rank: int, peer: int | None, rows: int) -> list:
+    """One measured batch as the executor posts it, ``(wire tag, edge, message)``: ``k`` messages of ``rows``
+    samples each way with ``peer`` (``exchange``), from the even process to the odd one (``one-way``), or
+    ``k`` local copies (``local``: an edge between two slices of this process)."""
+    from ..planner.assembly.plan import Message, Transfer  # pure Python
+
+    def edge(src: int, dst: int, j: int) -> tuple:
+        msg = Message(src=src, dst=dst, start=j * rows, stop=(j + 1) * rows, bytes=float(MESSAGE_BYTES))
+        e = Transfer(src=f"w0:profile.out{src}.{j}[0-0]x1", dst=f"w1:profile.in{dst}.{j}[0-0]x1", input_index=0,
+                     forward=(msg,), backward=(), cross_island_bytes=0.0)
+        return e, msg
+
+    items = []
+    if pattern == "local":
+        return [(0, *edge(rank, rank, j)) for j in range(k)]
+    if peer is None:
+        return items
+    for j in range(k):
+        if pattern == "exchange" or rank % 2 == 0:
+            items.append((2 * j + 1 + rank % 2, *edge(rank, peer, j)))  # tag: j, direction
+        if pattern == "exchange" or rank % 2 == 1:
+            items.append((2 * j + 2 - rank % 2, *edge(peer, rank, j)))
+    return items
+
+
+def measure_runtime(*, device, repeats: int = 30, post_repeats: int = 100, warmup: int = 3,
+                    busy_ms: float | None = None,
                     messages: Sequence[int] = POST_MESSAGES, collectives: Sequence[int] = COLLECTIVES,
                     shapes: Sequence[tuple[int, int]] | None = None) -> list[dict]:
     """Time the runtime's code paths (module docstring); collective over the world (two or more processes).
-    ``busy_ms``: compute before each repeat (default 2 ms on CPU, 0 on GPUs, as :func:`.link.measure_link`).
+    ``busy_ms``: compute before each repeat (default 2 ms on CPU, 0 on GPUs, as :func:`.link.measure_link`);
+    ``post_repeats``: repeats of each post and delivery between processes (their means carry the rare slow
+    post: on 2 CPU ranks a few in a hundred take 4-6 ms against 0.2-0.4), ``repeats`` of the rest.
     Returns the same list on every process: posts averaged over the processes that posted, collectives and
     the norm over all processes."""
     import torch  # optional: torch (fitting needs only numpy; measuring needs torch)
     import torch.distributed as dist  # optional: torch, as above
 
     from .. import comm  # optional: torch, as above (comm imports it)
-    from ..runtime.p2p import post_p2p  # optional: torch, as above
+    from ..runtime.p2p import Transfers  # optional: torch, as above
+    from ..runtime.trace import clock_for, StepTrace  # optional: torch, as above
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2:
@@ -134,39 +186,83 @@ def measure_runtime(*, device, repeats: int = 30, warmup: int = 3, busy_ms: floa
         if cuda:
             torch.cuda.synchronize(device)
 
+    def busy(ms: float) -> None:
+        end = time.perf_counter() + ms * 1e-3
+        while time.perf_counter() < end:
+            work @ work
+
     def start():
         sync()
         comm.barrier()
-        end = time.perf_counter() + busy_ms * 1e-3
-        while time.perf_counter() < end:
-            work @ work
+        busy(busy_ms)
         return time.perf_counter()
 
     mine: dict[tuple, tuple] = {}  # (kind, case, size) -> (ms, exchange ms) measured by this process
-    sends = [torch.ones(MESSAGE_BYTES // 4, device=device) for _ in range(max(messages))]
+    # the executor's own posting path (runtime/p2p.py: Transfers, its trace on, as in training), fed edges of
+    # MESSAGE_BYTES messages, so what is timed is what a training step's posting spans hold
+    cols = 64
+    rows = max(1, MESSAGE_BYTES // (4 * cols))
+    out = torch.ones(rows * max(messages), cols, device=device)
+    transfers = Transfers(rank=rank, dtype=torch.float32, device=device, timeout=timeout,
+                          trace=StepTrace(rank=rank, clock=clock_for(device)),
+                          shape_of=lambda e, msg: (msg.stop - msg.start, cols))
+    got: list = []
+    pieces: list = []
+    send_of = lambda e, msg: out[msg.start:msg.stop].detach()  # noqa: E731  (the executor slices an output)
+    recv_into = lambda e, msg, t: pieces.append(t)  # noqa: E731  (and keeps the pieces)
+
+    def wait_all(items) -> None:
+        for name in {e.dst for _, e, msg in items if msg.dst == rank and not msg.local}:
+            transfers.inputs_of(name, recv_into)
+        transfers.pass_end(False, [1])
+        sync()
+        pieces.clear()
+
+    delivered: dict[int, list[float]] = {}  # one-way k -> per repeat: the sender's post end, the receiver's arrival
     for k in messages:
-        for pattern in ("exchange", "one-way"):
-            posts, totals, n_ops = [], [], 0
-            for i in range(warmup + repeats):
+        for pattern in ("exchange", "one-way", "local"):
+            items = _post_items(pattern, k, rank, peer, rows)
+            n_ops = sum(1 for _, _, msg in items if msg.local or rank in (msg.src, msg.dst))
+            posts = []
+            for i in range(warmup + (repeats if pattern == "local" else post_repeats)):
+                # each post while the peer computes, as a rank reaches its point in a step while its peers run
+                # their slices: the pair take turns posting first (the peer's batch not posted yet) and second
+                # (posted: a receive meets an announced send, a send a posted receive); both are timed
+                first = (i + rank) % 2 == 0
+                transfers.begin()
                 t0 = start()
-                ops = []
-                if peer is not None:
-                    for j in range(k):
-                        if pattern == "exchange" or rank % 2 == 0:
-                            ops.append(("send", sends[j], peer, 2 * j + 1 + rank % 2))  # tag: j, direction
-                        if pattern == "exchange" or rank % 2 == 1:
-                            ops.append(("recv", comm.empty(sends[j].shape, torch.float32), peer, 2 * j + 2 - rank % 2))
-                works = post_p2p(ops)
+                if not first:
+                    busy(busy_ms / 2)
+                    t0 = time.perf_counter()
+                transfers.post(1, False, items, send_of, recv_into)
                 t1 = time.perf_counter()
-                comm.wait_all(works, [f"runtime cost measurement: message {j} with rank {peer}"
-                                      for j in range(len(works))], timeout)
-                sync()
-                if i >= warmup and ops:
+                if first:
+                    busy(busy_ms)
+                wait_all(items)
+                if i >= warmup and n_ops:
                     posts.append((t1 - t0) * 1e3)
-                    totals.append((time.perf_counter() - t0) * 1e3)
-                n_ops = len(ops)
-            if posts:  # medians (module docstring)
-                mine[("post", pattern, n_ops)] = (statistics.median(posts), statistics.median(totals))
+            if posts:  # means (module docstring)
+                mine[("post", pattern, n_ops)] = (statistics.mean(posts),)
+            if pattern != "one-way":
+                continue
+            marks = delivered[k] = []
+            for i in range(warmup + post_repeats):
+                # the delivery: the receiver posts and waits; the sender posts later and computes on, as a
+                # producer goes on to its next slice
+                transfers.begin()
+                start()
+                if items and items[0][2].src == rank:
+                    busy(busy_ms / 2)
+                    transfers.post(1, False, items, send_of, recv_into)
+                    mark = time.perf_counter()
+                    busy(busy_ms)
+                    wait_all(items)
+                else:
+                    transfers.post(1, False, items, send_of, recv_into)
+                    wait_all(items)
+                    mark = time.perf_counter()
+                if i >= warmup:
+                    marks.append(mark)
     for j in collectives:
         times = []
         for i in range(warmup + repeats):
@@ -192,14 +288,18 @@ def measure_runtime(*, device, repeats: int = 30, warmup: int = 3, busy_ms: floa
         mine[("grad_norm", k, k * size)] = (sum(times) / len(times), None)
         del grads
     every = comm.all_gather_object(mine)
+    marks = comm.all_gather_object(delivered)  # perf_counter: one clock for the processes of one host
+    pairs = [(r, r + 1) for r in range(0, world - 1, 2)]
+    delivery = {k: sum(statistics.mean(max(0.0, b - a) * 1e3 for a, b in zip(marks[s][k], marks[r][k]))
+                       for s, r in pairs) / len(pairs) for k in delivered}  # the sender's post to the arrival
     out = []
     for key in dict.fromkeys(k for p in every for k in p):  # in measuring order
         kind, case, size = key
         got = [p[key] for p in every if key in p]
         mean = sum(g[0] for g in got) / len(got)
         if kind == "post":
-            out.append({"kind": kind, "pattern": case, "ops": size, "ms": mean,
-                        "exchange_ms": sum(g[1] for g in got) / len(got), "processes": len(got), "busy_ms": busy_ms})
+            out.append({"kind": kind, "pattern": case, "ops": size, "ms": mean, "processes": len(got),
+                        "busy_ms": busy_ms, **({"delivery_ms": delivery[size]} if case == "one-way" else {})})
         elif kind == "collective":
             out.append({"kind": kind, "count": size, "ranks": world, "ms": mean, "busy_ms": busy_ms})
         else:
