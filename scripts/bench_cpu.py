@@ -69,7 +69,7 @@ if ROOT not in sys.path:
 from megatron_spindle.planner.workload.graph import TaskGraph  # noqa: E402  (pure Python)
 from bench_cpu_predict import (best_passes, planned_peak, planned_task_by_task, predict,  # noqa: E402
                                recomputed, sequential_passes)  # (this folder)
-from bench_cpu_report import BOUNDARY, format_overlap, format_report, seq_name, summarize  # noqa: E402
+from bench_cpu_report import BOUNDARY, MESSAGE_SPAN, format_overlap, format_report, seq_name, summarize  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,10 +348,11 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     for i in range(opts["warmup"], n_steps):
         spans.append(tr.totals(i))
         waves.append(tr.wave_times(i))
-    mine = {"times": times, "spans": spans, "waves": waves}
+    mine = {"times": times, "spans": spans, "waves": waves, "messages": message_spans(tr, opts["warmup"], n_steps)}
     if BOUNDARY in systems:
         bt = systems[BOUNDARY].model.trace
         mine["boundary_waves"] = [bt.wave_times(i) for i in range(opts["warmup"], n_steps)]
+        mine["boundary_messages"] = message_spans(bt, opts["warmup"], n_steps)
         systems[BOUNDARY].model.destroy()
     gathered = comm.all_gather_object(mine)
     systems["spindle"].model.destroy()
@@ -372,6 +373,18 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict | None:
     return {"pred": {k: v for k, v in pred.items() if k not in ("spindle_plan", "boundary_plan")}, "ranks": gathered,
             "losses": losses, "profile_s": profile_s, "curves_doc": doc, "memory": memory,
             "plan_summary": pred["plan_summary"], "threads": torch.get_num_threads()}
+
+
+def message_spans(trace, first: int, stop: int) -> list[list[tuple[str, float, float]]]:
+    """Each step's per-message spans (:data:`bench_cpu_report.MESSAGE_SPAN`: posted, awaited) as ``(name, start,
+    end)`` in ``perf_counter`` seconds: CLOCK_MONOTONIC, one clock for every process on this host, so a
+    receiver's wait can be set against its sender's post."""
+    out = [[] for _ in range(first, stop)]
+    for s in trace.spans:
+        if first <= s.step < stop and MESSAGE_SPAN.match(s.name):
+            t0 = trace.origin + s.start_s
+            out[s.step - first].append((s.name, t0, t0 + s.dur_s))
+    return out
 
 
 def stash_of(system, batch) -> int:

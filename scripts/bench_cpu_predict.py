@@ -64,7 +64,7 @@ def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle")
     from megatron_spindle.planner.workload.cluster import Cluster
     from megatron_spindle.planner.assembly.render import grid, metaop_table
     from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
-    from megatron_spindle.planner.simulation.simulate import simulate
+    from megatron_spindle.planner.simulation.simulate import rank_waits, simulate
 
     if "cluster" not in doc:
         raise ValueError("the curves have no measured link ('cluster'): profile with two or more processes")
@@ -87,6 +87,7 @@ def predict(graph: TaskGraph, doc: dict, world: int, placement: str = "spindle")
     return {"spindle_plan": plans["spindle"], "boundary_plan": plans[BOUNDARY], "planned_posting": made.transfer_posting,
             "cluster": cluster.to_json(), "wave_pred": wave_pred,
             "sims": {k: s.to_json() for k, s in sims.items()},
+            "waits": {k: rank_waits(plans[k], cluster, runtime=runtime) for k in ("spindle", BOUNDARY)},
             "waves": {k: len(p.waves) for k, p in plans.items()},
             "plan_summary": metaop_table(plans["spindle"]) + "\n\n" + grid(plans["spindle"])}
 

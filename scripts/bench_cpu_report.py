@@ -12,6 +12,8 @@ FP32_OVER_BF16 = 2.0
 
 #: The executor's per-boundary transfer span (the exposed part).
 EXPOSED_TRANSFER = re.compile(r"^w\d+ (fwd|bwd) transfer$")
+#: The executor's per-message spans (``runtime/p2p.py: message_key``): a sender's post, a rank blocked on it.
+MESSAGE_SPAN = re.compile(r"^(w\d+ (?:fwd|bwd) #\d+ \d+->\d+) (posted|awaited|send awaited)$")
 
 
 #: The Spindle plan with its transfers posted at the consumer's wave boundary (``--waves``: no overlap).
@@ -100,20 +102,67 @@ def _exposed_transfer(ranks: list[dict], key: str = "waves") -> float:
                                              for w in r[key]) for r in ranks)
 
 
+#: The parts of a rank's exposed transfer the trace tells apart (:func:`exposed_parts`).
+MEASURED_PARTS = ("posting", "message", "send", "peer", "exposed")
+
+
+def exposed_parts(ranks: list[dict], key: str = "waves", msgs: str = "messages") -> dict[str, float]:
+    """A rank's per-wave posting and blocked spans (:func:`_exposed_transfer`) per step in parts, each rank's
+    median over steps, the mean over ranks: ``message``, blocked on a receive after its sender had posted it
+    (the ranks' ``perf_counter`` is one clock on this host); ``peer``, blocked on it before (the peer still
+    computing or not yet at the point: idle in the simulator's terms); ``send``, blocked on its own sends at
+    the pass's end; ``posting``, the rest (posting the batches); ``exposed``, all but ``peer``."""
+    parts: dict[str, list[list[float]]] = {p: [[] for _ in ranks] for p in MEASURED_PARTS}
+    for i in range(len(ranks[0][key])):
+        posted = {}
+        for r in ranks:
+            for name, _, end in r[msgs][i]:
+                m = MESSAGE_SPAN.match(name)
+                if m.group(2) == "posted":
+                    posted[m.group(1)] = end
+        for k, r in enumerate(ranks):
+            got = dict.fromkeys(MEASURED_PARTS, 0.0)
+            for name, start, end in r[msgs][i]:
+                m = MESSAGE_SPAN.match(name)
+                if m.group(2) == "send awaited":
+                    got["send"] += end - start
+                elif m.group(2) == "awaited":
+                    if m.group(1) not in posted:
+                        raise ValueError(f"step {i}: rank {k} waited for message {m.group(1)} that no rank posted")
+                    before = max(0.0, min(end, posted[m.group(1)]) - start)
+                    got["peer"] += before
+                    got["message"] += end - start - before
+            total = sum(v for n, v in r[key][i].items() if EXPOSED_TRANSFER.match(n))
+            got["posting"] = max(0.0, total - got["peer"] - got["message"] - got["send"])
+            got["exposed"] = total - got["peer"]
+            for p in MEASURED_PARTS:
+                parts[p][k].append(got[p])
+    return {p: statistics.mean(statistics.median(x) for x in v) for p, v in parts.items()}
+
+
 def overlap_table(res: dict, ranks: list[dict]) -> dict:
     """``--waves``: the Spindle plan with producer-posted transfers (``spindle``) and the same waves posted at
     the consumer's wave boundary (``spindle-boundary``), measured in the same run: step, transfer exposed per
-    step, both predicted, and each one's speedup over sequential (one pass)."""
+    step, both predicted, and each one's speedup over sequential (one pass). The exposed transfer is the
+    trace's (:func:`exposed_parts`: posting and waiting for messages their senders had posted) against the
+    simulator's same split of each rank's time (``pred.waits``); waiting for a peer that had not posted yet
+    beside it, and the simulator's other figure, what the transfers add to the pass (its breakdown)."""
     seq = statistics.median(_step_series(ranks, "sequential", "step"))
     sims = res["pred"]["sims"]
     out = {}
-    for name, waves in (("spindle", "waves"), (BOUNDARY, "boundary_waves")):
+    for name, waves, msgs in (("spindle", "waves", "messages"), (BOUNDARY, "boundary_waves", "boundary_messages")):
         step = statistics.median(_step_series(ranks, name, "step"))
-        exposed = _exposed_transfer(ranks, waves)
-        pred = sims[name]["breakdown"]["transfer_ms"] / 1e3
+        parts = exposed_parts(ranks, waves, msgs)
+        exposed, peer = parts["exposed"], parts["peer"]
+        waits = res["pred"]["waits"][name]
+        pred = statistics.mean(w["posting"] + w["message"] for w in waits) / 1e3
         out[name] = {"measured_step_s": step, "predicted_step_s": sims[name]["step_ms"] / 1e3,
                      "measured_exposed_transfer_s": exposed, "predicted_exposed_transfer_s": pred,
                      "exposed_transfer_error": pred / exposed - 1 if exposed > 0 else math.nan,
+                     "measured_peer_wait_s": peer, "measured_parts_s": parts,
+                     "predicted_parts_s": {p: statistics.mean(w[p] for w in waits) / 1e3 for p in waits[0]},
+                     "predicted_peer_wait_s": statistics.mean(w["peer"] for w in waits) / 1e3,
+                     "predicted_added_by_transfers_s": sims[name]["breakdown"]["transfer_ms"] / 1e3,
                      "measured_speedup_vs_sequential": seq / step,
                      "predicted_speedup_vs_sequential": sims["sequential"]["step_ms"] / sims[name]["step_ms"]}
     worst = 0.0
@@ -128,13 +177,21 @@ def overlap_table(res: dict, ranks: list[dict]) -> dict:
 def format_overlap(o: dict) -> str:
     """The ``--waves`` comparison of producer-posted and boundary-posted transfers, one line each."""
     lines = [f"{'transfers posted':<34}{'step meas':>12}{'pred':>12}{'exposed transfer meas':>24}{'pred':>12}"
-             f"{'error':>9}{'speedup vs sequential meas':>29}{'pred':>8}"]
+             f"{'error':>9}{'waiting for peers meas':>25}{'pred':>12}{'speedup vs sequential meas':>29}{'pred':>8}"]
     for name, label in (("spindle", "at the producer's end (overlap)"), (BOUNDARY, "at the consumer's wave")):
         r = o[name]
         lines.append(f"{label:<34}{r['measured_step_s'] * 1e3:>9.2f} ms{r['predicted_step_s'] * 1e3:>9.2f} ms"
                      f"{r['measured_exposed_transfer_s'] * 1e3:>21.2f} ms{r['predicted_exposed_transfer_s'] * 1e3:>9.2f} ms"
-                     f"{r['exposed_transfer_error']:>+9.1%}{r['measured_speedup_vs_sequential']:>28.2f}x"
+                     f"{r['exposed_transfer_error']:>+9.1%}{r['measured_peer_wait_s'] * 1e3:>22.2f} ms"
+                     f"{r['predicted_peer_wait_s'] * 1e3:>9.2f} ms{r['measured_speedup_vs_sequential']:>28.2f}x"
                      f"{r['predicted_speedup_vs_sequential']:>7.2f}x")
+    lines.append("exposed transfer: each rank's posting and waiting for messages their senders had posted, per step "
+                 "(mean over ranks); waiting for peers: blocked before the sender had posted (idle)")
+    for name, label in (("spindle", "at the producer's end"), (BOUNDARY, "at the consumer's wave")):
+        m, p = o[name]["measured_parts_s"], o[name]["predicted_parts_s"]
+        lines.append(f"  {label}: posting {m['posting'] * 1e3:.2f} ms (pred {p['posting'] * 1e3:.2f}), waiting for "
+                     f"posted messages {m['message'] * 1e3:.2f} ms (pred {p['message'] * 1e3:.2f}), for sends at the "
+                     f"pass's end {m['send'] * 1e3:.2f} ms (pred 0)")
     lines.append(f"losses of the two postings agree within {o['max_loss_rel_diff']:.1e} (relative, every step and task)")
     return "\n".join(lines)
 

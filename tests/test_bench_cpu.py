@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"measured_ratio", "predicted_ratio", "measured_step_s", "predicted_step_s", "prediction_error"}
 
@@ -59,3 +61,28 @@ def test_bench_cpu_json_last_line_and_both_systems_train_the_same_model(tmp_path
         assert all(1 / 3 < v["measured_over_planned"] < 3 for v in m.values()), (system, m)
     assert "activation memory, largest rank" in out
     assert json.load(open(tmp_path / "curves.json"))["cluster"]["intra_latency_us"] > 0
+
+
+def test_exposed_transfer_splits_each_wait_where_its_sender_posted():
+    """Two ranks, one step, clocks of one host: rank 1 blocks on message ``#3 0->1`` from 10.0 to 14.0 s while
+    rank 0 posted it at 13.0 (3 s waiting for the peer, 1 s for the message), and on its own send at the
+    pass's end for 0.5 s; its per-wave spans (posting + blocked) sum to 6.0, so 1.5 s went to posting. Rank 0
+    blocks on ``#4 1->0``, posted before it waited: all message, and posted for 0.5 s."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_cpu_report import exposed_parts
+
+    ranks = [
+        {"waves": [{"w1 fwd transfer": 1.5, "w1 fwd a fwd": 9.0}],
+         "messages": [[("w1 fwd #3 0->1 posted", 12.9, 13.0), ("w2 bwd #4 1->0 awaited", 20.0, 21.0)]]},
+        {"waves": [{"w1 fwd transfer": 4.5, "w2 bwd transfer": 1.5}],
+         "messages": [[("w1 fwd #3 0->1 awaited", 10.0, 14.0), ("w2 bwd #4 1->0 posted", 19.0, 19.5),
+                       ("w2 bwd #9 1->0 send awaited", 30.0, 30.5)]]},
+    ]
+    got = exposed_parts(ranks)
+    assert got["peer"] == pytest.approx(1.5)  # rank 1's 3 s, rank 0's none: the mean over ranks
+    assert got["message"] == pytest.approx(1.0) and got["send"] == pytest.approx(0.25)
+    assert got["posting"] == pytest.approx((0.5 + 1.5) / 2)  # rank 0: 1.5 - 1.0; rank 1: 6.0 - 3.0 - 1.0 - 0.5
+    assert got["exposed"] == pytest.approx((1.5 + 3.0) / 2)
+    lost = [dict(ranks[0], messages=[[m for m in ranks[0]["messages"][0] if "posted" not in m[0]]]), ranks[1]]
+    with pytest.raises(ValueError, match="#3 0->1 that no rank posted"):
+        exposed_parts(lost)
