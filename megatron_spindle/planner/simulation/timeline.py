@@ -106,12 +106,13 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             if waits is not None:
                 waits[r]["posting"] += ms
         for t in out_edges[name]:
-            msgs = [m for m in (t.backward if backward else t.forward) if not m.local]
-            ends = {r for m in msgs for r in (m.src, m.dst)}
+            msgs = t.backward if backward else t.forward
+            ends = {r for m in msgs if not m.local for r in (m.src, m.dst)}
             done = bwd_end[name] if backward else fwd_end[name]
             arrival[(id(t), backward)] = max([done] + [at.get(r, free[r]) for r in ends]) + cost[name] \
                 if ends else done
-            sent[(id(t), backward)] = max([done] + [at.get(m.src, free[m.src]) for m in msgs])
+            if waits is not None:
+                sent[(id(t), backward)] = max([done] + [at.get(m.src, free[m.src]) for m in msgs if not m.local])
 
     def run(wi: int, edges, peer, done: dict, cost: dict, share: float, post: dict, backward: bool) -> None:
         """Every slice of wave ``wi`` in one direction (its end into ``done``): ready when each edge's peer
@@ -138,14 +139,18 @@ def dataflow_pass(plan: Plan, cluster: Cluster, slice_ms: Mapping[str, float], *
             for t in edges[s.name]:
                 p = peer(t)
                 if not transfers:
-                    ready = given = max(ready, done[p])
+                    ready = max(ready, done[p])
                 elif producer:
                     ready = max(ready, arrival[(id(t), backward)])
-                    given = max(given, sent[(id(t), backward)])
+                    if waits is not None:
+                        given = max(given, sent[(id(t), backward)])
                 else:
                     both = max(arrived(p), arrived(s.name))
                     ready = max(ready, max(done[p], both) + cost[t.wave])
-                    given = max(given, done[p], arrived(p))
+                    if waits is not None:
+                        given = max(given, done[p], arrived(p))
+            if not transfers:
+                given = ready
             if waits is not None and edges[s.name]:
                 for r in s.ranks:
                     waits[r]["message"] += max(0.0, ready - max(free[r], given))
