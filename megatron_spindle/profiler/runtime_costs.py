@@ -50,6 +50,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..planner.assembly.plan import Message, Transfer
+
 #: Messages per process in a measured boundary batch.
 POST_MESSAGES = (1, 2, 4, 8)
 #: Bytes of each measured message: small, so the post's own cost is what is timed.
@@ -134,8 +136,6 @@ def _post_items(pattern: str, k: int, rank: int, peer: int | None, rows: int) ->
     """One measured batch as the executor posts it, ``(wire tag, edge, message)``: ``k`` messages of ``rows``
     samples each way with ``peer`` (``exchange``), from the even process to the odd one (``one-way``), or
     ``k`` local copies (``local``: an edge between two slices of this process)."""
-    from ..planner.assembly.plan import Message, Transfer  # pure Python
-
     def edge(src: int, dst: int, j: int) -> tuple:
         msg = Message(src=src, dst=dst, start=j * rows, stop=(j + 1) * rows, bytes=float(MESSAGE_BYTES))
         e = Transfer(src=f"w0:profile.out{src}.{j}[0-0]x1", dst=f"w1:profile.in{dst}.{j}[0-0]x1", input_index=0,
