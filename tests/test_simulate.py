@@ -388,6 +388,20 @@ def _two_rank_plan(waves):
     return plan_from_waves(g, 2, [[(f"{V}.embed", 0, 1, (0,)), (f"{T}.embed", 0, 1, (1,))]] + waves)
 
 
+def _swapped_heads():
+    """``(plan, slow cluster, slice ms, (vision layers, text layers, vision head, text head))``: the vision
+    layers on rank 0 (1 ms), the text layers on rank 1 (100 ms), then each head on the other rank."""
+    plan = _two_rank_plan([
+        [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
+        [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
+        [("vision-text.loss", 0, 1, (0,))]])
+    ms = {s.name: 1.0 for s in plan.slices()}
+    names = tuple(next(s.name for s in plan.slices() if s.metaop == m)
+                  for m in (f"{V}.layers", f"{T}.layers", f"{V}.head", f"{T}.head"))
+    ms[names[1]] = 100.0
+    return plan, Cluster(**SLOW), ms, names
+
+
 def test_producer_posted_transfers_travel_while_the_receiver_computes():
     """Rank 0 runs the vision encoder's layers (short), rank 1 the text encoder's (long), in one wave; the next
     wave swaps them (vision's head on rank 1, text's on rank 0). Posted at the producer's end (the default), the
@@ -396,15 +410,7 @@ def test_producer_posted_transfers_travel_while_the_receiver_computes():
     the whole transfer is exposed. Text's head waits for its input in both (its producer ends last)."""
     from megatron_spindle.planner.simulation.timeline import dataflow_pass
 
-    plan = _two_rank_plan([
-        [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
-        [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
-        [("vision-text.loss", 0, 1, (0,))]])
-    cluster = Cluster(**SLOW)
-    ms = {s.name: 1.0 for s in plan.slices()}
-    vl, tl, vh, th = (next(s.name for s in plan.slices() if s.metaop == m)
-                      for m in (f"{V}.layers", f"{T}.layers", f"{V}.head", f"{T}.head"))
-    ms[tl] = 100.0
+    plan, cluster, ms, (vl, tl, vh, th) = _swapped_heads()
     moved = lambda src: [(m.src, m.dst, m.bytes) for t in plan.transfers if t.src == src  # noqa: E731
                          for m in t.forward if not m.local]
     cost_v, cost_t = boundary_time_ms(moved(vl), cluster), boundary_time_ms(moved(tl), cluster)
@@ -505,15 +511,7 @@ def test_a_ranks_waits_split_where_the_sender_posted():
     from megatron_spindle.planner.simulation.runtime_costs import RuntimeCosts
     from megatron_spindle.planner.simulation.timeline import dataflow_pass, new_waits
 
-    plan = _two_rank_plan([
-        [(f"{V}.layers", 0, 4, (0,)), (f"{T}.layers", 0, 4, (1,))],
-        [(f"{V}.head", 0, 1, (1,)), (f"{T}.head", 0, 1, (0,))],
-        [("vision-text.loss", 0, 1, (0,))]])
-    cluster = Cluster(**SLOW)
-    ms = {s.name: 1.0 for s in plan.slices()}
-    vl, tl, th = (next(s.name for s in plan.slices() if s.metaop == m)
-                  for m in (f"{V}.layers", f"{T}.layers", f"{T}.head"))
-    ms[tl] = 100.0
+    plan, cluster, ms, (vl, tl, _, th) = _swapped_heads()
     cost_t = boundary_time_ms([(m.src, m.dst, m.bytes) for t in plan.transfers if t.src == tl
                                for m in t.forward if not m.local], cluster)
     spans, waits = {}, new_waits(2)
