@@ -32,7 +32,9 @@ ranks' batches follow one global order, and the earliest unfinished one can alwa
 (gloo) or per batch (NCCL). Tags number a whole pass's messages (gloo matches by tag; no two outstanding messages
 of a pair share one). Sends are waited at the end of the phase's forward (or backward), their tensors kept. The
 trace records, per message, a ``transfer`` span from post to wait-complete (``w3 fwd send a -> b to rank 1``,
-named by the consumer's wave), and per wave the host's posting and blocked waiting (``w3 fwd transfer``);
+named by the consumer's wave), its post on the sender and the wait for it on the receiver under one name on
+both (``w3 fwd #12 0->1 posted`` / ``awaited``, :func:`.p2p.message_key`), and per wave the host's posting
+and blocked waiting (``w3 fwd transfer``);
 3. **gradient sync** (:mod:`.grad_sync`): every parameter shard is all-reduced (summed) over its parameter
    device group (``plan.param_groups``) by megatron.core's DDP, one instance per distinct rank set, each
    bucket posted as soon as the backward of the last wave that uses it (in execution order: phase by phase)
