@@ -47,9 +47,7 @@ def summarize(res: dict, opts: dict) -> dict:
     cats = ("forward", "backward", "transfer", "sync")
     spindle_spans = {c: statistics.mean(statistics.median(s[c] for s in r["spans"]) for r in ranks) for c in cats[:2]}
     # exposed transfer: the per-boundary spans (per-message spans overlap compute since transfers are async)
-    spindle_spans["transfer"] = statistics.mean(
-        statistics.median(sum(v for k, v in w.items() if EXPOSED_TRANSFER.match(k)) for w in r["waves"])
-        for r in ranks)
+    spindle_spans["transfer"] = _exposed_transfer(ranks)
     # the simulator predicts the exposed sync: the wait after backward, not the buckets' overlapped spans
     spindle_spans["sync"] = statistics.mean(statistics.median(w.get("gradient sync wait", 0.0) for w in r["waves"])
                                             for r in ranks)
@@ -95,11 +93,14 @@ def summarize(res: dict, opts: dict) -> dict:
     }
 
 
+def _blocked(step: dict) -> float:
+    """One rank's per-wave posting and blocked-waiting spans of one step, summed."""
+    return sum(v for k, v in step.items() if EXPOSED_TRANSFER.match(k))
+
+
 def _exposed_transfer(ranks: list[dict], key: str = "waves") -> float:
-    """Transfer exposed per step: each rank's per-wave posting and blocked-waiting spans summed, the median over
-    steps, the mean over ranks."""
-    return statistics.mean(statistics.median(sum(v for k, v in w.items() if EXPOSED_TRANSFER.match(k))
-                                             for w in r[key]) for r in ranks)
+    """Transfer exposed per step: each rank's :func:`_blocked`, the median over steps, the mean over ranks."""
+    return statistics.mean(statistics.median(_blocked(w) for w in r[key]) for r in ranks)
 
 
 #: The parts of a rank's exposed transfer the trace tells apart (:func:`exposed_parts`).
@@ -132,7 +133,7 @@ def exposed_parts(ranks: list[dict], key: str = "waves", msgs: str = "messages")
                     before = max(0.0, min(end, posted[m.group(1)]) - start)
                     got["peer"] += before
                     got["message"] += end - start - before
-            total = sum(v for n, v in r[key][i].items() if EXPOSED_TRANSFER.match(n))
+            total = _blocked(r[key][i])
             got["posting"] = max(0.0, total - got["peer"] - got["message"] - got["send"])
             got["exposed"] = total - got["peer"]
             for p in MEASURED_PARTS:

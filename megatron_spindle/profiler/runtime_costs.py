@@ -197,7 +197,7 @@ def measure_runtime(*, device, repeats: int = 30, post_repeats: int = 100, warmu
         busy(busy_ms)
         return time.perf_counter()
 
-    mine: dict[tuple, tuple] = {}  # (kind, case, size) -> (ms, exchange ms) measured by this process
+    mine: dict[tuple, tuple] = {}  # (kind, case, size) -> (ms, ...) measured by this process
     # the executor's own posting path (runtime/p2p.py: Transfers, its trace on, as in training), fed edges of
     # MESSAGE_BYTES messages, so what is timed is what a training step's posting spans hold
     cols = 64
@@ -206,7 +206,6 @@ def measure_runtime(*, device, repeats: int = 30, post_repeats: int = 100, warmu
     transfers = Transfers(rank=rank, dtype=torch.float32, device=device, timeout=timeout,
                           trace=StepTrace(rank=rank, clock=clock_for(device)),
                           shape_of=lambda e, msg: (msg.stop - msg.start, cols))
-    got: list = []
     pieces: list = []
     send_of = lambda e, msg: out[msg.start:msg.stop].detach()  # noqa: E731  (the executor slices an output)
     recv_into = lambda e, msg, t: pieces.append(t)  # noqa: E731  (and keeps the pieces)
@@ -218,7 +217,7 @@ def measure_runtime(*, device, repeats: int = 30, post_repeats: int = 100, warmu
         sync()
         pieces.clear()
 
-    delivered: dict[int, list[float]] = {}  # one-way k -> per repeat: the sender's post end, the receiver's arrival
+    delivered: dict[int, list[float]] = {}  # one-way k -> per repeat: the sender's post end (or receiver's arrival)
     for k in messages:
         for pattern in ("exchange", "one-way", "local"):
             items = _post_items(pattern, k, rank, peer, rows)

@@ -232,6 +232,12 @@ def _slice_time(s: Slice, curves: Mapping) -> float:
     return s.num_layers * curves[s.metaop].time(len(s.ranks))
 
 
+def _slice_times(plan: Plan, scale: float = 1.0) -> dict[str, float]:
+    """Every slice's curve time (forward + backward), times ``scale``."""
+    curves = dict(plan.curves)
+    return {s.name: scale * _slice_time(s, curves) for w in plan.waves for s in w.slices}
+
+
 def transfer_flows(plan: Plan, cluster: Cluster, *,
                    backward: bool = False) -> dict[int, list[tuple[int, int, float]]]:
     """``(src, dst, bytes)`` of the plan's stored messages per consumer wave, forward or backward."""
@@ -258,8 +264,7 @@ def _pass_and_sync(plan: Plan, cluster: Cluster, *, grad_bytes: int, overlap_syn
                    runtime: RuntimeCosts | None = None) -> tuple[dict[str, float], float, list, list]:
     """``(slice ms, pass ms, posted buckets as (post time, bucket), their (start, end))``: items 1-4 of the
     module docstring, what the step's time needs (the breakdown's parts are :func:`simulate`'s)."""
-    curves = dict(plan.curves)
-    slice_ms = {s.name: compute_scale * _slice_time(s, curves) for w in plan.waves for s in w.slices}
+    slice_ms = _slice_times(plan, compute_scale)
     pass_ms, done = dataflow_pass(plan, cluster, slice_ms, runtime=runtime)
     buckets = gradient_buckets(plan, done, pass_ms, grad_bytes=grad_bytes, bucket_size=bucket_size,
                                backward_ms={k: (1 - FORWARD_SHARE) * t for k, t in slice_ms.items()})
@@ -285,10 +290,8 @@ def rank_waits(plan: Plan, cluster: Cluster, *, runtime: RuntimeCosts | None = N
     (:data:`.timeline.WAIT_PARTS`: posting its batches, blocked on messages already posted, blocked on peers
     that had not posted yet), ms. The breakdown's *transfer* is what the transfers add to the pass; this is
     what each rank spends on them, the quantity a trace measures."""
-    curves = dict(plan.curves)
-    slice_ms = {s.name: _slice_time(s, curves) for w in plan.waves for s in w.slices}
     waits = new_waits(plan.world_size)
-    dataflow_pass(plan, cluster, slice_ms, runtime=runtime, waits=waits)
+    dataflow_pass(plan, cluster, _slice_times(plan), runtime=runtime, waits=waits)
     return waits
 
 

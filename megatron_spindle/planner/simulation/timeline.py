@@ -202,9 +202,9 @@ def _posts(plan: Plan, runtime: RuntimeCosts, backward: bool) -> tuple[dict, dic
             else:
                 ops[k][m.src] += 1
                 ops[k][m.dst] += 1
-    costs = {w: {r: runtime.post_ms(ops.get(w, {}).get(r, 0), local.get(w, {}).get(r, 0))
-                 for r in sorted({*ops.get(w, {}), *local.get(w, {})})} for w in [*ops, *(w for w in local if w not in ops)]}
-    return ({w: {r: ms for r, ms in by.items() if ms > 0} for w, by in costs.items()},
+    none: dict = {}
+    return ({w: {r: runtime.post_ms(ops.get(w, none).get(r, 0), local.get(w, none).get(r, 0))
+                 for r in {*ops.get(w, none), *local.get(w, none)}} for w in {*ops, *local}},
             {w: max(by.values()) for w, by in ops.items()})
 
 
